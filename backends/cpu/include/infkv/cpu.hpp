@@ -1,0 +1,10 @@
+// infkv CPU backend: scoring, selection, compaction and RoPE re-rotation on the host.
+#pragma once
+
+#include <infkv/infkv.hpp>
+
+#include "cpu/attention.hpp"
+#include "cpu/compact.hpp"
+#include "cpu/executor.hpp"
+#include "cpu/rope.hpp"
+#include "cpu/score.hpp"

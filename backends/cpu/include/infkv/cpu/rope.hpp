@@ -1,0 +1,83 @@
+// infkv CPU backend: RoPE re-rotation of cached (post-RoPE) keys by a position delta, for the
+// compact position mode: rotating by delta moves a key from position p to p + delta.
+// Normal layout (GPT-J / llama.cpp "norm"): pairs (2i, 2i+1); NeoX layout: pairs (i, i + dims/2).
+// Cost: O(n * heads * d) plus one sin/cos pair per distinct delta and frequency.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <infkv/kv_view.hpp>
+#include <infkv/tokens.hpp>
+
+#include "executor.hpp"
+
+namespace infkv::cpu {
+
+enum class rope_style : std::uint8_t { normal, neox };
+
+/// RoPE parameters: frequency of pair i is freq_scale * theta^(-2i / dims); `dims` rotary
+/// dimensions (0 = head_dim), the rest pass through.
+struct rope {
+  double theta = 10000.0;
+  std::int32_t dims = 0;
+  rope_style style = rope_style::normal;
+  double freq_scale = 1.0;
+};
+
+/// Rotates every head of slot j by delta[j] positions (keys only), in place.
+template <row_source R>
+void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r, const executor& ex = {}) {
+  validate(keys, "keys");
+  infkv::detail::require(std::int64_t(delta.size()) == keys.n_slots, "delta.size()", delta.size(),
+                         "must equal keys.n_slots (", keys.n_slots, ")");
+  const std::int32_t dims = r.dims == 0 ? keys.head_dim : r.dims;
+  infkv::detail::require(dims > 0 && dims <= keys.head_dim && dims % 2 == 0, "rope.dims", r.dims,
+                         "must be even and in [0, head_dim = ", keys.head_dim, "]");
+  infkv::detail::require(std::isfinite(r.theta) && r.theta > 0, "rope.theta", r.theta, "must be > 0");
+  infkv::detail::require(std::isfinite(r.freq_scale) && r.freq_scale > 0, "rope.freq_scale", r.freq_scale, "must be > 0");
+  const std::int32_t half = dims / 2;
+  std::vector<double> freq(static_cast<std::size_t>(half));
+  for (std::int32_t i = 0; i < half; ++i) freq[std::size_t(i)] = r.freq_scale * std::pow(r.theta, -2.0 * i / dims);
+  parallel_for(ex, keys.n_slots, [&](std::int64_t j) {
+    const std::int64_t dp = delta[std::size_t(j)];
+    if (dp == 0) return;
+    std::vector<float> c(static_cast<std::size_t>(half)), s(static_cast<std::size_t>(half)), x(static_cast<std::size_t>(keys.head_dim));
+    for (std::int32_t i = 0; i < half; ++i) {
+      const double a = double(dp) * freq[std::size_t(i)];
+      c[std::size_t(i)] = float(std::cos(a)), s[std::size_t(i)] = float(std::sin(a));
+    }
+    for (std::int32_t h = 0; h < keys.n_heads; ++h) {
+      void* row = keys.row(j, h);
+      to_f32(keys.type, row, x.data(), keys.head_dim);
+      for (std::int32_t i = 0; i < half; ++i) {
+        const std::size_t a = r.style == rope_style::normal ? std::size_t(2 * i) : std::size_t(i);
+        const std::size_t b = r.style == rope_style::normal ? a + 1 : std::size_t(i + half);
+        const float x0 = x[a], x1 = x[b];
+        x[a] = x0 * c[std::size_t(i)] - x1 * s[std::size_t(i)];
+        x[b] = x0 * s[std::size_t(i)] + x1 * c[std::size_t(i)];
+      }
+      from_f32(keys.type, x.data(), row, keys.head_dim);
+    }
+  });
+}
+
+/// Compact position mode: gives the slots positions first, first + 1, ... in time order and
+/// returns each slot's delta (new - old) for `rerotate`. Slots sharing a position keep sharing it.
+inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std::int64_t first = 0) {
+  std::vector<std::int64_t> delta(tokens.size(), 0);
+  const auto order = time_order(tokens);
+  std::int64_t next = first - 1, last_old = -1;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    token& t = tokens[std::size_t(order[i])];
+    if (i == 0 || t.pos != last_old) ++next;
+    last_old = t.pos;
+    delta[std::size_t(order[i])] = next - t.pos;
+    t.pos = next;
+  }
+  return delta;
+}
+
+}  // namespace infkv::cpu

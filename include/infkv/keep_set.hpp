@@ -1,0 +1,123 @@
+// infkv: the result of a selection: per decision unit, the sorted slots to keep; and its
+// conversion to position runs [p0, p1) for engines that remove by position.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "error.hpp"
+#include "tokens.hpp"
+
+namespace infkv {
+
+/// Half-open range of positions [begin, end).
+struct position_run {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  friend bool operator==(const position_run&, const position_run&) = default;
+};
+
+/// Slots kept per decision unit (a KV head, a layer, or the whole token), in CSR form.
+/// Each unit's slots are strictly increasing and in [0, n_slots).
+class keep_set {
+ public:
+  keep_set() = default;
+  explicit keep_set(std::int64_t n_slots) : n_slots_(n_slots) {
+    detail::require(n_slots >= 0, "n_slots", n_slots, "must be >= 0");
+  }
+
+  /// Every slot kept, for `n_units` units.
+  static keep_set all(std::int64_t n_slots, std::int64_t n_units = 1) {
+    keep_set k(n_slots);
+    std::vector<std::int64_t> s(static_cast<std::size_t>(n_slots));
+    for (std::int64_t i = 0; i < n_slots; ++i) s[std::size_t(i)] = i;
+    for (std::int64_t u = 0; u < n_units; ++u) k.add_unit(s);
+    return k;
+  }
+
+  /// Appends a unit; `slots` must be strictly increasing and within [0, n_slots).
+  void add_unit(std::span<const std::int64_t> slots) {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      detail::require(slots[i] >= 0 && slots[i] < n_slots_, "slots[" + std::to_string(i) + "]", slots[i],
+                      "must be in [0, n_slots = ", n_slots_, ")");
+      if (i) detail::require(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
+                             "must be greater than the previous slot ", slots[i - 1]);
+    }
+    slots_.insert(slots_.end(), slots.begin(), slots.end());
+    offsets_.push_back(std::int64_t(slots_.size()));
+  }
+
+  std::int64_t n_slots() const { return n_slots_; }
+  std::int64_t n_units() const { return std::int64_t(offsets_.size()) - 1; }
+  std::int64_t size(std::int64_t u) const { return offsets_[std::size_t(u + 1)] - offsets_[std::size_t(u)]; }
+  std::span<const std::int64_t> unit(std::int64_t u) const {
+    detail::require(u >= 0 && u < n_units(), "unit", u, "must be in [0, n_units = ", n_units(), ")");
+    return {slots_.data() + offsets_[std::size_t(u)], std::size_t(size(u))};
+  }
+  /// True when every unit keeps the same slots (a per-token decision).
+  bool uniform() const {
+    for (std::int64_t u = 1; u < n_units(); ++u)
+      if (!std::ranges::equal(unit(u), unit(0))) return false;
+    return true;
+  }
+  /// Per-slot flags of unit u.
+  std::vector<bool> mask(std::int64_t u = 0) const {
+    std::vector<bool> m(static_cast<std::size_t>(n_slots_), false);
+    for (auto s : unit(u)) m[std::size_t(s)] = true;
+    return m;
+  }
+
+  /// Runs of positions covering the kept (keep = true) or evicted (false) slots of unit u, in
+  /// time order, maximal: consecutive slots in time order with the same fate share one run (a
+  /// run may span positions that no slot holds). Throws when one position has slots of both fates.
+  std::vector<position_run> runs(std::span<const token> tokens, bool keep, std::int64_t u = 0) const {
+    validate_tokens(tokens, n_slots_);
+    const auto m = mask(u);
+    std::vector<position_run> out;
+    bool open = false;
+    const auto order = time_order(tokens);
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto s = std::size_t(order[i]);
+      if (i && tokens[s].pos == tokens[std::size_t(order[i - 1])].pos && m[s] != m[std::size_t(order[i - 1])])
+        detail::fail("infkv: tokens: position ", tokens[s].pos,
+                     " is held by a kept and an evicted slot; it cannot be expressed as position runs");
+      if (m[s] == keep) {
+        if (open && out.back().end > tokens[s].pos) continue;  // same position again
+        if (open) out.back().end = tokens[s].pos + 1;
+        else out.push_back({tokens[s].pos, tokens[s].pos + 1});
+        open = true;
+      } else {
+        open = false;
+      }
+    }
+    return out;
+  }
+  std::vector<position_run> kept_runs(std::span<const token> t, std::int64_t u = 0) const { return runs(t, true, u); }
+  std::vector<position_run> evicted_runs(std::span<const token> t, std::int64_t u = 0) const { return runs(t, false, u); }
+
+  /// One unit keeping the slots whose positions fall in one of `kept` (inverse of kept_runs).
+  static keep_set from_runs(std::span<const position_run> kept, std::span<const token> tokens) {
+    for (std::size_t i = 0; i < kept.size(); ++i)
+      detail::require(kept[i].begin < kept[i].end, "kept[" + std::to_string(i) + "].end", kept[i].end,
+                      "must exceed begin = ", kept[i].begin);
+    keep_set k(std::int64_t(tokens.size()));
+    std::vector<std::int64_t> s;
+    for (std::size_t i = 0; i < tokens.size(); ++i)
+      if (std::ranges::any_of(kept, [&](const position_run& r) { return tokens[i].pos >= r.begin && tokens[i].pos < r.end; }))
+        s.push_back(std::int64_t(i));
+    k.add_unit(s);
+    return k;
+  }
+
+  friend bool operator==(const keep_set&, const keep_set&) = default;
+
+ private:
+  std::int64_t n_slots_ = 0;
+  std::vector<std::int64_t> offsets_{0};
+  std::vector<std::int64_t> slots_;
+};
+
+}  // namespace infkv

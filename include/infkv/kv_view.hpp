@@ -1,0 +1,161 @@
+// infkv: non-owning views of a KV cache. Trivially copyable descriptors a kernel can take by
+// value: a strided tensor (contiguous NHD or HND, any strides, K and V described separately) or a
+// paged table in CSR form (indptr / page indices / last-page length, as FlashInfer and vLLM use).
+// Slot order is not time order: the positions live in a parallel array of `token`s.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+
+#include "dtype.hpp"
+#include "error.hpp"
+
+namespace infkv {
+
+/// One cache tensor (K or V of one layer, one sequence): element (slot, head, d) lives at
+/// `data + (slot * slot_stride + head * head_stride + d) * size_of(type)`; strides in elements.
+struct tensor_view {
+  void* data = nullptr;
+  dtype type = dtype::f32;
+  std::int64_t n_slots = 0;
+  std::int32_t n_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t slot_stride = 0;
+  std::int64_t head_stride = 0;
+
+  /// Address of the head_dim elements of (slot, head). No bounds check.
+  void* row(std::int64_t slot, std::int32_t head) const {
+    return static_cast<char*>(data) +
+           (slot * slot_stride + std::int64_t(head) * head_stride) * std::int64_t(size_of(type));
+  }
+  bool empty() const { return data == nullptr; }
+};
+
+/// Keys and values of one layer; `v` may be empty for scorers that read keys only.
+struct kv_view {
+  tensor_view k;
+  tensor_view v;
+};
+
+/// [slot][head][dim] layout, rows packed.
+inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                       std::int32_t head_dim) {
+  return {data, t, n_slots, n_heads, head_dim, std::int64_t(n_heads) * head_dim, head_dim};
+}
+
+/// [head][slot][dim] layout; `slot_capacity` is the allocated slots per head (>= n_slots).
+inline tensor_view hnd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                       std::int32_t head_dim, std::int64_t slot_capacity) {
+  return {data, t, n_slots, n_heads, head_dim, head_dim, slot_capacity * head_dim};
+}
+
+inline kv_view contiguous_nhd(void* k, void* v, dtype t, std::int64_t n_slots,
+                              std::int32_t n_heads, std::int32_t head_dim) {
+  return {nhd(k, t, n_slots, n_heads, head_dim), nhd(v, t, n_slots, n_heads, head_dim)};
+}
+
+inline kv_view contiguous_hnd(void* k, void* v, dtype t, std::int64_t n_slots,
+                              std::int32_t n_heads, std::int32_t head_dim,
+                              std::int64_t slot_capacity) {
+  return {hnd(k, t, n_slots, n_heads, head_dim, slot_capacity),
+          hnd(v, t, n_slots, n_heads, head_dim, slot_capacity)};
+}
+
+/// Storage of one paged tensor (K or V): page p, in-page slot s, head h, element d at
+/// `data + (p * page_stride + s * slot_stride + h * head_stride + d) * size_of(type)`.
+struct page_storage {
+  void* data = nullptr;
+  std::int64_t page_stride = 0;
+  std::int64_t slot_stride = 0;
+  std::int64_t head_stride = 0;
+};
+
+/// Paged cache of one layer for a batch of sequences (CSR page table). Sequence s owns pages
+/// indices[indptr[s] .. indptr[s+1]), all full but the last, which holds last_page_len[s] slots.
+struct paged_view {
+  page_storage k;
+  page_storage v;
+  dtype type = dtype::f32;
+  std::int32_t n_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t page_size = 0;
+  std::int32_t n_seqs = 0;
+  std::int32_t* indptr = nullptr;         // [n_seqs + 1]
+  std::int32_t* indices = nullptr;        // [indptr[n_seqs]]
+  std::int32_t* last_page_len = nullptr;  // [n_seqs]
+
+  /// Slots held by sequence s.
+  std::int64_t seq_len(std::int32_t s) const {
+    const std::int32_t pages = indptr[s + 1] - indptr[s];
+    return pages == 0 ? 0 : std::int64_t(pages - 1) * page_size + last_page_len[s];
+  }
+};
+
+/// Rows of one sequence of a paged tensor, with the same interface as `tensor_view`.
+struct paged_rows {
+  page_storage store;
+  const std::int32_t* pages = nullptr;  // this sequence's page ids
+  dtype type = dtype::f32;
+  std::int64_t n_slots = 0;
+  std::int32_t n_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t page_size = 0;
+
+  void* row(std::int64_t slot, std::int32_t head) const {
+    const std::int64_t page = pages[slot / page_size], in = slot % page_size;
+    return static_cast<char*>(store.data) +
+           (page * store.page_stride + in * store.slot_stride + std::int64_t(head) * store.head_stride) *
+               std::int64_t(size_of(type));
+  }
+  bool empty() const { return store.data == nullptr; }
+};
+
+inline paged_rows key_rows(const paged_view& p, std::int32_t s) {
+  return {p.k, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
+}
+inline paged_rows value_rows(const paged_view& p, std::int32_t s) {
+  return {p.v, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
+}
+
+/// Anything that hands out rows of head_dim elements by (slot, head): `tensor_view`, `paged_rows`.
+template <class R>
+concept row_source = requires(const R& r, std::int64_t slot, std::int32_t head) {
+  { r.row(slot, head) } -> std::convertible_to<const void*>;
+  { r.n_slots } -> std::convertible_to<std::int64_t>;
+  { r.n_heads } -> std::convertible_to<std::int32_t>;
+  { r.head_dim } -> std::convertible_to<std::int32_t>;
+  { r.type } -> std::convertible_to<dtype>;
+};
+
+/// Checks that a row source is usable; `name` is the argument's name in the message.
+template <row_source R>
+void validate(const R& r, const char* name) {
+  if (r.empty()) detail::fail("infkv: ", name, ".data = null: the view holds no storage");
+  detail::require(r.n_slots >= 0, std::string(name) + ".n_slots", r.n_slots, "must be >= 0");
+  detail::require(r.n_heads > 0, std::string(name) + ".n_heads", r.n_heads, "must be > 0");
+  detail::require(r.head_dim > 0, std::string(name) + ".head_dim", r.head_dim, "must be > 0");
+  if constexpr (std::same_as<R, paged_rows>)
+    detail::require(r.page_size > 0, std::string(name) + ".page_size", r.page_size, "must be > 0");
+}
+
+/// Checks a whole paged table: strictly consistent CSR arrays and last-page lengths in range.
+inline void validate(const paged_view& p, const char* name) {
+  detail::require(p.n_seqs >= 0, std::string(name) + ".n_seqs", p.n_seqs, "must be >= 0");
+  detail::require(p.page_size > 0, std::string(name) + ".page_size", p.page_size, "must be > 0");
+  detail::require(p.n_heads > 0, std::string(name) + ".n_heads", p.n_heads, "must be > 0");
+  detail::require(p.head_dim > 0, std::string(name) + ".head_dim", p.head_dim, "must be > 0");
+  if (!p.indptr || !p.indices || !p.last_page_len || !p.k.data)
+    detail::fail("infkv: ", name, ": indptr, indices, last_page_len and k.data must be non-null");
+  detail::require(p.indptr[0] == 0, std::string(name) + ".indptr[0]", p.indptr[0], "must be 0");
+  for (std::int32_t s = 0; s < p.n_seqs; ++s) {
+    const std::int32_t pages = p.indptr[s + 1] - p.indptr[s];
+    detail::require(pages >= 0, std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
+                    p.indptr[s + 1], "must not be below indptr[", s, "] = ", p.indptr[s]);
+    const std::int32_t last = p.last_page_len[s];
+    detail::require(pages == 0 ? last == 0 : (last >= 1 && last <= p.page_size),
+                    std::string(name) + ".last_page_len[" + std::to_string(s) + "]", last,
+                    "must be in [1, page_size = ", p.page_size, "] for a sequence with pages, 0 without");
+  }
+}
+
+}  // namespace infkv

@@ -1,0 +1,23 @@
+// KeyDiff (Park et al., arXiv 2504.15364): keep the keys most different from the mean key.
+// Score = -cos(k_j, anchor), anchor = mean of the length-normalised keys of the slots present,
+// per KV head. Inputs: keys only (no queries, no probabilities): the query-agnostic rule of
+// budgeted block-wise prefill. Granularity: per KV head. Cost: O(Hkv * n * d) per call.
+#pragma once
+
+#include <string_view>
+
+#include "../policy.hpp"
+
+namespace infkv {
+
+struct keydiff {
+  static constexpr std::string_view name = "keydiff";
+  static constexpr unsigned needs = needs_keys;
+  static constexpr granularity natural_granularity = granularity::per_head;
+
+  void validate() const {}
+  void finish(score_matrix&, std::span<const token>) const {}
+  budget protect(budget b) const { return b; }
+};
+
+}  // namespace infkv

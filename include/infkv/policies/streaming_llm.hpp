@@ -1,0 +1,33 @@
+// StreamingLLM (Xiao et al., arXiv 2309.17453): keep the first `sinks` tokens and the most
+// recent ones. Inputs: token positions only. Granularity: per token. Cost: O(n log n) per call
+// (time order). "Window without sinks" is the same policy with budget.sinks = 0.
+#pragma once
+
+#include <string_view>
+
+#include "../policy.hpp"
+
+namespace infkv {
+
+/// Sinks + recent window. Scores every slot by its rank in time order (newer = higher), so the
+/// budget's capacity beyond its sinks goes to the newest tokens.
+struct streaming_llm {
+  static constexpr std::string_view name = "streaming_llm";
+  static constexpr unsigned needs = needs_nothing;
+  static constexpr granularity natural_granularity = granularity::per_token;
+
+  void validate() const {}
+  void finish(score_matrix&, std::span<const token>) const {}
+  budget protect(budget b) const { return b; }
+};
+
+/// Recency scores: rank of each slot in time order, one identical row per unit.
+inline score_matrix recency_scores(std::span<const token> tokens, std::int64_t rows = 1) {
+  score_matrix s(rows, std::int64_t(tokens.size()));
+  const auto order = time_order(tokens);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::size_t i = 0; i < order.size(); ++i) s(r, order[i]) = float(i);
+  return s;
+}
+
+}  // namespace infkv

@@ -1,0 +1,18 @@
+# Builds and runs the consumer project in MODE find_package (after installing infkv into a
+# prefix) or add_subdirectory. Fails on any error.
+set(work ${BINARY_DIR}/consumer-${MODE})
+file(REMOVE_RECURSE ${work})
+function(run)
+  execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGV}\n${out}")
+  endif()
+endfunction()
+if(MODE STREQUAL "find_package")
+  run(${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${work}/prefix)
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${work}/build -DCMAKE_PREFIX_PATH=${work}/prefix)
+else()
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${work}/build -DINFKV_SOURCE_DIR=${SOURCE_DIR})
+endif()
+run(${CMAKE_COMMAND} --build ${work}/build)
+run(${work}/build/consumer)
