@@ -110,10 +110,18 @@ struct paged_rows {
   bool empty() const { return store.data == nullptr; }
 };
 
+inline void validate(const paged_view& p, const char* name);
+
+/// Key rows of sequence s; checks the page table first (O(n_seqs)).
 inline paged_rows key_rows(const paged_view& p, std::int32_t s) {
+  validate(p, "paged");
+  detail::require(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
   return {p.k, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
 }
+/// Value rows of sequence s; checks the page table first (O(n_seqs)).
 inline paged_rows value_rows(const paged_view& p, std::int32_t s) {
+  validate(p, "paged");
+  detail::require(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
   return {p.v, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
 }
 

@@ -23,9 +23,10 @@ struct score_matrix {
 
   score_matrix() = default;
   score_matrix(std::int64_t r, std::int64_t c, float fill = 0.f)
-      : rows(r), cols(c), data(static_cast<std::size_t>(r * c), fill) {
-    detail::require(r >= 0 && c >= 0, "score_matrix.rows", r, "rows and cols must be >= 0; cols = ", c);
-  }
+      : rows(r), cols(c),
+        data((detail::require(r >= 0 && c >= 0, "score_matrix.rows", r, "rows and cols must be >= 0; cols = ", c),
+              static_cast<std::size_t>(r * c)),
+             fill) {}
   std::span<float> row(std::int64_t r) { return {data.data() + r * cols, std::size_t(cols)}; }
   std::span<const float> row(std::int64_t r) const { return {data.data() + r * cols, std::size_t(cols)}; }
   float& operator()(std::int64_t r, std::int64_t c) { return data[std::size_t(r * cols + c)]; }

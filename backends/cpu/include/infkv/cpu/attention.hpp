@@ -1,14 +1,18 @@
 // infkv CPU backend: attention recomputed from Q and K (so policies work with flash attention
 // on): per-key probability mass from a window of queries, and attention outputs.
-// Logits are a small GEMM per KV head (keys converted to f32 in tiles, transposed so the inner
-// loop is a plain multiply-add over 64 keys that compilers vectorise); softmax in f32 with the
-// row max and sum computed first.
+// Logits are a small GEMM per KV head: keys converted to f32 a tile at a time and transposed,
+// then a register-blocked micro-kernel (4 query rows x 24 keys, plain loops that compilers
+// vectorise) over all query rows. window_attention's softmax runs in two passes over the tiles
+// (row max and normaliser, then normalised sums), keeping memory bounded for any cache length.
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,11 +24,40 @@
 
 #include "executor.hpp"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace infkv::cpu {
 
 namespace detail {
 
-inline constexpr std::int64_t key_tile = 64;
+/// Keys per tile of the logits GEMM: a multiple of `kernel_keys`.
+inline constexpr std::int64_t key_tile = 192;
+/// Register block of the GEMM micro-kernel: query rows x keys.
+inline constexpr std::int64_t kernel_rows = 4, kernel_keys = 24;
+/// Per worker, tiles of probabilities up to this size are kept between the two softmax passes;
+/// tiles beyond it are recomputed, so memory stays bounded for any number of slots.
+inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
+
+/// Splits `buf` into 64-byte-aligned blocks of the given float counts, zero-filled, so vector
+/// loads in the GEMM never straddle cache lines; returns their addresses.
+template <std::size_t N>
+std::array<float*, N> carve(std::vector<float>& buf, const std::array<std::int64_t, N>& sizes) {
+  const auto round = [](std::int64_t n) { return std::size_t((n + 15) / 16 * 16); };
+  std::size_t total = 16;
+  for (auto n : sizes) total += round(n);
+  buf.assign(total, 0.f);
+  void* start = buf.data();
+  std::size_t space = total * sizeof(float);
+  auto* p = static_cast<float*>(std::align(64, (total - 16) * sizeof(float), start, space));
+  std::array<float*, N> out{};
+  for (std::size_t i = 0; i < N; ++i) {
+    out[i] = p;
+    p += round(sizes[i]);
+  }
+  return out;
+}
 
 /// Checks the queries/keys/tokens of `in` against each other.
 template <row_source R>
@@ -42,33 +75,156 @@ void check_attention_inputs(const layer_inputs<R>& in) {
   infkv::detail::require(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
 
-/// Logits of `n_q` f32 queries (rows of q, stride d) against keys [begin, begin + len) of
-/// `head`, into out[q * len + j]. Keys of other dtypes are converted tile by tile.
-template <row_source R>
-void logits(const float* q, std::int64_t n_q, const R& keys, std::int32_t head, std::int64_t begin,
-            std::int64_t len, float scale, float* out, std::vector<float>& tile) {
-  const std::int64_t d = keys.head_dim;
-  tile.resize(std::size_t(d * key_tile + d));
-  float* kt = tile.data();          // [d][key_tile], transposed
-  float* row = kt + d * key_tile;   // one converted row
-  for (std::int64_t t0 = 0; t0 < len; t0 += key_tile) {
-    const std::int64_t tn = std::min(key_tile, len - t0);
-    for (std::int64_t j = 0; j < tn; ++j) {
-      to_f32(keys.type, keys.row(begin + t0 + j, head), row, d);
-      for (std::int64_t e = 0; e < d; ++e) kt[e * key_tile + j] = row[e];
-    }
-    for (std::int64_t i = 0; i < n_q; ++i) {
-      float acc[key_tile] = {};
-      const float* qi = q + i * d;
-      for (std::int64_t e = 0; e < d; ++e) {
-        const float qe = qi[e];
-        const float* ke = kt + e * key_tile;
-        for (std::int64_t j = 0; j < key_tile; ++j) acc[j] += qe * ke[j];
-      }
-      float* o = out + i * len + t0;
-      for (std::int64_t j = 0; j < tn; ++j) o[j] = acc[j] * scale;
+/// a * b + c, fused when the target has FMA.
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+/// e^x for x <= 0 (including -inf): Cody-Waite reduction by ln 2 and a degree-7 Taylor
+/// polynomial on |r| <= ln(2)/2. Relative error below 2e-7 for x in [-87.33, 0] (exactly 1 at
+/// 0); 0 below, where e^x would be subnormal. The clamp and the flush work on the bit patterns
+/// (for x <= 0 a larger pattern is a smaller number), so loops over it stay branch-free and
+/// vectorise even under -ftrapping-math.
+inline float exp_nonpos(float x) {
+  constexpr float lo = -87.33654f, log2e = 1.44269504f, shifter = 12582912.f;  // 1.5 * 2^23
+  constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682e-6f;       // ln2_hi * n is exact
+  constexpr std::uint32_t lo_bits = std::bit_cast<std::uint32_t>(lo);
+  const std::uint32_t xb = std::bit_cast<std::uint32_t>(x);
+  const float xc = std::bit_cast<float>(std::min(xb, lo_bits));  // max(x, lo)
+  const float n = (xc * log2e + shifter) - shifter;  // round to nearest integer, in [-126, 0]
+  const float r = fmadd(-n, ln2_lo, fmadd(-n, ln2_hi, xc));
+  float p = 1.f / 5040.f;
+  p = fmadd(p, r, 1.f / 720.f);
+  p = fmadd(p, r, 1.f / 120.f);
+  p = fmadd(p, r, 1.f / 24.f);
+  p = fmadd(p, r, 1.f / 6.f);
+  p = fmadd(p, r, 0.5f);
+  p = fmadd(p, r, 1.f);
+  p = fmadd(p, r, 1.f);
+  const float y = p * std::bit_cast<float>(std::uint32_t(std::int32_t(n) + 127) << 23);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(y) & (xb <= lo_bits ? ~0u : 0u));
+}
+
+/// Largest of x[0, n) (-inf when n = 0); eight partial maxima so the loop vectorises.
+inline float max_of(const float* x, std::int64_t n) {
+  float m[8];
+  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
+  for (; j < n; ++j) m[0] = x[j] > m[0] ? x[j] : m[0];
+  for (int l = 1; l < 8; ++l) m[0] = m[l] > m[0] ? m[l] : m[0];
+  return m[0];
+}
+
+/// Pairwise total of 32 partial sums.
+inline float total_of(float* s) {
+  for (int w = 16; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
+}
+
+/// Sum of a[j] * b[j] over [0, n), or of a[j] when b is null: 32 interleaved partial sums (four
+/// 8-wide accumulators, so the loop runs at FMA throughput rather than latency).
+inline float sum_of(const float* a, const float* b, std::int64_t n) {
+  float s[32] = {};
+  std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 32 <= n; j += 32)
+    for (int v = 0; v < 4; ++v)
+      acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8 * v), b ? _mm256_loadu_ps(b + j + 8 * v) : one, acc[v]);
+  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
+#endif
+  for (; j < n; ++j) s[j % 32] = fmadd(a[j], b ? b[j] : 1.f, s[j % 32]);
+  return total_of(s);
+}
+
+/// Sum of x[0, n).
+inline float sum_of(const float* x, std::int64_t n) { return sum_of(x, nullptr, n); }
+
+/// Dot product of a[0, n) and b[0, n).
+inline float dot_of(const float* a, const float* b, std::int64_t n) { return sum_of(a, b, n); }
+
+/// out[r * ldo + c] = scale * sum_e q[r * d + e] * kt[e * key_tile + c] for one register block
+/// of kernel_rows query rows and kernel_keys keys.
+inline void dot_block(const float* q, std::int64_t d, const float* kt, float scale, float* out, std::int64_t ldo) {
+  float acc[kernel_rows][kernel_keys] = {};
+  for (std::int64_t e = 0; e < d; ++e) {
+    const float* k = kt + e * key_tile;
+    for (std::int64_t r = 0; r < kernel_rows; ++r) {
+      const float qe = q[r * d + e];
+      for (std::int64_t c = 0; c < kernel_keys; ++c) acc[r][c] = fmadd(qe, k[c], acc[r][c]);
     }
   }
+  for (std::int64_t r = 0; r < kernel_rows; ++r)
+    for (std::int64_t c = 0; c < kernel_keys; ++c) out[r * ldo + c] = acc[r][c] * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/// Transposes the 8 x 8 block src[i][e0 + c] (i, c < 8) into dst[c * ldd + i].
+inline void transpose8(const float* const* src, std::int64_t e0, float* dst, std::int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + e0);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // per lane: a_i0 a_(i+1)0 a_i1 a_(i+1)1
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // per lane: a_i2 a_(i+1)2 a_i3 a_(i+1)3
+  }
+  for (int i = 0; i < 8; i += 4) {  // columns c | c + 4 of rows i .. i + 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
+#endif
+
+/// Keys [t0, t0 + tn) of `head` (tn <= key_tile) as f32, transposed: kt[e * key_tile + j].
+/// `rows` holds 8 * head_dim floats of scratch.
+template <row_source R>
+void load_key_tile(const R& keys, std::int32_t head, std::int64_t t0, std::int64_t tn, float* kt, float* rows) {
+  const std::int64_t d = keys.head_dim;
+  std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; j + 8 <= tn; j += 8) {  // eight keys at a time, 8 x 8 blocks transposed in registers
+    const float* src[8];
+    for (int i = 0; i < 8; ++i) {
+      const void* p = keys.row(t0 + j + i, head);
+      if (keys.type == dtype::f32) {
+        src[i] = static_cast<const float*>(p);
+      } else {
+        to_f32(keys.type, p, rows + i * d, d);
+        src[i] = rows + i * d;
+      }
+    }
+    std::int64_t e = 0;
+    for (; e + 8 <= d; e += 8) transpose8(src, e, kt + e * key_tile + j, key_tile);
+    for (; e < d; ++e)
+      for (int i = 0; i < 8; ++i) kt[e * key_tile + j + i] = src[i][e];
+  }
+#endif
+  for (; j < tn; ++j) {
+    to_f32(keys.type, keys.row(t0 + j, head), rows, d);
+    for (std::int64_t e = 0; e < d; ++e) kt[e * key_tile + j] = rows[e];
+  }
+}
+
+/// Logits out[r * key_tile + j] (r < rows, j < tn rounded up to kernel_keys) of f32 query rows
+/// q[rows][d] (rows a multiple of kernel_rows) against a transposed key tile.
+inline void tile_logits(const float* q, std::int64_t rows, std::int64_t d, const float* kt, std::int64_t tn,
+                        float scale, float* out) {
+  for (std::int64_t c0 = 0; c0 < tn; c0 += kernel_keys)  // one key strip stays in L1 over all rows
+    for (std::int64_t r0 = 0; r0 < rows; r0 += kernel_rows)
+      dot_block(q + r0 * d, d, kt + c0, scale, out + r0 * key_tile + c0, key_tile);
 }
 
 /// Queries of KV head `h`'s group as f32 [G * n_q][d], query-major within each head.
@@ -81,32 +237,89 @@ inline std::vector<float> group_queries(const tensor_view& q, std::int32_t kv_he
   return out;
 }
 
-/// Softmax of each row of `p` (n_rows x n) in place, keys masked by position: key j is visible to
-/// query row r iff pos[j] <= qpos[r % n_q]. A row that sees no key becomes all zeros.
-inline void masked_softmax(float* p, std::int64_t n_rows, std::int64_t n, std::span<const token> tokens,
-                           std::span<const std::int64_t> qpos) {
-  const auto n_q = std::int64_t(qpos.size());
-  for (std::int64_t r = 0; r < n_rows; ++r) {
-    float* x = p + r * n;
-    const std::int64_t qp = qpos[std::size_t(r % n_q)];
-    float mx = -std::numeric_limits<float>::infinity();
-    for (std::int64_t j = 0; j < n; ++j) {
-      if (tokens[std::size_t(j)].pos > qp) x[j] = -std::numeric_limits<float>::infinity();
-      mx = std::max(mx, x[j]);
-    }
-    if (mx == -std::numeric_limits<float>::infinity()) {
-      std::fill(x, x + n, 0.f);
-      continue;
-    }
-    float sum = 0.f;
-    for (std::int64_t j = 0; j < n; ++j) sum += x[j] = std::exp(x[j] - mx);
-    const float inv = 1.f / sum;
-    for (std::int64_t j = 0; j < n; ++j) x[j] *= inv;
-  }
-}
-
 inline float effective_scale(float scale, std::int32_t head_dim) {
   return scale > 0.f ? scale : 1.f / std::sqrt(float(head_dim));
+}
+
+/// Softmax pieces of one key tile for every query row of one KV head: masked logits turned into
+/// e[r][j] = exp(l[r][j] - m[r]) with m[r] the row's largest visible logit in the tile (-inf and
+/// e = 0 when it sees none) and s[r] = sum_j e[r][j]. Deterministic, so a tile recomputed in the
+/// second pass equals the first.
+template <row_source R>
+struct tile_softmax {
+  const layer_inputs<R>& in;
+  std::int32_t head;
+  std::int64_t rows, padded;  // group * n_q query rows; rounded up to kernel_rows
+  float scale;
+  float* q;      // [padded][d]
+  float* kt;     // [d][key_tile]
+  float* rows8;  // [8][d] scratch
+
+  void operator()(std::int64_t t0, std::int64_t tn, float* e, float* m, float* s) const {
+    const std::int64_t n_q = in.queries.n_slots;
+    load_key_tile(in.keys, head, t0, tn, kt, rows8);
+    tile_logits(q, padded, in.keys.head_dim, kt, tn, scale, e);
+    std::int64_t newest = std::numeric_limits<std::int64_t>::min();
+    for (std::int64_t j = 0; j < tn; ++j) newest = std::max(newest, in.tokens[std::size_t(t0 + j)].pos);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* x = e + r * key_tile;
+      const std::int64_t qp = in.query_pos[std::size_t(r % n_q)];
+      if (newest > qp)  // some keys of the tile are in this query's future
+        for (std::int64_t j = 0; j < tn; ++j)
+          if (in.tokens[std::size_t(t0 + j)].pos > qp) x[j] = -std::numeric_limits<float>::infinity();
+      const float mx = m[r] = max_of(x, tn);
+      if (mx == -std::numeric_limits<float>::infinity()) {
+        std::fill(x, x + tn, 0.f);
+        s[r] = 0.f;
+        continue;
+      }
+      for (std::int64_t j = 0; j < tn; ++j) x[j] = exp_nonpos(x[j] - mx);
+      s[r] = sum_of(x, tn);
+    }
+  }
+};
+
+/// The softmax of KV head `h`'s query rows (r = g * n_q + i) over all keys, a key tile at a
+/// time: calls use(t0, tn, e, c) for each tile, where the probability of key t0 + j for row r is
+/// c[r] * e[r * key_tile + j] (rows that see no key have c[r] = 0). Two passes over the tiles: the
+/// first finds each row's max and normaliser, the second hands out the tiles, kept from the first
+/// pass up to prob_cache_bytes and recomputed beyond, so memory stays bounded for any length.
+template <row_source R, class F>
+void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, F&& use) {
+  const std::int64_t d = in.keys.head_dim, n = in.keys.n_slots, rows = group * in.queries.n_slots;
+  const std::int64_t padded = (rows + kernel_rows - 1) / kernel_rows * kernel_rows;
+  const std::int64_t n_tiles = (n + key_tile - 1) / key_tile, tile_floats = padded * key_tile;
+  const std::int64_t cached = std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))));
+  std::vector<float> work;
+  const auto buf = carve<5>(work, {padded * d, d * key_tile, 8 * d, cached * tile_floats, tile_floats});
+  const auto qg = group_queries(in.queries, h, group);
+  std::copy(qg.begin(), qg.end(), buf[0]);
+  const tile_softmax<R> tile{in, h, rows, padded, scale, buf[0], buf[1], buf[2]};
+  float* const cache = buf[3];
+  float* const scratch = buf[4];
+  std::vector<float> tmax(static_cast<std::size_t>(n_tiles * rows)), tsum(tmax.size());
+  for (std::int64_t t = 0; t < n_tiles; ++t)
+    tile(t * key_tile, std::min(key_tile, n - t * key_tile), t < cached ? cache + t * tile_floats : scratch,
+         tmax.data() + t * rows, tsum.data() + t * rows);
+  // Row max and normaliser over all tiles; tmax becomes each tile's row coefficients.
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (std::int64_t t = 0; t < n_tiles; ++t) mx = std::max(mx, tmax[std::size_t(t * rows + r)]);
+    for (std::int64_t t = 0; t < n_tiles; ++t)
+      if (tsum[std::size_t(t * rows + r)] > 0.f)
+        sum += tsum[std::size_t(t * rows + r)] * std::exp(tmax[std::size_t(t * rows + r)] - mx);
+    for (std::int64_t t = 0; t < n_tiles; ++t) {
+      float& c = tmax[std::size_t(t * rows + r)];
+      c = tsum[std::size_t(t * rows + r)] > 0.f ? std::exp(c - mx) / sum : 0.f;
+    }
+  }
+  std::vector<float> unused(static_cast<std::size_t>(2 * rows));
+  for (std::int64_t t = 0; t < n_tiles; ++t) {
+    const std::int64_t t0 = t * key_tile, tn = std::min(key_tile, n - t0);
+    float* e = t < cached ? cache + t * tile_floats : scratch;
+    if (t >= cached) tile(t0, tn, e, unused.data(), unused.data() + rows);
+    use(t0, tn, static_cast<const float*>(e), static_cast<const float*>(tmax.data() + t * rows));
+  }
 }
 
 }  // namespace detail
@@ -118,17 +331,20 @@ template <row_source R>
 score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}) {
   detail::check_attention_inputs(in);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv;
-  const std::int64_t n = in.keys.n_slots, n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
-  score_matrix out(hkv, n);
+  score_matrix out(hkv, in.keys.n_slots);
   parallel_for(ex, hkv, [&](std::int64_t h) {
-    const auto q = detail::group_queries(in.queries, std::int32_t(h), group);
-    std::vector<float> p(static_cast<std::size_t>(group * n_q * n)), tile;
-    detail::logits(q.data(), group * n_q, in.keys, std::int32_t(h), 0, n, scale, p.data(), tile);
-    detail::masked_softmax(p.data(), group * n_q, n, in.tokens, in.query_pos);
-    auto row = out.row(h);
-    for (std::int64_t r = 0; r < group * n_q; ++r)
-      for (std::int64_t j = 0; j < n; ++j) row[std::size_t(j)] += p[std::size_t(r * n + j)];
+    const auto row = out.row(h);
+    const std::int64_t rows = group * in.queries.n_slots;
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, [&](std::int64_t t0, std::int64_t tn, const float* e,
+                                                                 const float* c) {
+      float* col = row.data() + t0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        if (c[r] == 0.f) continue;
+        const float* x = e + r * detail::key_tile;
+        for (std::int64_t j = 0; j < tn; ++j) col[j] = detail::fmadd(c[r], x[j], col[j]);
+      }
+    });
     for (auto& v : row) v /= float(group);
   });
   return out;
@@ -151,24 +367,25 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
                          "values.n_slots", in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ",
                          in.keys.n_heads, " heads); values.n_heads = ", in.values.n_heads);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv, dv = in.values.head_dim;
-  const std::int64_t n = in.keys.n_slots, n_q = in.queries.n_slots;
+  const std::int64_t n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
   std::vector<float> out(static_cast<std::size_t>(n_q * in.queries.n_heads * dv), 0.f);
   parallel_for(ex, hkv, [&](std::int64_t h) {
-    const auto q = detail::group_queries(in.queries, std::int32_t(h), group);
-    std::vector<float> p(static_cast<std::size_t>(group * n_q * n)), tile, v(static_cast<std::size_t>(dv));
-    detail::logits(q.data(), group * n_q, in.keys, std::int32_t(h), 0, n, scale, p.data(), tile);
-    detail::masked_softmax(p.data(), group * n_q, n, in.tokens, in.query_pos);
-    for (std::int64_t j = 0; j < n; ++j) {
-      to_f32(in.values.type, in.values.row(j, std::int32_t(h)), v.data(), dv);
-      for (std::int32_t g = 0; g < group; ++g)
-        for (std::int64_t i = 0; i < n_q; ++i) {
-          const float w = p[std::size_t((g * n_q + i) * n + j)];
+    std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, [&](std::int64_t t0, std::int64_t tn, const float* e,
+                                                                 const float* c) {
+      for (std::int64_t j = 0; j < tn; ++j)
+        to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);
+      for (std::int64_t r = 0; r < group * n_q; ++r) {
+        if (c[r] == 0.f) continue;
+        float* o = out.data() + ((r % n_q) * in.queries.n_heads + h * group + r / n_q) * dv;
+        for (std::int64_t j = 0; j < tn; ++j) {
+          const float w = c[r] * e[r * detail::key_tile + j];
           if (w == 0.f) continue;
-          float* o = out.data() + (i * in.queries.n_heads + h * group + g) * dv;
-          for (std::int32_t e = 0; e < dv; ++e) o[e] += w * v[std::size_t(e)];
+          for (std::int32_t k = 0; k < dv; ++k) o[k] = detail::fmadd(w, v[std::size_t(j * dv + k)], o[k]);
         }
-    }
+      }
+    });
   });
   return out;
 }

@@ -22,7 +22,7 @@ struct executor {
 /// exception thrown by any f is rethrown in the caller.
 template <class F>
 void parallel_for(const executor& ex, std::int64_t n, F&& f) {
-  detail::require(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
+  infkv::detail::require(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
   const std::int64_t workers = std::min<std::int64_t>(ex.threads, n);
   if (workers <= 1) {
     for (std::int64_t i = 0; i < n; ++i) f(i);

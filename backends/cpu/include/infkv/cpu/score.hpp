@@ -31,29 +31,27 @@ layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
 }  // namespace detail
 
 /// -cos(k_j, anchor) per KV head, anchor = mean of the unit-length keys. [Hkv][n_slots].
-/// Cost O(Hkv * n * d).
+/// Cost O(Hkv * n * d); two passes over the keys, O(d) scratch per head.
 template <row_source R>
 score_matrix keydiff_scores(const R& keys, const executor& ex = {}) {
   validate(keys, "keys");
   const std::int64_t n = keys.n_slots, d = keys.head_dim;
   score_matrix out(keys.n_heads, n);
   parallel_for(ex, keys.n_heads, [&](std::int64_t h) {
-    std::vector<float> k(static_cast<std::size_t>(n * d)), anchor(static_cast<std::size_t>(d), 0.f);
+    std::vector<float> k(static_cast<std::size_t>(d)), anchor(static_cast<std::size_t>(d), 0.f);
+    auto row = out.row(h);  // 1 / |k_j| between the passes
     for (std::int64_t j = 0; j < n; ++j) {
-      float* kj = k.data() + j * d;
-      to_f32(keys.type, keys.row(j, std::int32_t(h)), kj, d);
-      float norm = 0.f;
-      for (std::int64_t e = 0; e < d; ++e) norm += kj[e] * kj[e];
+      to_f32(keys.type, keys.row(j, std::int32_t(h)), k.data(), d);
+      const float norm = detail::dot_of(k.data(), k.data(), d);
       const float inv = norm > 0.f ? 1.f / std::sqrt(norm) : 0.f;
-      for (std::int64_t e = 0; e < d; ++e) anchor[std::size_t(e)] += kj[e] *= inv;
+      row[std::size_t(j)] = inv;
+      for (std::int64_t e = 0; e < d; ++e) anchor[std::size_t(e)] = detail::fmadd(k[std::size_t(e)], inv, anchor[std::size_t(e)]);
     }
-    float an = 0.f;
-    for (float a : anchor) an += a * a;
+    const float an = detail::dot_of(anchor.data(), anchor.data(), d);
     const float inv_an = an > 0.f ? 1.f / std::sqrt(an) : 0.f;
-    for (std::int64_t j = 0; j < n; ++j) {
-      float dot = 0.f;
-      for (std::int64_t e = 0; e < d; ++e) dot += k[std::size_t(j * d + e)] * anchor[std::size_t(e)];
-      out(h, j) = -dot * inv_an;
+    for (std::int64_t j = 0; j < n; ++j) {  // keys converted again: memory stays O(d) for any n
+      to_f32(keys.type, keys.row(j, std::int32_t(h)), k.data(), d);
+      row[std::size_t(j)] = -detail::dot_of(k.data(), anchor.data(), d) * row[std::size_t(j)] * inv_an;
     }
   });
   return out;

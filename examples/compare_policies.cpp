@@ -1,0 +1,257 @@
+// infkv-compare: compares KV-cache eviction policies on a synthetic multi-round attention
+// workload (sinks, local recency, attention saddles, rounds that move the attended region).
+// Every block of tokens is appended to a bounded cache per (policy, budget), which is then
+// evicted back to its budget and compacted; the queries of the next block measure how much of
+// the full cache's attention mass the kept cache holds and how far its attention output drifts.
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "compare_stream.hpp"
+
+namespace {
+
+using compare::kind;
+
+/// Statistics of one (policy, budget) over its samples.
+struct record {
+  std::string policy;
+  std::int64_t budget = 0;
+  std::int64_t samples = 0, evictions = 0;
+  double mass_mean = 0, mass_min = 0, err_mean = 0, err_max = 0, seconds = 0;
+};
+
+record summarise(const compare::policy_run& run, std::string_view name, std::int64_t budget) {
+  record r{.policy = std::string(name), .budget = budget, .evictions = run.evictions(), .seconds = run.seconds()};
+  r.mass_min = std::numeric_limits<double>::infinity();
+  for (const auto& s : run.samples()) {
+    if (s.context <= budget) continue;  // `full` is measured everywhere; keep this budget's points
+    ++r.samples;
+    r.mass_mean += s.mass, r.err_mean += s.error;
+    r.mass_min = std::min(r.mass_min, s.mass), r.err_max = std::max(r.err_max, s.error);
+  }
+  if (r.samples) r.mass_mean /= double(r.samples), r.err_mean /= double(r.samples);
+  return r;
+}
+
+/// Calls f(i) for i in [0, n) on `threads` threads, each taking the next index when free.
+template <class F>
+void dynamic_for(int threads, std::int64_t n, F&& f) {
+  std::atomic<std::int64_t> next{0};
+  infkv::cpu::parallel_for({threads}, threads, [&](std::int64_t) {
+    for (std::int64_t i; (i = next++) < n;) f(i);
+  });
+}
+
+std::string fixed(double v, int width, int digits) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(digits);
+  os.width(width);
+  os << v;
+  return os.str();
+}
+
+void print_table(const std::vector<record>& recs, const std::vector<std::string>& names,
+                 const std::vector<std::int64_t>& budgets) {
+  std::string head1(16, ' '), head2 = "policy          ";
+  for (auto b : budgets) {
+    std::string title = "budget " + std::to_string(b);
+    head1 += std::string(std::max<std::size_t>(2, 18 - title.size()), ' ') + title;
+    head2 += "    mass   out err";
+  }
+  std::cout << head1 << '\n' << head2 << '\n';
+  for (const auto& name : names) {
+    std::string line = name;
+    line.resize(16, ' ');
+    for (auto b : budgets)
+      for (const auto& r : recs)
+        if (r.policy == name && r.budget == b)
+          line += r.samples ? "  " + fixed(r.mass_mean, 6, 3) + fixed(r.err_mean, 10, 3) : std::string(18, ' ');
+    std::cout << line << '\n';
+  }
+  std::cout << "mass: share of the full cache's attention the kept cache holds, for the queries of the block\n"
+               "after each eviction (mean over evictions); out err: relative L2 error of their attention output.\n";
+}
+
+nlohmann::json to_json(const std::vector<record>& recs, const infkv::synthetic::workload& w,
+                       const compare::settings& s, std::int64_t block, std::size_t n_blocks) {
+  nlohmann::json j;
+  const auto& c = w.cfg;
+  j["workload"] = {{"tokens", c.tokens}, {"kv_heads", c.kv_heads}, {"group", c.group}, {"head_dim", c.head_dim},
+                   {"rounds", w.rounds.size()}, {"seed", c.seed}, {"blocks", n_blocks}};
+  j["settings"] = {{"block", block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
+                   {"probes", s.probes}, {"beta", s.beta}};
+  j["results"] = nlohmann::json::array();
+  for (const auto& r : recs) {
+    const auto opt = [&](double v) { return r.samples ? nlohmann::json(v) : nlohmann::json(nullptr); };
+    j["results"].push_back({{"policy", r.policy}, {"budget", r.budget}, {"samples", r.samples},
+                            {"mass_kept", {{"mean", opt(r.mass_mean)}, {"min", opt(r.mass_min)}}},
+                            {"output_rel_error", {{"mean", opt(r.err_mean)}, {"max", opt(r.err_max)}}},
+                            {"evictions", r.evictions}, {"seconds", r.seconds}});
+  }
+  return j;
+}
+
+/// CLI11 check: the value is a number >= `min` (an integer when `integer`).
+CLI::Validator at_least(double min, bool integer = true) {
+  return CLI::Validator(
+      [=](std::string& v) -> std::string {
+        std::istringstream is(v);
+        double x = 0;
+        if (!(is >> x) || !is.eof() || (integer && x != std::floor(x)))
+          return "value " + v + " is not " + (integer ? "an integer" : "a number");
+        if (x < min) return "value " + v + " must be >= " + fixed(min, 0, integer ? 0 : 1);
+        return {};
+      },
+      integer ? (min >= 1 ? "POSITIVE" : "NONNEGATIVE") : "NONNEGATIVE");
+}
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::cerr << "infkv-compare: error: " << msg << '\n';
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"infkv-compare: KV-cache eviction policies on a synthetic multi-round attention stream"};
+  app.name("infkv-compare");
+  app.option_defaults()->always_capture_default();
+  std::vector<std::string> policy_names;
+  std::vector<std::int64_t> budgets;
+  std::int64_t block = 256, tokens = 8192;
+  std::uint64_t seed = 1;
+  int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  std::string json_path;
+  bool list = false;
+  compare::settings s;
+  app.add_option("--policy", policy_names, "policies to run (repeatable or comma list; default: all)")->delimiter(',');
+  app.add_option("--budget", budgets, "cache budgets in tokens (repeatable or comma list; default 256,512,1024)")
+      ->delimiter(',');
+  app.add_option("--block", block, "prefill block size in tokens (blocks end at segment changes)")
+      ->check(at_least(1));
+  app.add_option("--tokens", tokens, "length of the synthetic stream")->check(at_least(1));
+  app.add_option("--seed", seed, "workload seed");
+  app.add_option("--threads", threads, "worker threads")->check(at_least(1));
+  app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm)")
+      ->check(at_least(0));
+  app.add_option("--recent", s.recent, "protected recent tokens (scored policies)")
+      ->check(at_least(0));
+  app.add_option("--window", s.window, "retrieval window: last queries that score the cache")
+      ->check(at_least(1));
+  app.add_option("--probes", s.probes, "queries of the next block that measure fidelity")
+      ->check(at_least(1));
+  app.add_option("--beta", s.beta, "attention bias of inf_mllm_bias")->check(at_least(0, false));
+  app.add_option("--json", json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)");
+  app.add_flag("--list-policies", list, "list the policies and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  if (list) {
+    for (const auto& p : compare::policies) std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+    return 0;
+  }
+  // Policies in the table's order, each once.
+  std::vector<compare::policy_info> chosen;
+  std::set<std::string> wanted(policy_names.begin(), policy_names.end());
+  for (const auto& w : wanted)
+    if (std::none_of(compare::policies.begin(), compare::policies.end(), [&](auto& p) { return p.name == w; }))
+      usage_error("--policy = " + w + ": unknown policy (see --list-policies)");
+  for (const auto& p : compare::policies)
+    if (wanted.empty() || wanted.count(std::string(p.name))) chosen.push_back(p);
+  if (budgets.empty()) budgets = {256, 512, 1024};
+  std::sort(budgets.begin(), budgets.end());
+  budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
+  for (auto b : budgets)
+    for (const auto& p : chosen)
+      if (const auto pb = compare::policy_budget(p.k, b, s); pb && b <= pb->sinks + pb->recent)
+        usage_error("--budget = " + std::to_string(b) + ": must exceed the tokens " + std::string(p.name) +
+                    " protects (sinks " + std::to_string(pb->sinks) + " + recent " + std::to_string(pb->recent) + ")");
+  if (tokens <= budgets.back())
+    usage_error("--tokens = " + std::to_string(tokens) + ": must exceed the largest budget (" +
+                std::to_string(budgets.back()) + ") so that the cache is evicted");
+
+  std::ofstream json_file;
+  if (!json_path.empty() && json_path != "-") {
+    json_file.open(json_path);
+    if (!json_file) usage_error("--json = " + json_path + ": cannot open the file for writing");
+  }
+  try {
+    const auto start = std::chrono::steady_clock::now();
+    auto w = infkv::synthetic::generate({.tokens = tokens, .seed = seed});
+    const auto plan = infkv::block_prefill{.block = block, .budget = budgets.back(), .first_block_fills_budget = false}
+                          .plan(w.tokens);
+    std::int64_t max_block = 0;
+    for (const auto& b : plan) max_block = std::max(max_block, b.end - b.begin);
+    std::vector<std::unique_ptr<compare::policy_run>> runs;
+    for (const auto& p : chosen) {
+      if (p.k == kind::full) runs.push_back(std::make_unique<compare::policy_run>(p.k, 0, tokens, s, w.cfg));
+      else
+        for (auto b : budgets)
+          runs.push_back(std::make_unique<compare::policy_run>(p.k, b, b + max_block, s, w.cfg));
+    }
+    auto last_report = start;
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      const std::int64_t context = plan[i].end;
+      const bool measured = i + 1 < plan.size() && context > budgets.front();
+      std::optional<compare::reference> ref;
+      if (measured) ref = compare::make_reference(w, context, plan[i + 1], s.probes, {threads});
+      dynamic_for(threads, std::int64_t(runs.size()), [&](std::int64_t r) {
+        auto& run = *runs[std::size_t(r)];
+        run.step(w, plan[i], {1});
+        if (measured && (run.policy() == kind::full || context > run.capacity())) run.measure(*ref, {1});
+      });
+      const auto now = std::chrono::steady_clock::now();
+      if (now - start > std::chrono::seconds(3) && now - last_report > std::chrono::seconds(2)) {
+        std::cerr << "infkv-compare: block " << i + 1 << "/" << plan.size() << " ("
+                  << std::chrono::duration<double>(now - start).count() << " s)\n";
+        last_report = now;
+      }
+    }
+    std::vector<record> recs;
+    std::vector<std::string> names;
+    for (const auto& p : chosen) names.emplace_back(p.name);
+    for (const auto& run : runs) {
+      const auto name = compare::policies[std::size_t(run->policy())].name;
+      if (run->policy() == kind::full)
+        for (auto b : budgets) recs.push_back(summarise(*run, name, b));
+      else
+        recs.push_back(summarise(*run, name, run->capacity()));
+    }
+    const std::size_t videos = std::size_t(std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& r) { return r.video; }));
+    if (json_path != "-") {
+      std::cout << "infkv-compare: " << tokens << " tokens in " << w.rounds.size() << " rounds (" << videos
+                << " video), " << w.cfg.kv_heads << " KV heads x " << w.cfg.group << " query heads, d = "
+                << w.cfg.head_dim << "; " << plan.size() << " blocks of <= " << block << " tokens; seed " << seed
+                << "\n\n";
+      print_table(recs, names, budgets);
+    }
+    if (!json_path.empty()) {
+      const auto j = to_json(recs, w, s, block, plan.size()).dump(2);
+      if (json_path == "-") {
+        std::cout << j << '\n';
+      } else {
+        if (!(json_file << j << '\n' << std::flush)) usage_error("--json = " + json_path + ": cannot write the file");
+      }
+    }
+  } catch (const infkv::error& e) {
+    std::cerr << "infkv-compare: error: " << e.what() << '\n';
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,176 @@
+// infkv llama.cpp adapter: observing the compute graph through `cb_eval`. The observer asks for
+// the post-RoPE query and key nodes of every layer (`Qcur-<layer>` and `Kcur-<layer>` whose op is
+// GGML_OP_ROPE; several nodes share each name) and copies their rows out as f32, token-major,
+// across however many micro-batches llama_decode splits a batch into. Works with flash attention
+// on and off (those nodes exist either way). Public llama.h / ggml API only.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <llama.h>
+
+#include <infkv/dtype.hpp>
+#include <infkv/error.hpp>
+
+namespace infkv::llama_cpp {
+
+/// Post-RoPE Q and K rows of one layer seen during one decode: f32, [n_tokens][heads][head_dim].
+struct layer_rows {
+  std::int32_t n_head = 0;
+  std::int32_t n_head_kv = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t n_q = 0;  ///< query rows (tokens) captured
+  std::int64_t n_k = 0;  ///< key rows (tokens) captured
+  std::vector<float> q;
+  std::vector<float> k;
+};
+
+namespace detail {
+
+/// Layer index of a node named "<prefix>-<layer>", or -1 when the name is anything else.
+inline std::int32_t layer_of(const char* name, std::string_view prefix) {
+  const std::string_view n(name);
+  if (n.size() <= prefix.size() + 1 || n.substr(0, prefix.size()) != prefix || n[prefix.size()] != '-') return -1;
+  std::int32_t layer = 0;
+  for (char c : n.substr(prefix.size() + 1)) {
+    if (c < '0' || c > '9' || layer > 1'000'000) return -1;
+    layer = layer * 10 + (c - '0');
+  }
+  return layer;
+}
+
+/// Appends the rows of a [head_dim, heads, n_tokens] f32 or f16 tensor to `out` as f32.
+inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vector<char>& scratch) {
+  if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)
+    infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has type ", ggml_type_name(t->type),
+                        ": only f32 and f16 query/key nodes can be observed");
+  if (t->ne[3] != 1)
+    infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3], ": expected 1");
+  const char* base = nullptr;
+  if (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
+    base = static_cast<const char*>(t->data);
+  } else {  // device memory: copy the tensor's bytes to the host first
+    scratch.resize(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, scratch.data(), 0, scratch.size());
+    base = scratch.data();
+  }
+  if (base == nullptr) infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
+  const std::int64_t d = t->ne[0], heads = t->ne[1], n = t->ne[2];
+  const std::size_t at = out.size();
+  out.resize(at + std::size_t(d * heads * n));
+  float* dst = out.data() + at;
+  const infkv::dtype type = t->type == GGML_TYPE_F32 ? infkv::dtype::f32 : infkv::dtype::f16;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const char* row = base + i * std::int64_t(t->nb[2]) + h * std::int64_t(t->nb[1]);
+      float* o = dst + (i * heads + h) * d;
+      if (t->nb[0] == ggml_type_size(t->type)) {
+        to_f32(type, row, o, d);
+      } else {
+        for (std::int64_t e = 0; e < d; ++e) to_f32(type, row + e * std::int64_t(t->nb[0]), o + e, 1);
+      }
+    }
+}
+
+}  // namespace detail
+
+/// Collects post-RoPE Q and K of every layer while active. Install it into the context
+/// parameters before the context is created; it keeps and forwards any callback already set.
+/// Not copyable or movable: the context holds its address.
+class graph_observer {
+ public:
+  explicit graph_observer(std::int32_t n_layers) : layers_(std::size_t(n_layers > 0 ? n_layers : 0)) {
+    infkv::detail::require(n_layers > 0, "n_layers", n_layers, "must be > 0");
+  }
+  graph_observer(const graph_observer&) = delete;
+  graph_observer& operator=(const graph_observer&) = delete;
+
+  /// Routes `p.cb_eval` to this observer; a callback already in `p` is still called for every node.
+  void install(llama_context_params& p) {
+    if (p.cb_eval == &graph_observer::callback && p.cb_eval_user_data == this) return;
+    next_cb_ = p.cb_eval;
+    next_user_ = p.cb_eval_user_data;
+    p.cb_eval = &graph_observer::callback;
+    p.cb_eval_user_data = this;
+  }
+
+  /// Starts collecting (clears the rows of the previous decode).
+  void begin() {
+    for (auto& l : layers_) l.n_q = l.n_k = 0, l.q.clear(), l.k.clear();
+    error_.clear();
+    active_ = true;
+  }
+  /// Stops collecting.
+  void end() { active_ = false; }
+
+  /// Rows collected since begin(), per layer.
+  std::vector<layer_rows>& layers() { return layers_; }
+  /// The error that made the observer abort the last compute, or empty.
+  const std::string& error() const { return error_; }
+
+  /// The `cb_eval` entry point (user data: the observer).
+  static bool callback(ggml_tensor* t, bool ask, void* user) {
+    return static_cast<graph_observer*>(user)->eval(t, ask);
+  }
+
+ private:
+  bool eval(ggml_tensor* t, bool ask) {
+    if (ask) {
+      next_wants_ = next_cb_ != nullptr && next_cb_(t, true, next_user_);
+      return next_wants_ || (active_ && match(t) != 0);
+    }
+    bool ok = true;
+    if (active_ && error_.empty()) {
+      try {
+        observe(t);
+      } catch (const std::exception& e) {  // never unwind through C code: abort the compute
+        error_ = e.what();
+        ok = false;
+      }
+    }
+    if (next_wants_) ok = next_cb_(t, false, next_user_) && ok;
+    return ok;
+  }
+
+  /// 1 for a post-RoPE query node, 2 for a post-RoPE key node, 0 otherwise.
+  int match(const ggml_tensor* t) const {
+    if (t->op != GGML_OP_ROPE) return 0;
+    const char* name = ggml_get_name(t);
+    if (name[0] == 'Q' && detail::layer_of(name, "Qcur") >= 0) return 1;
+    if (name[0] == 'K' && detail::layer_of(name, "Kcur") >= 0) return 2;
+    return 0;
+  }
+
+  void observe(const ggml_tensor* t) {
+    const int kind = match(t);
+    if (kind == 0) return;
+    const std::int32_t layer = detail::layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : "Kcur");
+    infkv::detail::require(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
+                           ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
+    layer_rows& l = layers_[std::size_t(layer)];
+    const auto d = std::int32_t(t->ne[0]), heads = std::int32_t(t->ne[1]);
+    if (l.head_dim == 0) l.head_dim = d;
+    infkv::detail::require(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
+                           l.head_dim);
+    std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
+    if (h == 0) h = heads;
+    infkv::detail::require(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
+    detail::append_rows(t, kind == 1 ? l.q : l.k, scratch_);
+    (kind == 1 ? l.n_q : l.n_k) += t->ne[2];
+  }
+
+  std::vector<layer_rows> layers_;
+  std::vector<char> scratch_;
+  std::string error_;
+  ggml_backend_sched_eval_callback next_cb_ = nullptr;
+  void* next_user_ = nullptr;
+  bool next_wants_ = false;
+  bool active_ = false;
+};
+
+}  // namespace infkv::llama_cpp

@@ -1,0 +1,371 @@
+// infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
+// post-RoPE Q and K through `cb_eval`, keeps its own position <-> slot bookkeeping (llama.h has
+// no public cell -> position map) and a host copy of each layer's keys and recent queries, so
+// that every infkv policy can score; it evicts by removing position runs with
+// llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add (llama.cpp
+// re-rotates its K; the session re-rotates its own copy). Per-token granularity: head and layer
+// scores are combined by the chosen reduction.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <llama.h>
+
+#include <infkv/cpu.hpp>
+#include <infkv/infkv.hpp>
+
+#include "capture.hpp"
+#include "layer_cache.hpp"
+#include "model_info.hpp"
+
+namespace infkv::llama_cpp {
+
+/// What happens to positions after an eviction.
+enum class position_mode : std::uint8_t {
+  compact,  ///< close the gaps (llama_memory_seq_add): positions stay 0..n-1; needs can_shift
+  keep,     ///< original positions, holes left (M-RoPE models, or by choice)
+};
+
+/// Session configuration.
+struct session_options {
+  llama_seq_id seq = 0;                              ///< the sequence the session owns
+  std::int64_t window = 32;                          ///< recent queries kept per layer
+  dtype key_type = dtype::f32;                       ///< host copy of the keys: f32 or f16
+  reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
+  position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
+  std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
+  cpu::executor executor{};                          ///< threads for scoring and re-rotation
+  float scale = 0.f;                                 ///< attention scale; 0 = 1/sqrt(head_dim)
+};
+
+/// Metadata given to the tokens of one decode call.
+struct token_meta {
+  std::int32_t segment = 0;
+  modality kind = modality::text;
+};
+
+/// What one eviction did.
+struct eviction_result {
+  std::int64_t evicted = 0;            ///< slots removed
+  std::int64_t kept = 0;               ///< slots left
+  std::vector<position_run> removed;   ///< position runs removed, before any shift
+  bool shifted = false;                ///< positions were compacted
+};
+
+/// A session over one llama_context and sequence. Usage: construct from the model, `attach` to
+/// the context parameters, create the context, `bind` it, then `decode` and `evict`.
+/// Not copyable or movable (the context holds its address).
+class session {
+ public:
+  explicit session(const llama_model* model, session_options opt = {})
+      : model_(model), opt_(opt), observer_(checked_layers(model)) {
+    infkv::detail::require(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
+    infkv::detail::require(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
+                           "must be f32 or f16");
+    infkv::detail::require(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
+    if (opt_.track_h2o) opt_.track_h2o->validate();
+    layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
+    rope_ = model_rope(model);
+  }
+  session(const session&) = delete;
+  session& operator=(const session&) = delete;
+
+  /// Routes `p.cb_eval` to the session (a callback already set keeps being called) and records
+  /// the RoPE overrides of `p`. Call before creating the context from `p`.
+  void attach(llama_context_params& p) {
+    observer_.install(p);
+    rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
+    attached_ = true;
+  }
+
+  /// Binds the context created from the attached parameters. The sequence must be empty.
+  void bind(llama_context* ctx) {
+    if (ctx == nullptr) infkv::detail::fail("infkv: ctx = null: a llama_context is required");
+    infkv::detail::require(attached_, "attached", "false", "call attach(params) before creating the context");
+    ctx_ = ctx;
+    mem_ = llama_get_memory(ctx);
+    if (mem_ == nullptr) infkv::detail::fail("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
+    infkv::detail::require(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
+    shift_ = opt_.positions == position_mode::compact && llama_memory_can_shift(mem_) &&
+             (rope_.supported || !rope_.has_rope);
+  }
+
+  llama_context* context() const { return ctx_; }
+  const session_options& options() const { return opt_; }
+  /// The position mode in effect (compact only where the memory can shift).
+  position_mode mode() const { return shift_ ? position_mode::compact : position_mode::keep; }
+  const rope_info& rope() const { return rope_; }
+  /// Metadata of the cached tokens, in the session's slot order.
+  std::span<const token> tokens() const { return tokens_; }
+  std::int64_t size() const { return std::int64_t(tokens_.size()); }
+  std::int32_t n_layers() const { return std::int32_t(layers_.size()); }
+  /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
+  /// consecutive positions), or the stream's next position when nothing is cached.
+  std::int64_t next_pos() const { return tokens_.empty() ? stream_next_ : max_pos() + 1; }
+
+  /// The inputs a policy scores for one layer: keys, window queries and their positions, tokens.
+  layer_inputs<tensor_view> inputs(std::int32_t layer) {
+    infkv::detail::require(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
+    auto& l = layers_[std::size_t(layer)];
+    return {l.keys(), {}, l.queries(), l.query_pos(), tokens_, opt_.scale};
+  }
+  /// H2O state of one layer (requires session_options.track_h2o).
+  const h2o_state& h2o_scores(std::int32_t layer) const {
+    require_h2o();
+    infkv::detail::require(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
+                           "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
+    return h2o_[std::size_t(layer)];
+  }
+
+  /// Decodes `tokens` at positions next_pos(), next_pos() + 1, ...; logits for the last token
+  /// (or all when `all_logits`). Returns llama_decode's status; bookkeeping grows only on 0.
+  std::int32_t decode(std::span<const llama_token> tokens, token_meta meta = {}, bool all_logits = false) {
+    infkv::detail::require(!tokens.empty(), "tokens.size()", 0, "decode needs at least one token");
+    llama_batch b = llama_batch_init(std::int32_t(tokens.size()), 0, 1);
+    const std::int64_t p0 = next_pos();
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      b.token[i] = tokens[i];
+      b.pos[i] = llama_pos(p0 + std::int64_t(i));
+      b.n_seq_id[i] = 1;
+      b.seq_id[i][0] = opt_.seq;
+      b.logits[i] = all_logits || i + 1 == tokens.size();
+    }
+    b.n_tokens = std::int32_t(tokens.size());
+    struct guard { llama_batch& b; ~guard() { llama_batch_free(b); } } g{b};
+    return decode(b, meta);
+  }
+
+  /// Decodes a caller-built batch: every entry must belong to the session's sequence only and
+  /// carry its position. Returns llama_decode's status; bookkeeping grows only on 0; after a
+  /// failure any partly processed micro-batches are removed again so the memory matches it.
+  std::int32_t decode(const llama_batch& batch, token_meta meta = {}) {
+    infkv::detail::require(ctx_ != nullptr, "ctx", "null", "bind a context before decoding");
+    infkv::detail::require(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
+    infkv::detail::require(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
+    infkv::detail::require(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
+                           "the session needs explicit sequence ids");
+    for (std::int32_t i = 0; i < batch.n_tokens; ++i)
+      infkv::detail::require(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
+                             "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
+                             "every entry must belong to the session's sequence ", opt_.seq, " only");
+    observer_.begin();
+    const std::int32_t rc = llama_decode(ctx_, batch);
+    observer_.end();
+    const std::int64_t n = batch.n_tokens;
+    std::string why = observer_.error();
+    if (rc == 0 && why.empty())
+      for (std::int32_t l = 0; l < n_layers(); ++l) {
+        const auto& r = observer_.layers()[std::size_t(l)];
+        if (r.n_q != n || r.n_k != n)
+          why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
+                std::to_string(r.n_k) + " key rows for " + std::to_string(n) +
+                " tokens; was the context created from attach()ed parameters?";
+      }
+    if (rc != 0 || !why.empty()) {
+      rollback();
+      if (!why.empty()) throw error(why);
+      return rc;
+    }
+    std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
+    for (std::int64_t i = 0; i < n; ++i) tokens_.push_back({pos[std::size_t(i)], meta.segment, meta.kind});
+    for (std::int32_t l = 0; l < n_layers(); ++l) layers_[std::size_t(l)].append(observer_.layers()[std::size_t(l)], pos, opt_.window);
+    stream_next_ = std::max(stream_next_, *std::max_element(pos.begin(), pos.end()) + 1);
+    if (opt_.track_h2o) observe_h2o(observer_.layers(), pos);
+    verify();
+    return 0;
+  }
+
+  /// Evicts down to `b` (after `p.protect(b)`): scores every layer with `p`, combines heads and
+  /// layers with the session's reduction, keeps the top tokens, removes the others' position
+  /// runs from the llama memory, then compacts positions in compact mode.
+  template <policy P>
+  eviction_result evict(const P& p, const budget& b) {
+    if constexpr (requires { p.window; })
+      infkv::detail::require(p.window <= opt_.window, std::string(P::name) + ".window", p.window,
+                             "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
+    return score_and_apply(p, b, [&](std::int32_t, const layer_inputs<tensor_view>& in) {
+      return cpu::layer_scores(p, in, opt_.executor);
+    });
+  }
+
+  /// H2O eviction from the scores accumulated at every decode (session_options.track_h2o).
+  eviction_result evict(const h2o& config, const budget& b) {
+    require_h2o();
+    infkv::detail::require(config.forgetting == opt_.track_h2o->forgetting &&
+                               config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
+                           "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
+                           opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
+    if (h2o_.empty()) return {0, size(), {}, false};
+    return score_and_apply(h2o_.front(), b, [&](std::int32_t l, const layer_inputs<tensor_view>& in) {
+      return cpu::layer_scores(h2o_[std::size_t(l)], in, opt_.executor);
+    });
+  }
+
+  /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
+  /// positions in compact mode: for callers that select themselves.
+  eviction_result apply(const keep_set& keep) {
+    infkv::detail::require(ctx_ != nullptr, "ctx", "null", "bind a context before evicting");
+    infkv::detail::require(keep.n_units() == 1, "keep.n_units()", keep.n_units(), "llama.cpp frees per token: one unit");
+    infkv::detail::require(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
+    eviction_result res;
+    res.removed = keep.evicted_runs(tokens_);
+    for (std::size_t i = 0; i < res.removed.size(); ++i) {
+      const auto& r = res.removed[i];
+      if (!llama_memory_seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end))) {
+        const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
+        std::vector<std::int64_t> left;
+        for (std::size_t s = 0; s < tokens_.size(); ++s)
+          if (std::none_of(done.begin(), done.end(), [&](const position_run& d) {
+                return tokens_[s].pos >= d.begin && tokens_[s].pos < d.end; }))
+            left.push_back(std::int64_t(s));
+        keep_set partial(size());
+        partial.add_unit(left);
+        drop(partial);
+        verify();
+        infkv::detail::fail("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
+                            ") = false: the memory cannot remove part of the sequence; ", i, " of ",
+                            res.removed.size(), " runs were removed and the bookkeeping follows them");
+      }
+    }
+    res.evicted = size() - keep.size(0);
+    drop(keep);
+    if (shift_ && !tokens_.empty()) res.shifted = compact_positions();
+    res.kept = size();
+    verify();
+    return res;
+  }
+
+  /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch.
+  void verify() const {
+    if (mem_ == nullptr) return;
+    const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
+    const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
+    infkv::detail::require(lo == want_lo, "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
+                           "the session's bookkeeping says ", want_lo);
+    infkv::detail::require(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
+                           "the session's bookkeeping says ", want_hi);
+  }
+
+ private:
+  /// Scores every layer with `score(layer, inputs)`, combines the rows with the session's
+  /// reduction, selects with the policy's protected budget and applies the result.
+  template <policy P, class Score>
+  eviction_result score_and_apply(const P& p, const budget& b, Score&& score) {
+    p.validate();
+    const budget pb = p.protect(b);
+    if (pb.keep_count(size()) >= size()) return {0, size(), {}, false};
+    score_reducer red(opt_.reduce);
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      const auto in = inputs(l);
+      if constexpr ((P::needs & needs_queries) != 0)
+        infkv::detail::require(in.queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
+                               "decode at least one token after the last eviction before scoring with ", P::name);
+      red.add(score(l, in));
+    }
+    return apply(select_top(red.result(), tokens_, pb));
+  }
+
+  static std::int32_t checked_layers(const llama_model* model) {
+    if (model == nullptr) infkv::detail::fail("infkv: model = null: a llama_model is required");
+    return llama_model_n_layer(model);
+  }
+  void require_h2o() const {
+    infkv::detail::require(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
+                           "H2O needs the attention of every decode: set it when creating the session");
+  }
+  std::int64_t min_pos() const {
+    return std::min_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
+  }
+  std::int64_t max_pos() const {
+    return std::max_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
+  }
+
+  /// After a failed decode: removes whatever llama.cpp kept of the batch beyond the bookkeeping.
+  void rollback() {
+    const llama_pos p0 = tokens_.empty() ? -1 : llama_pos(max_pos() + 1);
+    if (llama_memory_seq_pos_max(mem_, opt_.seq) >= std::max<llama_pos>(p0, 0))
+      llama_memory_seq_rm(mem_, opt_.seq, p0, -1);
+  }
+
+  void observe_h2o(const std::vector<layer_rows>& rows, std::span<const std::int64_t> pos) {
+    if (h2o_.empty())
+      for (std::int32_t l = 0; l < n_layers(); ++l) h2o_.emplace_back(*opt_.track_h2o, rows[std::size_t(l)].n_head_kv);
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      const auto& r = rows[std::size_t(l)];
+      auto& st = h2o_[std::size_t(l)];
+      st.append(size() - st.n_slots());
+      auto in = inputs(l);
+      in.queries = nhd(const_cast<float*>(r.q.data()), dtype::f32, r.n_q, r.n_head, r.head_dim);
+      in.query_pos = pos;
+      cpu::observe(st, in, opt_.executor);
+    }
+  }
+
+  /// Keeps the slots of `keep` in the bookkeeping, key copies, query windows and H2O states.
+  void drop(const keep_set& keep) {
+    for (auto& l : layers_) l.evict(keep, tokens_);
+    for (auto& s : h2o_) s.evict(keep);
+    std::vector<token> kept;
+    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]);
+    tokens_ = std::move(kept);
+    std::vector<std::pair<std::int64_t, std::int64_t>> same;
+    for (const auto& t : tokens_) same.push_back({t.pos, 0});
+    std::sort(same.begin(), same.end());
+    for (auto& l : layers_) l.remap_queries(same, nullptr, opt_.executor);
+  }
+
+  /// Gives the cached tokens positions 0..n-1 in time order: llama_memory_seq_add per run of
+  /// equal delta, the key copies and window queries re-rotated alike. True when anything moved.
+  bool compact_positions() {
+    const std::vector<token> old = tokens_;
+    const auto delta = cpu::compact_positions(tokens_, 0);
+    const auto order = time_order(old);
+    bool moved = false;
+    for (std::size_t i = 0; i < order.size();) {
+      const auto d = delta[std::size_t(order[i])];
+      std::size_t j = i;
+      while (j < order.size() && delta[std::size_t(order[j])] == d) ++j;
+      if (d != 0) {
+        llama_memory_seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
+                             llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
+        moved = true;
+      }
+      i = j;
+    }
+    if (!moved) return false;
+    std::vector<std::pair<std::int64_t, std::int64_t>> map;
+    for (std::size_t s = 0; s < old.size(); ++s) map.push_back({old[s].pos, delta[s]});
+    std::sort(map.begin(), map.end());
+    const cpu::rope* r = rope_.has_rope ? &rope_.params : nullptr;
+    for (auto& l : layers_) {
+      if (r) l.rerotate_keys(delta, *r, opt_.executor);
+      l.remap_queries(map, r, opt_.executor);
+    }
+    for (auto& s : h2o_) s.shift(tokens_);
+    stream_next_ = max_pos() + 1;
+    return true;
+  }
+
+  const llama_model* model_;
+  session_options opt_;
+  graph_observer observer_;
+  rope_info rope_;
+  llama_context* ctx_ = nullptr;
+  llama_memory_t mem_ = nullptr;
+  bool attached_ = false;
+  bool shift_ = false;
+  std::vector<token> tokens_;
+  std::vector<layer_cache> layers_;
+  std::vector<h2o_state> h2o_;
+  std::int64_t stream_next_ = 0;
+};
+
+}  // namespace infkv::llama_cpp

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs what infkv's build, tests, examples and benchmarks need, from Debian's packages.
+# Idempotent: does nothing when everything is already installed.
+set -euo pipefail
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "infkv setup: installing ${missing[*]}" >&2
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,343 @@
+// Test support for the CPU backend: random layer inputs, caches stored in every layout the
+// library reads (NHD, HND, padded strides, paged), and naive double-precision references of
+// every policy's scores, written as plain loops straight from the formulas in docs/design.md.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+
+namespace infkv_test {
+
+using infkv::dtype;
+using infkv::token;
+
+/// Row-major double matrix: one row per decision unit, one column per slot.
+using ref_matrix = std::vector<std::vector<double>>;
+
+/// What an element of type `t` holds after storing `x`.
+inline float round_to(dtype t, float x) {
+  if (t == dtype::f16) return infkv::f16_to_f32(infkv::f32_to_f16(x));
+  if (t == dtype::bf16) return infkv::bf16_to_f32(infkv::f32_to_bf16(x));
+  return x;
+}
+
+/// One layer's inputs: keys [n][hkv][d], queries [nq][hq][d] (values as stored, i.e. rounded to
+/// `type`; `*_exact` before rounding), shuffled slots, positions with holes, segments of 10.
+struct problem {
+  std::int64_t n = 0, nq = 0;
+  std::int32_t hkv = 0, hq = 0, d = 0;
+  dtype type = dtype::f32;
+  std::vector<float> k, q, k_exact, q_exact;
+  std::vector<token> tokens;
+  std::vector<std::int64_t> qpos;
+  double scale = 0;  ///< 1 / sqrt(d), what scale = 0 means
+};
+
+inline problem make_problem(std::uint64_t seed, std::int64_t n, std::int32_t hkv, std::int32_t group, std::int32_t d,
+                            std::int64_t nq, dtype type = dtype::f32, bool shuffle = true) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  problem p;
+  p.n = n, p.nq = nq, p.hkv = hkv, p.hq = hkv * group, p.d = d, p.type = type;
+  p.scale = 1.0 / std::sqrt(double(d));
+  p.k_exact.resize(std::size_t(n * hkv * d));
+  p.q_exact.resize(std::size_t(nq * p.hq * d));
+  for (auto& x : p.k_exact) x = normal(gen);
+  for (auto& x : p.q_exact) x = 1.5f * normal(gen);
+  for (float x : p.k_exact) p.k.push_back(round_to(type, x));
+  for (float x : p.q_exact) p.q.push_back(round_to(type, x));
+  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(n));  // time rank -> slot
+  std::iota(slot_of.begin(), slot_of.end(), std::int64_t{0});
+  if (shuffle) std::shuffle(slot_of.begin(), slot_of.end(), gen);
+  p.tokens.resize(std::size_t(n));
+  for (std::int64_t i = 0; i < n; ++i)
+    p.tokens[std::size_t(slot_of[std::size_t(i)])] = {i + i / 7, std::int32_t(i / 10), infkv::modality::text};
+  const std::int64_t last = n - 1 + (n - 1) / 7, step = std::max<std::int64_t>(1, n / (2 * nq));
+  for (std::int64_t i = 0; i < nq; ++i) p.qpos.push_back(last - (nq - 1 - i) * step);
+  return p;
+}
+
+/// How a tensor is laid out in memory.
+enum class layout { nhd, hnd, strided, paged };
+
+inline const char* to_string(layout l) {
+  switch (l) {
+    case layout::nhd: return "nhd";
+    case layout::hnd: return "hnd";
+    case layout::strided: return "strided";
+    case layout::paged: return "paged";
+  }
+  return "?";
+}
+
+/// A tensor [n][heads][d] stored in one layout. Padding and unused pages hold NaN, so a view
+/// that reads outside its rows poisons the result. Move-only: the views point into the buffers.
+struct stored {
+  layout kind = layout::nhd;
+  std::vector<std::uint8_t> bytes;
+  infkv::tensor_view tensor{};
+  std::vector<std::int32_t> indptr, indices, last;
+  infkv::paged_view paged{};
+
+  stored() = default;
+  stored(const stored&) = delete;
+  stored(stored&&) = default;
+  stored& operator=(stored&&) = default;
+
+  /// Calls f with the row source (`tensor_view`, or sequence 1's `paged_rows`).
+  template <class F>
+  auto visit(F&& f) const {
+    return kind == layout::paged ? f(infkv::key_rows(paged, 1)) : f(tensor);
+  }
+};
+
+inline void put(dtype t, float x, void* dst) { infkv::from_f32(t, &x, dst, 1); }
+
+inline void fill_nan(stored& s, dtype t) {
+  const std::size_t es = infkv::size_of(t);
+  for (std::size_t i = 0; i + es <= s.bytes.size(); i += es) put(t, std::numeric_limits<float>::quiet_NaN(), &s.bytes[i]);
+}
+
+/// Stores x ([n][heads][d], row-major) as type t in layout l. HND gets 3 spare slots per head;
+/// `strided` pads 3 elements after every head and 5 after every slot; `paged` uses pages of 6
+/// slots (not dividing n in the tests), page ids out of order, behind a 2-page decoy sequence.
+inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t heads, std::int32_t d, dtype t,
+                    layout l) {
+  stored s;
+  s.kind = l;
+  const auto es = std::int64_t(infkv::size_of(t));
+  auto at = [&](std::int64_t slot, std::int32_t h) { return x.data() + (slot * heads + h) * d; };
+  if (l != layout::paged) {
+    infkv::tensor_view v{};
+    if (l == layout::nhd) v = infkv::nhd(nullptr, t, n, heads, d);
+    if (l == layout::hnd) v = infkv::hnd(nullptr, t, n, heads, d, n + 3);
+    if (l == layout::strided) v = {nullptr, t, n, heads, d, std::int64_t(heads) * (d + 3) + 5, d + 3};
+    const std::int64_t elems = l == layout::hnd ? std::int64_t(heads) * (n + 3) * d : std::max<std::int64_t>(1, n) * v.slot_stride;
+    s.bytes.resize(std::size_t(elems * es));
+    fill_nan(s, t);
+    v.data = s.bytes.data();
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int32_t h = 0; h < heads; ++h) infkv::from_f32(t, at(j, h), v.row(j, h), d);
+    s.tensor = v;
+    return s;
+  }
+  const std::int32_t page = 6;
+  const auto pages = std::int32_t((n + page - 1) / page), total = pages + 2 + 3;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::reverse(ids.begin(), ids.end());                // descending page ids ...
+  std::rotate(ids.begin(), ids.begin() + 3, ids.end());  // ... with a wrap: not sequential
+  s.indptr = {0, 2, 2 + pages};
+  s.indices.assign(ids.begin(), ids.begin() + 2 + pages);
+  s.last = {page, n == 0 ? 0 : std::int32_t(n - std::int64_t(pages - 1) * page)};
+  const std::int64_t slot_stride = std::int64_t(heads) * d + 2, page_stride = page * slot_stride + 7;
+  s.bytes.resize(std::size_t(total * page_stride * es));
+  fill_nan(s, t);
+  infkv::paged_view& p = s.paged;
+  p.k = {s.bytes.data(), page_stride, slot_stride, d};
+  p.type = t, p.n_heads = heads, p.head_dim = d, p.page_size = page, p.n_seqs = 2;
+  p.indptr = s.indptr.data(), p.indices = s.indices.data(), p.last_page_len = s.last.data();
+  const auto decoy = infkv::key_rows(p, 0);  // the decoy sequence holds large finite values
+  std::vector<float> big(static_cast<std::size_t>(d), 1e3f);
+  for (std::int64_t j = 0; j < decoy.n_slots; ++j)
+    for (std::int32_t h = 0; h < heads; ++h) infkv::from_f32(t, big.data(), decoy.row(j, h), d);
+  const auto rows = infkv::key_rows(p, 1);
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int32_t h = 0; h < heads; ++h) infkv::from_f32(t, at(j, h), rows.row(j, h), d);
+  return s;
+}
+
+/// Queries of a problem stored NHD in its type.
+inline stored store_queries(const problem& p) { return store(p.q, p.nq, p.hq, p.d, p.type, layout::nhd); }
+
+/// Slots in time order: by position, then slot.
+inline std::vector<std::int64_t> ref_time_order(std::span<const token> tokens) {
+  std::vector<std::int64_t> o(tokens.size());
+  std::iota(o.begin(), o.end(), std::int64_t{0});
+  std::sort(o.begin(), o.end(), [&](std::int64_t a, std::int64_t b) {
+    const auto pa = tokens[std::size_t(a)].pos, pb = tokens[std::size_t(b)].pos;
+    return pa != pb ? pa < pb : a < b;
+  });
+  return o;
+}
+
+/// Softmax probabilities of query i (head hq) over the keys it sees (zero elsewhere).
+inline std::vector<double> ref_probs(const problem& p, std::int64_t i, std::int32_t hq) {
+  const std::int32_t h = hq / (p.hq / p.hkv);
+  std::vector<double> logit(static_cast<std::size_t>(p.n), -std::numeric_limits<double>::infinity());
+  double mx = -std::numeric_limits<double>::infinity();
+  for (std::int64_t j = 0; j < p.n; ++j) {
+    if (p.tokens[std::size_t(j)].pos > p.qpos[std::size_t(i)]) continue;
+    double dot = 0;
+    for (std::int32_t e = 0; e < p.d; ++e)
+      dot += double(p.q[std::size_t((i * p.hq + hq) * p.d + e)]) * double(p.k[std::size_t((j * p.hkv + h) * p.d + e)]);
+    logit[std::size_t(j)] = dot * p.scale;
+    mx = std::max(mx, logit[std::size_t(j)]);
+  }
+  std::vector<double> prob(static_cast<std::size_t>(p.n), 0.0);
+  if (mx == -std::numeric_limits<double>::infinity()) return prob;
+  double sum = 0;
+  for (std::int64_t j = 0; j < p.n; ++j) sum += prob[std::size_t(j)] = std::exp(logit[std::size_t(j)] - mx);
+  for (auto& v : prob) v /= sum;
+  return prob;
+}
+
+/// Window attention mass: per KV head, sum over queries [first, nq) of the probabilities, mean
+/// over the head's G query heads.
+inline ref_matrix ref_window_mass(const problem& p, std::int64_t first = 0) {
+  const std::int32_t g = p.hq / p.hkv;
+  ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+  for (std::int32_t hq = 0; hq < p.hq; ++hq)
+    for (std::int64_t i = first; i < p.nq; ++i) {
+      const auto pr = ref_probs(p, i, hq);
+      for (std::int64_t j = 0; j < p.n; ++j) out[std::size_t(hq / g)][std::size_t(j)] += pr[std::size_t(j)] / g;
+    }
+  return out;
+}
+
+/// 1-D pooling along time order, stride 1, zero padding: avg divides by the kernel.
+inline void ref_pool(ref_matrix& s, std::span<const token> tokens, std::int32_t kernel, infkv::pooling kind) {
+  if (kind == infkv::pooling::none) return;
+  const auto o = ref_time_order(tokens);
+  const auto n = std::int64_t(o.size());
+  for (auto& row : s) {
+    const auto in = row;
+    for (std::int64_t i = 0; i < n; ++i) {
+      double acc = kind == infkv::pooling::max ? -std::numeric_limits<double>::infinity() : 0.0;
+      for (std::int64_t j = i - kernel / 2; j <= i + kernel / 2; ++j) {
+        if (j < 0 || j >= n) continue;
+        const double v = in[std::size_t(o[std::size_t(j)])];
+        acc = kind == infkv::pooling::max ? std::max(acc, v) : acc + v;
+      }
+      row[std::size_t(o[std::size_t(i)])] = kind == infkv::pooling::avg ? acc / kernel : acc;
+    }
+  }
+}
+
+/// Attention bias: each row divided by its mean, plus beta * f(age), age over positions or
+/// segments scaled to [0, 1] (0 = newest), f linear (1 - a) or normalised exponential.
+inline void ref_bias(ref_matrix& s, std::span<const token> tokens, const infkv::attention_bias& b) {
+  if (b.beta == 0.0) return;
+  auto age_of = [&](const token& t) { return b.unit == infkv::age_unit::positions ? double(t.pos) : double(t.segment); };
+  double newest = -1e300, oldest = 1e300;
+  for (const auto& t : tokens) newest = std::max(newest, age_of(t)), oldest = std::min(oldest, age_of(t));
+  for (auto& row : s) {
+    double mean = 0;
+    for (double v : row) mean += v / double(row.size());
+    for (std::size_t j = 0; j < row.size(); ++j) {
+      const double a = newest > oldest ? (newest - age_of(tokens[j])) / (newest - oldest) : 0.0;
+      const double f = b.shape == infkv::decay::linear
+                           ? 1.0 - a
+                           : (std::exp(-b.rate * a) - std::exp(-b.rate)) / (1.0 - std::exp(-b.rate));
+      row[j] = (mean > 0 ? row[j] / mean : row[j]) + b.beta * f;
+    }
+  }
+}
+
+inline std::int64_t first_of_window(const problem& p, std::int64_t window) { return std::max<std::int64_t>(0, p.nq - window); }
+
+inline ref_matrix ref_snapkv(const problem& p, const infkv::snapkv& c) {
+  auto s = ref_window_mass(p, first_of_window(p, c.window));
+  ref_pool(s, p.tokens, c.kernel, c.pool);
+  return s;
+}
+
+inline ref_matrix ref_inf_mllm(const problem& p, const infkv::inf_mllm& c) {
+  auto s = ref_window_mass(p, first_of_window(p, c.window));
+  ref_pool(s, p.tokens, c.kernel, c.pool);
+  ref_bias(s, p.tokens, c.bias);
+  return s;
+}
+
+/// TOVA: probabilities of the last query, mean over every query head of the layer.
+inline ref_matrix ref_tova(const problem& p) {
+  ref_matrix out(1, std::vector<double>(std::size_t(p.n), 0.0));
+  for (std::int32_t hq = 0; hq < p.hq; ++hq) {
+    const auto pr = ref_probs(p, p.nq - 1, hq);
+    for (std::int64_t j = 0; j < p.n; ++j) out[0][std::size_t(j)] += pr[std::size_t(j)] / p.hq;
+  }
+  return out;
+}
+
+/// KeyDiff: -cos(k_j, mean of the unit keys) per KV head.
+inline ref_matrix ref_keydiff(const problem& p) {
+  ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+  auto key = [&](std::int64_t j, std::int32_t h, std::int32_t e) { return double(p.k[std::size_t((j * p.hkv + h) * p.d + e)]); };
+  auto norm = [&](std::int64_t j, std::int32_t h) {
+    double s = 0;
+    for (std::int32_t e = 0; e < p.d; ++e) s += key(j, h, e) * key(j, h, e);
+    return std::sqrt(s);
+  };
+  for (std::int32_t h = 0; h < p.hkv; ++h) {
+    std::vector<double> anchor(std::size_t(p.d), 0.0);
+    for (std::int64_t j = 0; j < p.n; ++j)
+      for (std::int32_t e = 0; e < p.d; ++e) anchor[std::size_t(e)] += key(j, h, e) / norm(j, h) / double(p.n);
+    double an = 0;
+    for (double a : anchor) an += a * a;
+    for (std::int64_t j = 0; j < p.n; ++j) {
+      double dot = 0;
+      for (std::int32_t e = 0; e < p.d; ++e) dot += key(j, h, e) * anchor[std::size_t(e)];
+      out[std::size_t(h)][std::size_t(j)] = -dot / (norm(j, h) * std::sqrt(an));
+    }
+  }
+  return out;
+}
+
+/// H2O after the steps (each a problem over the same keys and tokens with its own queries):
+/// acc = forgetting * acc + step mass; with lifetime, divided by max(1, queries that saw the slot).
+inline ref_matrix ref_h2o(std::span<const problem> steps, const infkv::h2o& c) {
+  const problem& p0 = steps[0];
+  ref_matrix acc(std::size_t(p0.hkv), std::vector<double>(std::size_t(p0.n), 0.0));
+  std::vector<double> life(std::size_t(p0.n), 0.0);
+  for (const auto& st : steps) {
+    const auto m = ref_window_mass(st);
+    for (std::size_t h = 0; h < acc.size(); ++h)
+      for (std::size_t j = 0; j < acc[h].size(); ++j) acc[h][j] = acc[h][j] * c.forgetting + m[h][j];
+    for (std::size_t j = 0; j < life.size(); ++j)
+      for (auto qp : st.qpos) life[j] += st.tokens[j].pos <= qp ? 1.0 : 0.0;
+  }
+  if (c.normalize_lifetime)
+    for (auto& row : acc)
+      for (std::size_t j = 0; j < row.size(); ++j) row[j] /= std::max(1.0, life[j]);
+  return acc;
+}
+
+/// Checks |got - want| <= rtol * |want| + atol * max|want row| element by element; names the
+/// first mismatch.
+inline void check_close(const infkv::score_matrix& got, const ref_matrix& want, double rtol, double atol,
+                        const std::string& what) {
+  INFO(what);
+  REQUIRE(got.rows == std::int64_t(want.size()));
+  std::int64_t bad = 0;
+  std::string first;
+  for (std::int64_t r = 0; r < got.rows; ++r) {
+    REQUIRE(got.cols == std::int64_t(want[std::size_t(r)].size()));
+    double row_max = 0;
+    for (double v : want[std::size_t(r)]) row_max = std::max(row_max, std::abs(v));
+    for (std::int64_t c = 0; c < got.cols; ++c) {
+      const double w = want[std::size_t(r)][std::size_t(c)], g = got(r, c);
+      if (!(std::abs(g - w) <= rtol * std::abs(w) + atol * row_max)) {
+        if (bad++ == 0) {
+          std::ostringstream os;
+          os << "[" << r << ", " << c << "]: got " << g << ", want " << w;
+          first = os.str();
+        }
+      }
+    }
+  }
+  CHECK_MESSAGE(bad == 0, bad, " mismatches, first ", first);
+}
+
+}  // namespace infkv_test

@@ -1,0 +1,205 @@
+// Every policy's CPU scores against naive double-precision references on random inputs, for
+// every element type (f32, f16, bf16), every view (NHD, HND with spare capacity, padded strides,
+// paged with out-of-order pages), GQA groups of 2 and 4, causally masked queries, and 1 or 2
+// threads (which must agree bit for bit).
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+
+#include "cpu/reference_helpers.hpp"
+
+using namespace infkv;
+using namespace infkv_test;
+
+namespace {
+
+/// Tolerance against the reference fed the stored (rounded) values: f32 arithmetic only.
+constexpr double rtol_stored = 2e-4, atol_stored = 2e-6;
+
+/// Tolerance against the reference fed the values before rounding to the element type.
+double rtol_exact(dtype t) { return t == dtype::f32 ? 2e-4 : t == dtype::f16 ? 5e-3 : 5e-2; }
+double atol_exact(dtype t) { return t == dtype::f32 ? 2e-6 : t == dtype::f16 ? 5e-4 : 5e-3; }
+
+/// The problem with its unrounded values, as if the cache held them exactly.
+problem exact(problem p) {
+  p.k = p.k_exact;
+  p.q = p.q_exact;
+  return p;
+}
+
+/// Calls f(problem, layer_inputs, label) for every type x layout x GQA group.
+template <class F>
+void for_each_setup(std::uint64_t seed, F&& f) {
+  for (dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+    for (layout l : {layout::nhd, layout::hnd, layout::strided, layout::paged})
+      for (std::int32_t group : {2, 4}) {
+        const problem p = make_problem(seed++, 70, 2, group, 12, 5, t);
+        const stored keys = store(p.k, p.n, p.hkv, p.d, t, l);
+        const stored queries = store_queries(p);
+        const std::string label = std::string(to_string(t)) + "/" + to_string(l) + "/G=" + std::to_string(group);
+        INFO(label);
+        keys.visit([&](const auto& rows) {
+          layer_inputs<std::decay_t<decltype(rows)>> in{rows, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+          f(p, in, label);
+          return 0;
+        });
+      }
+}
+
+/// Checks a policy's layer scores against `ref` on stored and exact values, and threads = 2.
+template <class P, class Inputs, class Ref>
+void check_policy(const P& policy, const problem& p, const Inputs& in, const std::string& label, Ref&& ref) {
+  const auto got = cpu::layer_scores(policy, in);
+  check_close(got, ref(p), rtol_stored, atol_stored, label + " vs stored values");
+  check_close(got, ref(exact(p)), rtol_exact(p.type), atol_exact(p.type), label + " vs exact values");
+  CHECK(cpu::layer_scores(policy, in, cpu::executor{2}).data == got.data);
+}
+
+}  // namespace
+
+TEST_CASE("window attention mass matches the reference on every type, view and GQA group") {
+  for_each_setup(100, [](const problem& p, const auto& in, const std::string& label) {
+    const auto got = cpu::window_attention(in);
+    check_close(got, ref_window_mass(p), rtol_stored, atol_stored, label);
+    check_close(got, ref_window_mass(exact(p)), rtol_exact(p.type), atol_exact(p.type), label + " exact");
+    CHECK(cpu::window_attention(in, cpu::executor{2}).data == got.data);
+    CHECK(cpu::window_attention(in, cpu::executor{7}).data == got.data);
+    // Every query sees at least one key, so the mass adds up to the number of queries per head.
+    for (std::int64_t h = 0; h < got.rows; ++h) {
+      double total = 0;
+      for (float v : got.row(h)) total += v;
+      CHECK(total == doctest::Approx(double(p.nq)).epsilon(1e-4));
+    }
+  });
+}
+
+TEST_CASE("window attention honours an explicit scale and zeroes queries that see no key") {
+  problem p = make_problem(7, 30, 2, 2, 8, 4, dtype::f32);
+  p.qpos[0] = -1;  // sees nothing
+  p.scale = 0.3;
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.3f};
+  check_close(cpu::window_attention(in), ref_window_mass(p), rtol_stored, atol_stored, "scale 0.3");
+  in.query_pos = std::span<const std::int64_t>(p.qpos).first(1);
+  in.queries.n_slots = 1;
+  const auto none = cpu::window_attention(in);
+  for (float v : none.data) CHECK(v == 0.f);
+}
+
+TEST_CASE("snapkv scores match the reference with avg and max pooling") {
+  for (const snapkv cfg : {snapkv{.window = 3, .kernel = 5, .pool = pooling::avg},
+                           snapkv{.window = 4, .kernel = 7, .pool = pooling::max},
+                           snapkv{.window = 2, .kernel = 1, .pool = pooling::avg}}) {
+    CAPTURE(cfg.window);
+    CAPTURE(cfg.kernel);
+    for_each_setup(200, [&](const problem& p, const auto& in, const std::string& label) {
+      check_policy(cfg, p, in, label + "/snapkv", [&](const problem& q) { return ref_snapkv(q, cfg); });
+    });
+  }
+}
+
+TEST_CASE("inf_mllm scores match the reference with the bias off and on") {
+  const inf_mllm configs[] = {
+      {.window = 4, .kernel = 3, .pool = pooling::sum, .bias = {}},
+      {.window = 3, .kernel = 5, .pool = pooling::sum, .bias = {.beta = 0.5, .shape = decay::linear}},
+      {.window = 5, .kernel = 3, .pool = pooling::sum,
+       .bias = {.beta = 0.8, .shape = decay::exponential, .unit = age_unit::segments, .rate = 3.0}},
+      {.window = 2, .kernel = 1, .pool = pooling::none,
+       .bias = {.beta = 2.0, .shape = decay::exponential, .unit = age_unit::positions}},
+  };
+  for (const auto& cfg : configs) {
+    CAPTURE(cfg.bias.beta);
+    CAPTURE(cfg.window);
+    for_each_setup(300, [&](const problem& p, const auto& in, const std::string& label) {
+      check_policy(cfg, p, in, label + "/inf_mllm", [&](const problem& q) { return ref_inf_mllm(q, cfg); });
+    });
+  }
+}
+
+TEST_CASE("tova scores match the reference: last query, mean over every head") {
+  for_each_setup(400, [&](const problem& p, const auto& in, const std::string& label) {
+    check_policy(tova{}, p, in, label + "/tova", [](const problem& q) { return ref_tova(q); });
+  });
+}
+
+TEST_CASE("keydiff scores match the reference") {
+  for_each_setup(500, [&](const problem& p, const auto& in, const std::string& label) {
+    check_policy(keydiff{}, p, in, label + "/keydiff", [](const problem& q) { return ref_keydiff(q); });
+    CHECK(cpu::keydiff_scores(in.keys, cpu::executor{2}).data == cpu::keydiff_scores(in.keys).data);
+  });
+}
+
+TEST_CASE("streaming_llm scores are the time rank of each slot") {
+  const problem p = make_problem(9, 25, 2, 2, 4, 2);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const auto s = cpu::layer_scores(streaming_llm{}, in);
+  const auto order = ref_time_order(p.tokens);
+  REQUIRE(s.rows == 1);
+  for (std::size_t i = 0; i < order.size(); ++i) CHECK(s(0, order[i]) == float(i));
+}
+
+TEST_CASE("h2o accumulates the reference's running sum, with forgetting and lifetime") {
+  for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true}, h2o{.forgetting = 0.7},
+                        h2o{.normalize_lifetime = true, .forgetting = 0.5}}) {
+    CAPTURE(cfg.forgetting);
+    CAPTURE(cfg.normalize_lifetime);
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+      for (layout l : {layout::nhd, layout::hnd, layout::strided, layout::paged}) {
+        INFO(to_string(t), "/", to_string(l));
+        // Three steps over the same cache, each with its own queries and visibility.
+        std::vector<problem> steps;
+        for (std::uint64_t s = 0; s < 3; ++s) {
+          problem st = make_problem(600 + s, 40, 2, 2, 8, 3 - std::int64_t(s), t);
+          if (s) st.k = steps[0].k, st.k_exact = steps[0].k_exact, st.tokens = steps[0].tokens;
+          for (auto& qp : st.qpos) qp -= std::int64_t(10 * (2 - s));  // early steps see fewer keys
+          steps.push_back(std::move(st));
+        }
+        const stored keys = store(steps[0].k, steps[0].n, steps[0].hkv, steps[0].d, t, l);
+        h2o_state one(cfg, 2), two(cfg, 2);
+        one.append(steps[0].n);
+        two.append(steps[0].n);
+        keys.visit([&](const auto& rows) {
+          for (const auto& st : steps) {
+            const stored queries = store_queries(st);
+            const layer_inputs<std::decay_t<decltype(rows)>> in{rows, {}, queries.tensor, st.qpos, st.tokens, 0.f};
+            cpu::observe(one, in);
+            cpu::observe(two, in, cpu::executor{2});
+          }
+          const layer_inputs<std::decay_t<decltype(rows)>> last{rows, {}, {}, {}, steps[0].tokens, 0.f};
+          const auto got = cpu::score(one, last);
+          check_close(got, ref_h2o(steps, cfg), rtol_stored, atol_stored, "h2o");
+          CHECK(two.scores().data == got.data);
+          return 0;
+        });
+      }
+  }
+}
+
+TEST_CASE("h2o state follows eviction: kept slots keep their accumulated scores, new slots start at zero") {
+  const problem p = make_problem(700, 20, 2, 2, 8, 3);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  h2o_state st(h2o{}, 2);
+  st.append(p.n);
+  cpu::observe(st, in);
+  const auto before = st.scores();
+  const auto keep = cpu::select(st, budget{.capacity = 8, .sinks = 1, .recent = 2}, in, granularity::per_head);
+  REQUIRE(keep.n_units() == 2);
+  st.evict(keep);
+  REQUIRE(st.n_slots() == 8);
+  st.append(3);
+  const auto after = st.scores();
+  for (std::int64_t h = 0; h < 2; ++h) {
+    const auto slots = keep.unit(h);
+    for (std::size_t i = 0; i < slots.size(); ++i) CHECK(after(h, std::int64_t(i)) == before(h, slots[i]));
+    for (std::int64_t j = 8; j < 11; ++j) CHECK(after(h, j) == 0.f);
+  }
+}

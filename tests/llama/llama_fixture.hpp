@@ -1,0 +1,145 @@
+// Shared helpers of the llama.cpp adapter tests: tiny random-weight models written by
+// make_tiny_llama.py, contexts routed to a session, deterministic token streams.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <infkv/adapters/llama_cpp.hpp>
+
+namespace infkv_test {
+
+/// Loads llama.cpp once, with only its errors printed.
+inline void init_llama() {
+  static const bool once = [] {
+    llama_log_set([](ggml_log_level level, const char* text, void*) {
+      if (level == GGML_LOG_LEVEL_ERROR) std::fprintf(stderr, "[llama.cpp] %s", text);
+    }, nullptr);
+    llama_backend_init();
+    return true;
+  }();
+  (void)once;
+}
+
+struct model_deleter {
+  void operator()(llama_model* m) const { llama_model_free(m); }
+};
+struct context_deleter {
+  void operator()(llama_context* c) const { llama_free(c); }
+};
+using model_ptr = std::unique_ptr<llama_model, model_deleter>;
+using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+
+/// The tiny llama model with `layers` layers (64-dim embeddings, 4 heads, 2 KV heads, vocab 128).
+inline model_ptr tiny_model(int layers) {
+  init_llama();
+  const std::string path = std::string(INFKV_TEST_MODEL_DIR) + "/tiny-llama-" + std::to_string(layers) + ".gguf";
+  auto mp = llama_model_default_params();
+  mp.n_gpu_layers = 0;
+  model_ptr m(llama_model_load_from_file(path.c_str(), mp));
+  REQUIRE_MESSAGE(m != nullptr, "cannot load ", path);
+  return m;
+}
+
+/// Context settings the tests vary.
+struct ctx_config {
+  bool flash_attn = false;
+  std::uint32_t n_ctx = 256;
+  std::uint32_t n_ubatch = 64;
+  ggml_type type_k = GGML_TYPE_F32;
+};
+
+inline llama_context_params context_params(const ctx_config& c) {
+  auto p = llama_context_default_params();
+  p.n_ctx = c.n_ctx;
+  p.n_batch = c.n_ctx;
+  p.n_ubatch = c.n_ubatch;
+  p.n_threads = 1;
+  p.n_threads_batch = 1;
+  p.no_perf = true;
+  p.flash_attn_type = c.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  p.type_k = c.type_k;
+  p.type_v = c.type_k;
+  return p;
+}
+
+/// A context created from parameters attached to `s`, and bound to it.
+inline context_ptr bound_context(llama_model* m, infkv::llama_cpp::session& s, const ctx_config& c = {}) {
+  auto p = context_params(c);
+  s.attach(p);
+  context_ptr ctx(llama_init_from_model(m, p));
+  REQUIRE(ctx != nullptr);
+  s.bind(ctx.get());
+  return ctx;
+}
+
+/// A plain context (no session).
+inline context_ptr plain_context(llama_model* m, const ctx_config& c = {}) {
+  auto p = context_params(c);
+  context_ptr ctx(llama_init_from_model(m, p));
+  REQUIRE(ctx != nullptr);
+  return ctx;
+}
+
+/// `n` token ids in [3, 128) from a fixed seed.
+inline std::vector<llama_token> random_tokens(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<llama_token> d(3, 127);
+  std::vector<llama_token> t(n);
+  for (auto& x : t) x = d(rng);
+  return t;
+}
+
+/// Logits of the last output of the last decode.
+inline std::vector<float> last_logits(llama_context* ctx) {
+  const float* l = llama_get_logits_ith(ctx, -1);
+  REQUIRE(l != nullptr);
+  const int n = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+  return {l, l + n};
+}
+
+inline float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  float m = 0.f;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+/// Decodes `tokens` into a plain context at positions 0, 1, ... (sequence 0); returns the status.
+inline int plain_decode(llama_context* ctx, const std::vector<llama_token>& tokens, int first_pos = 0) {
+  llama_batch b = llama_batch_init(int(tokens.size()), 0, 1);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    b.token[i] = tokens[i];
+    b.pos[i] = first_pos + int(i);
+    b.n_seq_id[i] = 1;
+    b.seq_id[i][0] = 0;
+    b.logits[i] = i + 1 == tokens.size();
+  }
+  b.n_tokens = int(tokens.size());
+  const int rc = llama_decode(ctx, b);
+  llama_batch_free(b);
+  return rc;
+}
+
+/// Checks the session's bookkeeping against the llama memory directly.
+inline void check_memory_matches(const infkv::llama_cpp::session& s) {
+  llama_memory_t mem = llama_get_memory(s.context());
+  const auto seq = s.options().seq;
+  if (s.size() == 0) {
+    CHECK(llama_memory_seq_pos_min(mem, seq) == -1);
+    CHECK(llama_memory_seq_pos_max(mem, seq) == -1);
+    return;
+  }
+  std::int64_t lo = s.tokens()[0].pos, hi = lo;
+  for (const auto& t : s.tokens()) lo = std::min(lo, t.pos), hi = std::max(hi, t.pos);
+  CHECK(llama_memory_seq_pos_min(mem, seq) == lo);
+  CHECK(llama_memory_seq_pos_max(mem, seq) == hi);
+}
+
+}  // namespace infkv_test

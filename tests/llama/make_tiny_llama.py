@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Writes a tiny random-weight llama-architecture GGUF for the llama.cpp adapter tests.
+
+Usage: make_tiny_llama.py OUT.gguf --layers N [--seed S] [--embd 64] [--heads 4] [--kv-heads 2]
+       [--vocab 128] [--ctx 512] [--theta 10000]
+
+Needs gguf-py (llama.cpp's gguf-py/ on PYTHONPATH) and numpy. The vocabulary is a placeholder
+("none" tokenizer with `vocab_size` ids): the tests feed token ids directly.
+"""
+import argparse
+
+import numpy as np
+import gguf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--embd", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ff", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--theta", type=float, default=10000.0)
+    a = ap.parse_args()
+
+    head_dim = a.embd // a.heads
+    rng = np.random.default_rng(a.seed)
+
+    def w(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    g = gguf.GGUFWriter(a.out, "llama")
+    g.add_name("infkv-tiny-llama")
+    g.add_block_count(a.layers)
+    g.add_context_length(a.ctx)
+    g.add_embedding_length(a.embd)
+    g.add_feed_forward_length(a.ff)
+    g.add_head_count(a.heads)
+    g.add_head_count_kv(a.kv_heads)
+    g.add_rope_dimension_count(head_dim)
+    g.add_rope_freq_base(a.theta)
+    g.add_layer_norm_rms_eps(1e-5)
+    g.add_file_type(gguf.LlamaFileType.ALL_F32)
+    g.add_vocab_size(a.vocab)
+    g.add_tokenizer_model("none")
+
+    s_in = 1.0 / np.sqrt(a.embd)
+    # Large query/key weights make attention peaked, so that evicting tokens visibly matters.
+    g.add_tensor("token_embd.weight", w(a.vocab, a.embd, 1.0))
+    for i in range(a.layers):
+        p = f"blk.{i}."
+        g.add_tensor(p + "attn_norm.weight", norm(a.embd))
+        g.add_tensor(p + "attn_q.weight", w(a.heads * head_dim, a.embd, 3.0 * s_in))
+        g.add_tensor(p + "attn_k.weight", w(a.kv_heads * head_dim, a.embd, 3.0 * s_in))
+        g.add_tensor(p + "attn_v.weight", w(a.kv_heads * head_dim, a.embd, s_in))
+        g.add_tensor(p + "attn_output.weight", w(a.embd, a.heads * head_dim, s_in))
+        g.add_tensor(p + "ffn_norm.weight", norm(a.embd))
+        g.add_tensor(p + "ffn_gate.weight", w(a.ff, a.embd, s_in))
+        g.add_tensor(p + "ffn_up.weight", w(a.ff, a.embd, s_in))
+        g.add_tensor(p + "ffn_down.weight", w(a.embd, a.ff, 1.0 / np.sqrt(a.ff)))
+    g.add_tensor("output_norm.weight", norm(a.embd))
+    g.add_tensor("output.weight", w(a.vocab, a.embd, s_in))
+
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+// llama.cpp adapter: eviction with every policy, the per-token selection it makes, and H2O's
+// state mirroring the cache.
+#include "llama_fixture.hpp"
+
+#include <algorithm>
+#include <set>
+
+using namespace infkv_test;
+namespace lc = infkv::llama_cpp;
+
+namespace {
+
+/// Decodes 48 tokens in chunks, evicts with `p` to 24 slots, checks the cache, decodes on.
+template <class P>
+lc::eviction_result evict_and_go_on(lc::session& s, const P& p) {
+  const auto toks = random_tokens(48, 51);
+  for (std::size_t i = 0; i < toks.size(); i += 12)
+    REQUIRE(s.decode(std::vector<llama_token>(toks.begin() + std::ptrdiff_t(i), toks.begin() + std::ptrdiff_t(i + 12))) == 0);
+  const auto r = s.evict(p, {.capacity = 24, .sinks = 2, .recent = 4});
+  CHECK(r.kept == 24);
+  CHECK(r.evicted == 24);
+  CHECK(s.size() == 24);
+  check_memory_matches(s);
+  std::int64_t removed = 0;
+  for (const auto& run : r.removed) {
+    CHECK(run.begin >= 2);   // sinks kept
+    CHECK(run.end <= 44);    // recent kept
+    removed += run.end - run.begin;
+  }
+  CHECK(removed == 24);
+  REQUIRE(s.decode(std::vector<llama_token>{11, 12}) == 0);
+  CHECK(s.size() == 26);
+  check_memory_matches(s);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("llama session: eviction works with every policy") {
+  auto model = tiny_model(2);
+  SUBCASE("streaming_llm keeps sinks and the newest tokens") {
+    lc::session s(model.get());
+    auto ctx = bound_context(model.get(), s);
+    const auto r = evict_and_go_on(s, infkv::streaming_llm{});
+    REQUIRE(r.removed.size() == 1);
+    CHECK(r.removed[0] == infkv::position_run{2, 26});
+  }
+  SUBCASE("snapkv keeps its observation window") {
+    lc::session s(model.get(), {.window = 16});
+    auto ctx = bound_context(model.get(), s, {.flash_attn = true});
+    const auto r = evict_and_go_on(s, infkv::snapkv{.window = 12});
+    for (const auto& run : r.removed) CHECK(run.end <= 36);
+  }
+  SUBCASE("keydiff") {
+    lc::session s(model.get(), {.key_type = infkv::dtype::f16, .reduce = infkv::reduction::max});
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, infkv::keydiff{});
+  }
+  SUBCASE("tova") {
+    lc::session s(model.get(), {.reduce = infkv::reduction::sum});
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, infkv::tova{});
+  }
+  SUBCASE("h2o, its state mirroring the cache") {
+    lc::session s(model.get(), {.track_h2o = infkv::h2o{.normalize_lifetime = true}});
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, infkv::h2o{.normalize_lifetime = true});
+    for (int l = 0; l < 2; ++l) {
+      CHECK(s.h2o_scores(l).n_slots() == s.size());
+      CHECK(s.h2o_scores(l).n_heads() == 2);
+    }
+    // Each decode step spreads one unit of attention per query head over the visible keys:
+    // the last two tokens' queries added mass 1 per KV head (mean of its 2 query heads) each.
+    const auto sc = s.h2o_scores(0).scores();
+    CHECK(sc(0, s.size() - 1) > 0.f);
+  }
+  SUBCASE("inf_mllm with attention bias") {
+    lc::session s(model.get());
+    auto ctx = bound_context(model.get(), s, {.flash_attn = true});
+    evict_and_go_on(s, infkv::inf_mllm{.window = 8, .bias = {.beta = 0.5}});
+  }
+}
+
+TEST_CASE("llama session: the per-token choice is the top of the layers' combined scores") {
+  auto model = tiny_model(2);
+  lc::session s(model.get(), {.window = 8, .positions = lc::position_mode::keep});
+  auto ctx = bound_context(model.get(), s);
+  REQUIRE(s.decode(random_tokens(40, 61)) == 0);
+  const infkv::snapkv p{.window = 8, .kernel = 3};
+  // Expected: mean over every head row of both layers, computed here from the layer scores.
+  std::vector<float> mean(40, 0.f);
+  int rows = 0;
+  for (int l = 0; l < 2; ++l) {
+    const auto sc = infkv::cpu::layer_scores(p, s.inputs(l));
+    for (std::int64_t r = 0; r < sc.rows; ++r, ++rows)
+      for (std::int64_t j = 0; j < 40; ++j) mean[std::size_t(j)] += sc(r, j);
+  }
+  REQUIRE(rows == 4);
+  std::vector<std::int64_t> cand;  // positions 1..31: not sink (0), not window (32..39)
+  for (std::int64_t j = 1; j < 32; ++j) cand.push_back(j);
+  std::stable_sort(cand.begin(), cand.end(), [&](auto a, auto b) { return mean[std::size_t(a)] > mean[std::size_t(b)]; });
+  std::set<std::int64_t> want{0};
+  for (std::int64_t j = 32; j < 40; ++j) want.insert(j);
+  for (int i = 0; i < 11; ++i) want.insert(cand[std::size_t(i)]);
+  s.evict(p, {.capacity = 20, .sinks = 1});
+  std::set<std::int64_t> got;
+  for (const auto& t : s.tokens()) got.insert(t.pos);
+  CHECK(got == want);
+  check_memory_matches(s);
+}
+
+TEST_CASE("llama session: h2o accumulates the attention of every decode") {
+  auto model = tiny_model(1);
+  lc::session s(model.get(), {.track_h2o = infkv::h2o{}});
+  auto ctx = bound_context(model.get(), s);
+  REQUIRE(s.decode(random_tokens(10, 71)) == 0);
+  // Ten causal queries: each KV head's row sums to 10 (one unit of probability per query).
+  auto sc = s.h2o_scores(0).scores();
+  for (std::int64_t h = 0; h < 2; ++h) {
+    float sum = 0.f;
+    for (std::int64_t j = 0; j < 10; ++j) sum += sc(h, j);
+    CHECK(sum == doctest::Approx(10.f).epsilon(1e-4));
+  }
+  // The first token is seen by all ten queries, the last by one: its mass is at most 1.
+  CHECK(sc(0, 9) <= 1.f + 1e-5f);
+  REQUIRE(s.decode(std::vector<llama_token>{4}) == 0);
+  sc = s.h2o_scores(0).scores();
+  float sum = 0.f;
+  for (std::int64_t j = 0; j < 11; ++j) sum += sc(1, j);
+  CHECK(sum == doctest::Approx(11.f).epsilon(1e-4));
+  const auto r = s.evict(infkv::h2o{}, {.capacity = 6, .sinks = 1, .recent = 2});
+  CHECK(r.kept == 6);
+  CHECK(s.h2o_scores(0).n_slots() == 6);
+  check_memory_matches(s);
+}

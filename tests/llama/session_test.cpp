@@ -1,0 +1,269 @@
+// llama.cpp adapter: bookkeeping against the llama memory through decodes, evictions, position
+// compaction and failing decodes; the captured queries and keys.
+#include "llama_fixture.hpp"
+
+#include <algorithm>
+#include <set>
+
+using namespace infkv_test;
+namespace lc = infkv::llama_cpp;
+
+namespace {
+
+std::set<std::int64_t> positions(const lc::session& s) {
+  std::set<std::int64_t> p;
+  for (const auto& t : s.tokens()) p.insert(t.pos);
+  return p;
+}
+
+std::set<std::int64_t> range_set(std::int64_t n) {
+  std::set<std::int64_t> p;
+  for (std::int64_t i = 0; i < n; ++i) p.insert(i);
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("llama session: bookkeeping follows decodes and evictions in compact mode") {
+  auto model = tiny_model(2);
+  bool fa = false;
+  SUBCASE("flash attention off") { fa = false; }
+  SUBCASE("flash attention on") { fa = true; }
+  lc::session s(model.get(), {.key_type = infkv::dtype::f16});
+  auto ctx = bound_context(model.get(), s, {.flash_attn = fa, .n_ubatch = 16});
+  REQUIRE(s.mode() == lc::position_mode::compact);
+  CHECK(s.rope().kind == "norm");
+  CHECK(s.rope().params.theta == doctest::Approx(10000.0));
+
+  REQUIRE(s.decode(random_tokens(40, 1)) == 0);
+  CHECK(s.size() == 40);
+  CHECK(positions(s) == range_set(40));
+  check_memory_matches(s);
+  CHECK(s.inputs(1).keys.n_slots == 40);
+  CHECK(s.inputs(1).queries.n_slots == 32);  // the window
+  CHECK(s.inputs(0).query_pos.back() == 39);
+
+  const auto stream = random_tokens(60, 2);
+  std::int64_t decoded = 40;
+  for (int round = 0; round < 4; ++round) {
+    const auto r = s.evict(infkv::snapkv{.window = 8}, {.capacity = 24, .sinks = 2});
+    CHECK(r.kept == 24);
+    CHECK(r.evicted == decoded - 24);
+    CHECK(r.shifted);
+    CHECK(s.size() == 24);
+    CHECK(positions(s) == range_set(24));
+    CHECK(s.next_pos() == 24);
+    check_memory_matches(s);
+    for (int l = 0; l < 2; ++l) CHECK(s.inputs(l).keys.n_slots == 24);
+    for (int i = 0; i < 6; ++i) {
+      REQUIRE(s.decode(std::vector<llama_token>{stream[std::size_t(round * 6 + i)]}) == 0);
+      check_memory_matches(s);
+    }
+    decoded = 30;
+    CHECK(s.size() == 30);
+    CHECK(positions(s) == range_set(30));
+  }
+}
+
+TEST_CASE("llama session: keep mode leaves holes and continues after the newest position") {
+  auto model = tiny_model(2);
+  lc::session s(model.get(), {.positions = lc::position_mode::keep});
+  auto ctx = bound_context(model.get(), s);
+  CHECK(s.mode() == lc::position_mode::keep);
+  REQUIRE(s.decode(random_tokens(50, 3)) == 0);
+  const auto r = s.evict(infkv::keydiff{}, {.capacity = 20, .sinks = 3, .recent = 5});
+  CHECK_FALSE(r.shifted);
+  CHECK(s.size() == 20);
+  const auto p = positions(s);
+  CHECK(p.size() == 20);
+  for (std::int64_t i = 0; i < 3; ++i) CHECK(p.count(i) == 1);
+  for (std::int64_t i = 45; i < 50; ++i) CHECK(p.count(i) == 1);
+  check_memory_matches(s);
+  // The removed runs and the kept positions partition [0, 50).
+  std::int64_t removed = 0;
+  for (const auto& run : r.removed) {
+    for (std::int64_t q = run.begin; q < run.end; ++q) CHECK(p.count(q) == 0);
+    removed += run.end - run.begin;
+  }
+  CHECK(removed == 30);
+  CHECK(s.next_pos() == 50);
+  REQUIRE(s.decode(random_tokens(3, 4)) == 0);
+  CHECK(s.tokens().back().pos == 52);
+  check_memory_matches(s);
+}
+
+TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory unchanged") {
+  auto model = tiny_model(2);
+  lc::session s(model.get());
+  auto ctx = bound_context(model.get(), s, {.n_ctx = 256, .n_ubatch = 8});
+  REQUIRE(llama_n_ctx(ctx.get()) == 256);
+  REQUIRE(s.decode(random_tokens(20, 5)) == 0);
+
+  SUBCASE("token id outside the vocabulary") {
+    auto bad = random_tokens(5, 6);
+    bad[3] = 100000;
+    CHECK(s.decode(bad) != 0);
+  }
+  SUBCASE("position that does not follow the newest one") {
+    llama_batch b = llama_batch_init(2, 0, 1);
+    for (int i = 0; i < 2; ++i) b.token[i] = 7, b.pos[i] = 25 + i, b.n_seq_id[i] = 1, b.seq_id[i][0] = 0, b.logits[i] = 1;
+    b.n_tokens = 2;
+    CHECK(s.decode(b) != 0);
+    llama_batch_free(b);
+  }
+  SUBCASE("no room left in the context") {
+    CHECK(s.decode(random_tokens(240, 7)) == 1);  // 20 + 240 > 256 cells
+    CHECK(s.size() == 20);
+    check_memory_matches(s);
+    s.evict(infkv::streaming_llm{}, {.capacity = 10, .sinks = 2});
+    CHECK(s.size() == 10);
+    REQUIRE(s.decode(random_tokens(240, 7)) == 0);  // fits now
+    CHECK(s.size() == 250);
+    check_memory_matches(s);
+    return;
+  }
+  SUBCASE("another sequence id is refused before decoding") {
+    llama_batch b = llama_batch_init(1, 0, 1);
+    b.token[0] = 7, b.pos[0] = 20, b.n_seq_id[0] = 1, b.seq_id[0][0] = 3, b.logits[0] = 1;
+    b.n_tokens = 1;
+    CHECK_THROWS_WITH_AS(s.decode(b), doctest::Contains("batch.seq_id[0][0] = 3"), infkv::error);
+    llama_batch_free(b);
+  }
+  CHECK(s.size() == 20);
+  CHECK(positions(s) == range_set(20));
+  CHECK(s.inputs(0).keys.n_slots == 20);
+  check_memory_matches(s);
+  REQUIRE(s.decode(random_tokens(2, 8)) == 0);
+  CHECK(s.tokens().back().pos == 21);
+  check_memory_matches(s);
+}
+
+namespace {
+
+/// A caller's own eval callback that requests an abort while the second micro-batch computes.
+struct abort_after_first_ubatch {
+  int kcur0_seen = 0;
+  bool abort = false;
+  static bool eval(ggml_tensor* t, bool ask, void* user) {
+    auto* self = static_cast<abort_after_first_ubatch*>(user);
+    const bool want = t->op == GGML_OP_ROPE && std::string(ggml_get_name(t)) == "Kcur-0";
+    if (ask) return want;
+    if (want && ++self->kcur0_seen == 2) self->abort = true;
+    return true;
+  }
+  static bool should_abort(void* user) { return static_cast<abort_after_first_ubatch*>(user)->abort; }
+};
+
+}  // namespace
+
+TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_eval still runs") {
+  auto model = tiny_model(2);
+  lc::session s(model.get());
+  abort_after_first_ubatch user;
+  auto p = context_params({.n_ubatch = 8});
+  p.cb_eval = &abort_after_first_ubatch::eval;
+  p.cb_eval_user_data = &user;
+  p.abort_callback = &abort_after_first_ubatch::should_abort;
+  p.abort_callback_data = &user;
+  s.attach(p);
+  context_ptr ctx(llama_init_from_model(model.get(), p));
+  REQUIRE(ctx != nullptr);
+  s.bind(ctx.get());
+
+  REQUIRE(s.decode(random_tokens(4, 9)) == 0);  // one micro-batch: no abort
+  CHECK(user.kcur0_seen == 1);
+  const int rc = s.decode(random_tokens(24, 10));  // three micro-batches: aborted in the second
+  CHECK(rc != 0);
+  CHECK(user.abort);
+  CHECK(s.size() == 4);
+  check_memory_matches(s);
+  user.abort = false;
+  user.kcur0_seen = 100;
+  REQUIRE(s.decode(random_tokens(24, 10)) == 0);
+  CHECK(s.size() == 28);
+  check_memory_matches(s);
+}
+
+TEST_CASE("llama session: a context whose cb_eval was replaced is detected and rolled back") {
+  auto model = tiny_model(1);
+  lc::session s(model.get());
+  auto p = context_params({});
+  s.attach(p);
+  p.cb_eval = nullptr;
+  context_ptr ctx(llama_init_from_model(model.get(), p));
+  s.bind(ctx.get());
+  CHECK_THROWS_WITH_AS(s.decode(random_tokens(5, 11)), doctest::Contains("cb_eval saw 0 query"), infkv::error);
+  CHECK(s.size() == 0);
+  check_memory_matches(s);
+}
+
+namespace {
+
+/// Largest element difference of two row sources with the same shape, and the largest magnitude.
+std::pair<float, float> row_diff(const infkv::tensor_view& a, const infkv::tensor_view& b) {
+  REQUIRE(a.n_slots == b.n_slots);
+  REQUIRE(a.n_heads == b.n_heads);
+  float d = 0.f, mag = 0.f;
+  for (std::int64_t j = 0; j < a.n_slots; ++j)
+    for (int h = 0; h < a.n_heads; ++h)
+      for (int e = 0; e < a.head_dim; ++e) {
+        const float x = static_cast<float*>(a.row(j, h))[e], y = static_cast<float*>(b.row(j, h))[e];
+        d = std::max(d, std::fabs(x - y)), mag = std::max(mag, std::fabs(x));
+      }
+  return {d, mag};
+}
+
+}  // namespace
+
+TEST_CASE("llama session: captured keys and queries do not depend on batching or flash attention") {
+  auto model = tiny_model(2);
+  const auto toks = random_tokens(20, 12);
+  lc::session one(model.get()), many(model.get()), flash(model.get());
+  auto c1 = bound_context(model.get(), one, {.n_ubatch = 8});
+  auto c2 = bound_context(model.get(), many, {});
+  auto c3 = bound_context(model.get(), flash, {.flash_attn = true, .n_ubatch = 8});
+  REQUIRE(one.decode(toks) == 0);  // 3 micro-batches
+  REQUIRE(flash.decode(toks) == 0);
+  for (auto t : toks) REQUIRE(many.decode(std::vector<llama_token>{t}) == 0);
+  for (int l = 0; l < 2; ++l) {
+    const auto a = one.inputs(l), b = many.inputs(l), f = flash.inputs(l);
+    CHECK(a.keys.n_heads == 2);
+    CHECK(a.queries.n_heads == 4);
+    CHECK(a.keys.head_dim == 16);
+    CHECK(std::ranges::equal(a.query_pos, b.query_pos));
+    CHECK(std::ranges::equal(a.query_pos, f.query_pos));
+    const auto [dk, mk] = row_diff(a.keys, b.keys);
+    const auto [dq, mq] = row_diff(a.queries, b.queries);
+    CHECK(mk > 0.1f);
+    CHECK(dk < 1e-5f * mk);
+    CHECK(dq < 1e-5f * mq);
+    // Layer 0's Q and K come before any attention: identical with flash attention; deeper layers
+    // see CPU flash attention's f16 rounding.
+    const auto [fk, fmk] = row_diff(a.keys, f.keys);
+    const auto [fq, fmq] = row_diff(a.queries, f.queries);
+    CHECK(fk <= (l == 0 ? 0.f : 1e-2f * fmk));
+    CHECK(fq <= (l == 0 ? 0.f : 1e-2f * fmq));
+  }
+}
+
+TEST_CASE("llama session: invalid use is reported with the argument's name") {
+  auto model = tiny_model(1);
+  CHECK_THROWS_WITH_AS(lc::session(nullptr), doctest::Contains("model = null"), infkv::error);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.window = 0}), doctest::Contains("session_options.window = 0"),
+                       infkv::error);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.key_type = infkv::dtype::bf16}),
+                       doctest::Contains("session_options.key_type = bf16"), infkv::error);
+  lc::session s(model.get(), {.window = 8});
+  auto plain = plain_context(model.get());
+  CHECK_THROWS_WITH_AS(s.bind(plain.get()), doctest::Contains("attached = false"), infkv::error);
+  auto ctx = bound_context(model.get(), s);
+  CHECK_THROWS_WITH_AS(s.decode(std::vector<llama_token>{}), doctest::Contains("tokens.size() = 0"), infkv::error);
+  REQUIRE(s.decode(random_tokens(30, 13)) == 0);
+  CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 16}, {.capacity = 20}),
+                       doctest::Contains("snapkv.window = 16"), infkv::error);
+  CHECK_THROWS_WITH_AS(s.evict(infkv::h2o{}, {.capacity = 20}), doctest::Contains("session_options.track_h2o"),
+                       infkv::error);
+  CHECK_THROWS_WITH_AS(s.inputs(1), doctest::Contains("layer = 1"), infkv::error);
+  CHECK(s.size() == 30);
+  check_memory_matches(s);
+}
