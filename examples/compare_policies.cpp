@@ -163,7 +163,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (list) {
-    for (const auto& p : compare::policies) std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+    for (const auto& p : compare::policies)
+      std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
     return 0;
   }
   // Policies in the table's order, each once.
@@ -233,7 +234,7 @@ int main(int argc, char** argv) {
       else
         recs.push_back(summarise(*run, name, run->capacity()));
     }
-    const std::size_t videos = std::size_t(std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& r) { return r.video; }));
+    const auto videos = std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& r) { return r.video; });
     if (json_path != "-") {
       std::cout << "infkv-compare: " << tokens << " tokens in " << w.rounds.size() << " rounds (" << videos
                 << " video), " << w.cfg.kv_heads << " KV heads x " << w.cfg.group << " query heads, d = "
@@ -252,6 +253,9 @@ int main(int argc, char** argv) {
   } catch (const infkv::error& e) {
     std::cerr << "infkv-compare: error: " << e.what() << '\n';
     return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "infkv-compare: failed: " << e.what() << '\n';
+    return 1;
   }
   return 0;
 }

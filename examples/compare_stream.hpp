@@ -157,7 +157,10 @@ class policy_run {
           const float* o = out.data() + (i * group_ + g) * d_;
           const float* ref = r.out.data() + (i * hq + h * group_ + g) * d_;
           double diff = 0.0, norm = 0.0;
-          for (std::int32_t e = 0; e < d_; ++e) diff += double(o[e] - ref[e]) * (o[e] - ref[e]), norm += double(ref[e]) * ref[e];
+          for (std::int32_t e = 0; e < d_; ++e) {
+            const double delta = double(o[e]) - ref[e];
+            diff += delta * delta, norm += double(ref[e]) * ref[e];
+          }
           err += std::sqrt(diff / std::max(norm, 1e-30));
         }
     }
@@ -194,8 +197,10 @@ class policy_run {
       const infkv::layer_inputs<> layer{infkv::hnd(k_.data(), infkv::dtype::f32, n, hkv_, d_, cap_),
                                         infkv::hnd(v_.data(), infkv::dtype::f32, n, hkv_, d_, cap_),
                                         w.query_rows(b.end - 1, b.end), std::span(pos).last(1), tokens_[0]};
-      keep.assign(std::size_t(hkv_), kind_ == kind::tova ? infkv::cpu::select(infkv::tova{}, bud, layer, infkv::granularity::per_layer, infkv::reduction::mean, ex)
-                                                         : infkv::cpu::select(infkv::streaming_llm{}, bud, layer));
+      keep.assign(std::size_t(hkv_), kind_ == kind::tova
+                                         ? infkv::cpu::select(infkv::tova{}, bud, layer, infkv::granularity::per_layer,
+                                                              infkv::reduction::mean, ex)
+                                         : infkv::cpu::select(infkv::streaming_llm{}, bud, layer));
     } else {
       for (std::int32_t h = 0; h < hkv_; ++h) {
         const auto in = head_inputs(h, group_rows(window_q, h), pos);
@@ -203,9 +208,12 @@ class policy_run {
           case kind::h2o: keep.push_back(infkv::cpu::select(h2o_[std::size_t(h)], bud, in)); break;
           case kind::snapkv: keep.push_back(infkv::cpu::select(infkv::snapkv{.window = s_.window}, bud, in)); break;
           case kind::keydiff: keep.push_back(infkv::cpu::select(infkv::keydiff{}, bud, in)); break;
-          case kind::inf_mllm: keep.push_back(infkv::cpu::select(infkv::inf_mllm{.window = s_.window}, bud, in)); break;
-          default:
-            keep.push_back(infkv::cpu::select(infkv::inf_mllm{.window = s_.window, .bias = {.beta = s_.beta}}, bud, in));
+          case kind::inf_mllm:
+            keep.push_back(infkv::cpu::select(infkv::inf_mllm{.window = s_.window}, bud, in));
+            break;
+          default:  // inf_mllm_bias
+            keep.push_back(
+                infkv::cpu::select(infkv::inf_mllm{.window = s_.window, .bias = {.beta = s_.beta}}, bud, in));
         }
       }
     }

@@ -169,7 +169,9 @@ class rng {
   double uniform() { return double(next() >> 11) * 0x1.0p-53; }
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
   /// Uniform integer in [lo, hi] (hi - lo small against 2^64).
-  std::int64_t integer(std::int64_t lo, std::int64_t hi) { return lo + std::int64_t(next() % std::uint64_t(hi - lo + 1)); }
+  std::int64_t integer(std::int64_t lo, std::int64_t hi) {
+    return lo + std::int64_t(next() % std::uint64_t(hi - lo + 1));
+  }
   /// Standard normal (Box-Muller).
   double normal() {
     if (has_spare_) return has_spare_ = false, spare_;

@@ -40,15 +40,15 @@ inline constexpr std::int64_t kernel_rows = 4, kernel_keys = 24;
 /// tiles beyond it are recomputed, so memory stays bounded for any number of slots.
 inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
 
-/// Splits `buf` into 64-byte-aligned blocks of the given float counts, zero-filled, so vector
+/// Splits `buf` into 64-byte-aligned blocks of the given float counts (uninitialised), so vector
 /// loads in the GEMM never straddle cache lines; returns their addresses.
 template <std::size_t N>
-std::array<float*, N> carve(std::vector<float>& buf, const std::array<std::int64_t, N>& sizes) {
+std::array<float*, N> carve(std::unique_ptr<float[]>& buf, const std::array<std::int64_t, N>& sizes) {
   const auto round = [](std::int64_t n) { return std::size_t((n + 15) / 16 * 16); };
   std::size_t total = 16;
   for (auto n : sizes) total += round(n);
-  buf.assign(total, 0.f);
-  void* start = buf.data();
+  buf.reset(new float[total]);
+  void* start = buf.get();
   std::size_t space = total * sizeof(float);
   auto* p = static_cast<float*>(std::align(64, (total - 16) * sizeof(float), start, space));
   std::array<float*, N> out{};
@@ -152,8 +152,31 @@ inline float sum_of(const float* x, std::int64_t n) { return sum_of(x, nullptr, 
 inline float dot_of(const float* a, const float* b, std::int64_t n) { return sum_of(a, b, n); }
 
 /// out[r * ldo + c] = scale * sum_e q[r * d + e] * kt[e * key_tile + c] for one register block
-/// of kernel_rows query rows and kernel_keys keys.
+/// of kernel_rows query rows and kernel_keys keys (12 accumulators of 8 lanes). Written out with
+/// intrinsics under AVX2/FMA so the blocking survives any optimisation level; same arithmetic as
+/// the portable loop.
 inline void dot_block(const float* q, std::int64_t d, const float* kt, float scale, float* out, std::int64_t ldo) {
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(kernel_rows == 4 && kernel_keys == 24);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+  __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+  for (std::int64_t e = 0; e < d; ++e) {
+    const float* k = kt + e * key_tile;
+    const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8), k2 = _mm256_loadu_ps(k + 16);
+    __m256 a = _mm256_broadcast_ss(q + e);
+    c00 = _mm256_fmadd_ps(a, k0, c00), c01 = _mm256_fmadd_ps(a, k1, c01), c02 = _mm256_fmadd_ps(a, k2, c02);
+    a = _mm256_broadcast_ss(q + d + e);
+    c10 = _mm256_fmadd_ps(a, k0, c10), c11 = _mm256_fmadd_ps(a, k1, c11), c12 = _mm256_fmadd_ps(a, k2, c12);
+    a = _mm256_broadcast_ss(q + 2 * d + e);
+    c20 = _mm256_fmadd_ps(a, k0, c20), c21 = _mm256_fmadd_ps(a, k1, c21), c22 = _mm256_fmadd_ps(a, k2, c22);
+    a = _mm256_broadcast_ss(q + 3 * d + e);
+    c30 = _mm256_fmadd_ps(a, k0, c30), c31 = _mm256_fmadd_ps(a, k1, c31), c32 = _mm256_fmadd_ps(a, k2, c32);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256 acc[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < 3; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, _mm256_mul_ps(acc[r][v], sc));
+#else
   float acc[kernel_rows][kernel_keys] = {};
   for (std::int64_t e = 0; e < d; ++e) {
     const float* k = kt + e * key_tile;
@@ -164,6 +187,7 @@ inline void dot_block(const float* q, std::int64_t d, const float* kt, float sca
   }
   for (std::int64_t r = 0; r < kernel_rows; ++r)
     for (std::int64_t c = 0; c < kernel_keys; ++c) out[r * ldo + c] = acc[r][c] * scale;
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -290,10 +314,11 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   const std::int64_t padded = (rows + kernel_rows - 1) / kernel_rows * kernel_rows;
   const std::int64_t n_tiles = (n + key_tile - 1) / key_tile, tile_floats = padded * key_tile;
   const std::int64_t cached = std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))));
-  std::vector<float> work;
+  std::unique_ptr<float[]> work;
   const auto buf = carve<5>(work, {padded * d, d * key_tile, 8 * d, cached * tile_floats, tile_floats});
   const auto qg = group_queries(in.queries, h, group);
-  std::copy(qg.begin(), qg.end(), buf[0]);
+  std::fill(std::copy(qg.begin(), qg.end(), buf[0]), buf[0] + padded * d, 0.f);  // padding rows: 0
+  std::fill(buf[1], buf[1] + d * key_tile, 0.f);  // key columns past a short last tile stay 0
   const tile_softmax<R> tile{in, h, rows, padded, scale, buf[0], buf[1], buf[2]};
   float* const cache = buf[3];
   float* const scratch = buf[4];
@@ -340,9 +365,10 @@ score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}
                                                                  const float* c) {
       float* col = row.data() + t0;
       for (std::int64_t r = 0; r < rows; ++r) {
-        if (c[r] == 0.f) continue;
+        const float cr = c[r];  // a local, so the loop below vectorises
+        if (cr == 0.f) continue;
         const float* x = e + r * detail::key_tile;
-        for (std::int64_t j = 0; j < tn; ++j) col[j] = detail::fmadd(c[r], x[j], col[j]);
+        for (std::int64_t j = 0; j < tn; ++j) col[j] = detail::fmadd(cr, x[j], col[j]);
       }
     });
     for (auto& v : row) v /= float(group);
@@ -377,10 +403,11 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
       for (std::int64_t j = 0; j < tn; ++j)
         to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);
       for (std::int64_t r = 0; r < group * n_q; ++r) {
-        if (c[r] == 0.f) continue;
+        const float cr = c[r];
+        if (cr == 0.f) continue;
         float* o = out.data() + ((r % n_q) * in.queries.n_heads + h * group + r / n_q) * dv;
         for (std::int64_t j = 0; j < tn; ++j) {
-          const float w = c[r] * e[r * detail::key_tile + j];
+          const float w = cr * e[r * detail::key_tile + j];
           if (w == 0.f) continue;
           for (std::int32_t k = 0; k < dv; ++k) o[k] = detail::fmadd(w, v[std::size_t(j * dv + k)], o[k]);
         }

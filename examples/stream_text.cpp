@@ -1,0 +1,227 @@
+// infkv-stream: streams a real text (or a passkey prompt) through a llama.cpp model whose KV
+// cache is bounded: n_ctx = budget + block cells, evicted back to the budget with an infkv policy
+// after every block. Reports per-block perplexity, memory and speed, a summary per policy, and
+// optionally CSV, JSON and a PNG plot. See --help.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "stream_text/report.hpp"
+
+namespace {
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::cerr << "infkv-stream: error: " << msg << '\n';
+  std::exit(2);
+}
+
+/// The 1-minute load average (/proc/loadavg), or NaN.
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double v = NAN;
+  f >> v;
+  return v;
+}
+
+struct options {
+  std::string model, text, json, csv, plot;
+  std::vector<std::string> policy_names;
+  stream::settings s;
+  std::int64_t tokens = 0, passkey = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
+  std::uint64_t seed = 1;
+  bool list = false;
+};
+
+void add_options(CLI::App& app, options& o) {
+  auto pos = CLI::Range(std::int64_t(1), std::numeric_limits<std::int64_t>::max());
+  auto nonneg = CLI::Range(std::int64_t(0), std::numeric_limits<std::int64_t>::max());
+  app.add_option("--model", o.model, "GGUF model file (e.g. the path scripts/model.sh prints)")->check(CLI::ExistingFile);
+  app.add_option("--text", o.text, "text file to stream (e.g. the path scripts/kjv.sh prints)")->check(CLI::ExistingFile);
+  app.add_option("--policy", o.policy_names, "policies to run in turn, each on a fresh context (repeatable or comma "
+                                             "list; default streaming_llm; see --list-policies)")->delimiter(',');
+  app.add_option("--budget", o.s.budget, "cache slots kept after each eviction")->check(pos);
+  app.add_option("--block", o.s.block, "tokens decoded between two evictions")->check(pos);
+  app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
+  app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(pos);
+  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*)")->check(nonneg);
+  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
+  app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
+  app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
+  app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
+  app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE");
+  app.add_option("--csv", o.csv, "write the per-block (or per-trial) records as CSV to FILE");
+  app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)");
+  app.add_flag("--list-policies", o.list, "list the policies and exit");
+  app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: DISTANCE tokens of filler between "
+                                         "the key and the question")->check(pos);
+  app.add_option("--trials", o.trials, "passkey trials per policy (numbers and key positions seeded)")->check(pos);
+  app.add_option("--gen", o.gen, "passkey answer tokens decoded greedily")->check(pos);
+  app.add_option("--seed", o.seed, "passkey seed");
+}
+
+/// Checks what CLI11 cannot: the combination of flags. Exits with status 2 naming the flag.
+std::vector<stream::policy_info> check(const options& o) {
+  if (o.model.empty()) usage_error("--model is required");
+  if (o.passkey == 0 && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
+  if (!o.plot.empty() && o.passkey > 0) usage_error("--plot = " + o.plot + ": plots are for the text stream, not --passkey");
+  std::vector<stream::policy_info> chosen;
+  std::set<std::string> seen;
+  for (const auto& n : o.policy_names.empty() ? std::vector<std::string>{"streaming_llm"} : o.policy_names) {
+    const auto p = stream::find_policy(n);
+    if (!p) usage_error("--policy = " + n + ": unknown policy (see --list-policies)");
+    if (seen.insert(n).second) chosen.push_back(*p);
+  }
+  for (const auto& p : chosen)
+    if (const auto b = stream::policy_budget(p.k, o.s); b && o.s.budget <= b->sinks + b->recent)
+      usage_error("--budget = " + std::to_string(o.s.budget) + ": must exceed the tokens " + std::string(p.name) +
+                  " protects (sinks " + std::to_string(b->sinks) + " + recent " + std::to_string(b->recent) + ")");
+  return chosen;
+}
+
+nlohmann::json head(const options& o, const llama_model* m, double load) {
+  const stream::model_shape sh(m);
+  char desc[256];
+  llama_model_desc(m, desc, sizeof desc);
+  return {{"program", "infkv-stream"},
+          {"model", o.model},
+          {"model_desc", desc},
+          {"model_shape", {{"layers", sh.layers}, {"heads", sh.heads}, {"kv_heads", sh.kv_heads},
+                           {"head_dim", sh.head_dim}, {"vocab", sh.vocab}, {"n_ctx_train", sh.n_ctx_train}}},
+          {"text", o.text},
+          {"settings", {{"budget", o.s.budget}, {"block", o.s.block}, {"sinks", o.s.sinks}, {"recent", o.s.recent},
+                        {"window", o.s.window}, {"beta", o.s.beta}, {"threads", o.s.threads}, {"smooth", o.smooth}}},
+          {"load_average_start", stream::num(load)}};
+}
+
+int run_text(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
+  const double load0 = load_average();
+  const auto toks = stream::tokenize_file(m, o.text, o.tokens);
+  if (std::int64_t(toks.size()) < 2) usage_error("--text = " + o.text + ": fewer than 2 tokens");
+  std::fprintf(stderr, "infkv-stream: %zu tokens of %s; budget %lld, block %lld, %d threads; load average %.2f\n",
+               toks.size(), o.text.c_str(), (long long)o.s.budget, (long long)o.s.block, o.s.threads, load0);
+  const stream::model_shape sh(m);
+  std::vector<stream::stream_run> runs;
+  for (const auto& p : chosen) {
+    std::span<const llama_token> part(toks);
+    std::string note;
+    if (p.k == stream::kind::full && std::int64_t(part.size()) > sh.n_ctx_train) {
+      part = part.first(std::size_t(sh.n_ctx_train));
+      note = "stopped at the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
+    }
+    auto r = stream::make_runner(m, p.k, o.s, std::int64_t(part.size()), o.s.block);
+    const std::int64_t n_blocks = (std::int64_t(part.size()) + o.s.block - 1) / o.s.block;
+    auto progress = [&](const stream::block_record& b) {
+      if (o.progress == 0 || ((b.index + 1) % o.progress != 0 && b.index + 1 != n_blocks)) return;
+      std::fprintf(stderr, "[%s] block %lld/%lld tokens %lld ppl %.3f running %.3f slots %lld kv %.2f MiB rss %.0f MiB %.0f tok/s\n",
+                   std::string(p.name).c_str(), (long long)b.index + 1, (long long)n_blocks, (long long)b.tokens,
+                   b.block_ppl, b.running_ppl, (long long)b.slots_peak, double(b.kv_state_bytes) / 1048576.0,
+                   double(b.rss_bytes) / 1048576.0, b.tok_per_s);
+    };
+    runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.s, o.smooth, progress));
+    runs.back().note = note;
+  }
+  const double load1 = load_average();
+  stream::print_stream_table(runs, o.s);
+  std::printf("load average: %.2f at start, %.2f at end (tokens/s are shared-machine figures)\n", load0, load1);
+  if (!o.json.empty()) {
+    auto j = stream::stream_json(head(o, m, load0), runs, o.s);
+    j["tokens"] = toks.size();
+    j["load_average_end"] = stream::num(load1);
+    stream::write_file("--json", o.json, j.dump(1) + "\n");
+  }
+  const std::string csv = stream::to_csv(runs);
+  if (!o.csv.empty()) stream::write_file("--csv", o.csv, csv);
+  if (!o.plot.empty()) {
+    std::string data = o.csv;
+    if (data.empty()) stream::write_file("--plot", data = o.plot + ".csv", csv);
+    const std::string title = "infkv-stream: " + std::filesystem::path(o.model).filename().string() + " on " +
+                              std::filesystem::path(o.text).filename().string() + ", budget " +
+                              std::to_string(o.s.budget) + ", block " + std::to_string(o.s.block) +
+                              ", moving average over " + std::to_string(o.smooth) + " blocks";
+    stream::plot(data, o.plot, runs, title, o.s);
+    if (o.csv.empty()) std::filesystem::remove(data);
+  }
+  return 0;
+}
+
+int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
+  const double load0 = load_average();
+  const stream::model_shape sh(m);
+  std::vector<stream::passkey_prompt> prompts;
+  for (std::int64_t t = 0; t < o.trials; ++t) prompts.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
+  std::fprintf(stderr, "infkv-stream: passkey, distance %lld, %lld trials, prompts of %zu..%zu tokens; budget %lld, "
+               "block %lld; load average %.2f\n", (long long)o.passkey, (long long)o.trials,
+               prompts.front().context.size() + prompts.front().question.size(),
+               prompts.back().context.size() + prompts.back().question.size(), (long long)o.s.budget,
+               (long long)o.s.block, load0);
+  std::vector<stream::passkey_run> runs;
+  for (const auto& p : chosen) {
+    stream::passkey_run run;
+    run.policy = std::string(p.name);
+    for (std::int64_t t = 0; t < o.trials; ++t) {
+      const auto& pr = prompts[std::size_t(t)];
+      const std::int64_t total = std::int64_t(pr.context.size() + pr.question.size()) + o.gen;
+      if (p.k == stream::kind::full && total > sh.n_ctx_train) {
+        run.note = "skipped: prompts exceed the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
+        run.trials.clear();
+        break;
+      }
+      run.trials.push_back(stream::run_passkey(m, p.k, o.s, pr, t, o.gen));
+      const auto& tr = run.trials.back();
+      if (o.progress > 0)
+        std::fprintf(stderr, "[%s] trial %lld: key %s at token %lld, distance %lld: \"%s\" %s (%.1f s)\n",
+                     std::string(p.name).c_str(), (long long)t, pr.number.c_str(), (long long)pr.key_at,
+                     (long long)pr.distance, tr.answer.c_str(), tr.success ? "ok" : "miss", tr.seconds);
+    }
+    runs.push_back(std::move(run));
+  }
+  stream::print_passkey_table(runs);
+  if (!o.json.empty()) {
+    auto j = stream::passkey_json(head(o, m, load0), runs);
+    j["passkey"] = {{"distance", o.passkey}, {"trials", o.trials}, {"gen", o.gen}, {"seed", o.seed}};
+    j["load_average_end"] = stream::num(load_average());
+    stream::write_file("--json", o.json, j.dump(1) + "\n");
+  }
+  if (!o.csv.empty()) stream::write_file("--csv", o.csv, stream::passkey_csv(runs));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"infkv-stream: perplexity (or passkey retrieval) of a real model streaming text through a KV cache "
+               "bounded to --budget + --block cells, evicted by infkv policies"};
+  app.name("infkv-stream");
+  app.option_defaults()->always_capture_default();
+  options o;
+  o.s.threads = int(std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
+  add_options(app, o);
+  CLI11_PARSE(app, argc, argv);
+  if (o.list) {
+    for (const auto& p : stream::policies)
+      std::printf("%-14s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+    return 0;
+  }
+  const auto chosen = check(o);
+  try {
+    const auto model = stream::load_model(o.model);
+    return o.passkey > 0 ? run_passkey(o, chosen, model.get()) : run_text(o, chosen, model.get());
+  } catch (const std::exception& e) {
+    std::cerr << "infkv-stream: error: " << e.what() << '\n';
+    return 1;
+  }
+}

@@ -1,0 +1,146 @@
+// infkv-stream: llama.cpp helpers: model loading, tokenization, next-token losses from logits,
+// greedy choice, and the memory figures the stream reports (KV bytes, process RSS).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <llama.h>
+
+#include <infkv/error.hpp>
+
+namespace stream {
+
+struct model_deleter {
+  void operator()(llama_model* m) const { llama_model_free(m); }
+};
+struct context_deleter {
+  void operator()(llama_context* c) const { llama_free(c); }
+};
+using model_ptr = std::unique_ptr<llama_model, model_deleter>;
+using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+
+/// Initialises llama.cpp once; only its errors reach stderr.
+inline void init_llama() {
+  static const bool once = [] {
+    llama_log_set([](ggml_log_level level, const char* text, void*) {
+      if (level == GGML_LOG_LEVEL_ERROR) std::fprintf(stderr, "[llama.cpp] %s", text);
+    }, nullptr);
+    llama_backend_init();
+    return true;
+  }();
+  (void)once;
+}
+
+/// Loads a GGUF model on the CPU; throws infkv::error naming the path when it cannot.
+inline model_ptr load_model(const std::string& path) {
+  init_llama();
+  auto mp = llama_model_default_params();
+  mp.n_gpu_layers = 0;
+  model_ptr m(llama_model_load_from_file(path.c_str(), mp));
+  if (!m) infkv::detail::fail("--model = ", path, ": llama.cpp cannot load it as a GGUF model");
+  return m;
+}
+
+/// Shape figures of a model that the memory accounting needs.
+struct model_shape {
+  std::int32_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, n_ctx_train = 0;
+
+  explicit model_shape(const llama_model* m)
+      : layers(llama_model_n_layer(m)), heads(llama_model_n_head(m)), kv_heads(llama_model_n_head_kv(m)),
+        head_dim(llama_model_n_embd(m) / std::max(1, llama_model_n_head(m))),
+        vocab(llama_vocab_n_tokens(llama_model_get_vocab(m))), n_ctx_train(llama_model_n_ctx_train(m)) {}
+
+  /// Bytes of K and V for `cells` cache cells of every layer with element type `t`.
+  std::int64_t kv_bytes(std::int64_t cells, ggml_type t = GGML_TYPE_F16) const {
+    return cells * layers * 2 * std::int64_t(kv_heads) * head_dim * std::int64_t(ggml_type_size(t)) /
+           std::int64_t(ggml_blck_size(t));
+  }
+};
+
+/// Context parameters shared by every run: `n_ctx` cells, batches up to `n_batch` tokens.
+inline llama_context_params context_params(std::uint32_t n_ctx, std::uint32_t n_batch, int threads) {
+  auto p = llama_context_default_params();
+  p.n_ctx = n_ctx;
+  p.n_batch = n_batch;
+  p.n_ubatch = std::min<std::uint32_t>(n_batch, 512);
+  p.n_seq_max = 1;
+  p.n_threads = threads;
+  p.n_threads_batch = threads;
+  p.no_perf = true;
+  return p;
+}
+
+/// Tokenizes `text` (special tokens such as BOS added as the model asks).
+inline std::vector<llama_token> tokenize(const llama_model* m, const std::string& text, bool add_special) {
+  const llama_vocab* v = llama_model_get_vocab(m);
+  std::vector<llama_token> out(text.size() / 2 + 16);
+  std::int32_t n = llama_tokenize(v, text.data(), std::int32_t(text.size()), out.data(), std::int32_t(out.size()),
+                                  add_special, false);
+  if (n < 0) {
+    out.resize(std::size_t(-n));
+    n = llama_tokenize(v, text.data(), std::int32_t(text.size()), out.data(), std::int32_t(out.size()), add_special,
+                       false);
+  }
+  if (n < 0) infkv::detail::fail("infkv-stream: llama_tokenize failed on ", text.size(), " bytes of text");
+  out.resize(std::size_t(n));
+  return out;
+}
+
+/// The first `limit` tokens of the file `path` (all of it when limit <= 0). Tokenizes a growing
+/// prefix, cut at a line end, so that a short run does not tokenize a whole book.
+inline std::vector<llama_token> tokenize_file(const llama_model* m, const std::string& path, std::int64_t limit) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) infkv::detail::fail("--text = ", path, ": cannot open the file");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (text.empty()) infkv::detail::fail("--text = ", path, ": the file is empty");
+  for (std::size_t bytes = limit > 0 ? std::size_t(limit) * 6 + 4096 : text.size();; bytes *= 2) {
+    std::size_t cut = std::min(bytes, text.size());
+    if (cut < text.size()) cut = text.rfind('\n', cut) == std::string::npos ? cut : text.rfind('\n', cut) + 1;
+    auto toks = tokenize(m, text.substr(0, cut), true);
+    if (limit > 0 && std::int64_t(toks.size()) >= limit) {
+      toks.resize(std::size_t(limit));
+      return toks;
+    }
+    if (cut == text.size()) return toks;
+  }
+}
+
+/// Text of one token.
+inline std::string piece(const llama_model* m, llama_token t) {
+  char buf[256];
+  const std::int32_t n = llama_token_to_piece(llama_model_get_vocab(m), t, buf, sizeof buf, 0, false);
+  return n > 0 ? std::string(buf, std::size_t(n)) : std::string();
+}
+
+/// Negative log-likelihood of `target` under one row of logits (log-softmax, in double).
+inline double token_nll(std::span<const float> logits, llama_token target) {
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0.0;
+  for (float v : logits) sum += std::exp(double(v - mx));
+  return std::log(sum) + double(mx) - double(logits[std::size_t(target)]);
+}
+
+/// The most likely token of one row of logits.
+inline llama_token argmax(std::span<const float> logits) {
+  return llama_token(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+/// Resident set size of this process in bytes (/proc/self/statm), or 0 when unavailable.
+inline std::int64_t rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  if (!(f >> size >> resident)) return 0;
+  return resident * std::int64_t(sysconf(_SC_PAGESIZE));
+}
+
+}  // namespace stream

@@ -1,0 +1,266 @@
+// infkv-stream: the policies and the runners that stream text through one bounded llama.cpp
+// context each: a session that evicts with an infkv policy, the full cache (no eviction), and the
+// sliding window with recompute (a fresh cache per block).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <infkv/adapters/llama_cpp.hpp>
+
+#include "llama_util.hpp"
+
+namespace stream {
+
+enum class kind { full, window, streaming_llm, h2o, snapkv, keydiff, tova, inf_mllm, inf_mllm_bias, recompute };
+
+struct policy_info {
+  std::string_view name;
+  kind k;
+  std::string_view about;
+};
+
+inline constexpr std::array<policy_info, 10> policies{{
+    {"full", kind::full, "reference: keeps every token (only up to the model's trained context)"},
+    {"window", kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
+    {"streaming_llm", kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
+    {"h2o", kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent"},
+    {"snapkv", kind::snapkv, "attention of the last --window queries, avg-pooled, + the window"},
+    {"keydiff", kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent"},
+    {"tova", kind::tova, "attention of the last query, mean over the heads"},
+    {"inf_mllm", kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias"},
+    {"inf_mllm_bias", kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)"},
+    {"recompute", kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
+}};
+
+/// The entry of `name`, or nullopt.
+inline std::optional<policy_info> find_policy(std::string_view name) {
+  for (const auto& p : policies)
+    if (p.name == name) return p;
+  return std::nullopt;
+}
+
+/// Settings shared by every run.
+struct settings {
+  std::int64_t budget = 1024;  ///< cache slots kept after each eviction
+  std::int64_t block = 128;    ///< tokens decoded between evictions
+  std::int64_t sinks = 4;      ///< protected first tokens (streaming_llm, keydiff, inf_mllm)
+  std::int64_t recent = 32;    ///< protected last tokens (scored policies)
+  std::int64_t window = 32;    ///< queries that score the cache (snapkv, inf_mllm)
+  double beta = 0.5;           ///< attention bias of inf_mllm_bias (linear, in positions)
+  int threads = 2;             ///< llama.cpp and scoring threads
+};
+
+/// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
+inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
+  infkv::budget b{.capacity = s.budget};
+  switch (k) {
+    case kind::full: case kind::recompute: return std::nullopt;
+    case kind::window: case kind::tova: break;
+    case kind::streaming_llm: b.sinks = s.sinks; break;
+    case kind::h2o: b.recent = s.recent; break;
+    case kind::snapkv: b = infkv::snapkv{.window = s.window}.protect({.capacity = s.budget, .recent = s.recent}); break;
+    case kind::keydiff: case kind::inf_mllm: case kind::inf_mllm_bias: b.sinks = s.sinks, b.recent = s.recent; break;
+  }
+  return b;
+}
+
+/// One context streaming one token sequence. `feed` decodes the next tokens with logits for
+/// each; `evict` brings the cache back to the budget. `max_feed` is the most tokens fed between
+/// two evictions: the cache never holds more than budget + max_feed slots.
+class runner {
+ public:
+  runner(const llama_model* m) : shape_(m) {}
+  virtual ~runner() = default;
+  runner(const runner&) = delete;
+  runner& operator=(const runner&) = delete;
+
+  /// Decodes `toks`, the next tokens of the stream (`extend`: append to the current cache even
+  /// where the runner would otherwise rebuild it, as generation does).
+  virtual void feed(std::span<const llama_token> toks, bool extend = false) = 0;
+  /// Evicts down to the budget; returns the slots removed.
+  virtual std::int64_t evict() = 0;
+  /// Tokens cached now.
+  virtual std::int64_t slots() const = 0;
+  /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
+  virtual std::int64_t host_bytes() const { return 0; }
+
+  /// Logits of the i-th token of the last feed.
+  std::span<const float> logits(std::int64_t i) const {
+    const float* l = llama_get_logits_ith(ctx_.get(), std::int32_t(first_out_ + i));
+    if (l == nullptr) infkv::detail::fail("infkv-stream: no logits for output ", i, " of the last decode");
+    return {l, std::size_t(shape_.vocab)};
+  }
+  llama_context* context() const { return ctx_.get(); }
+  /// Bytes of the K/V buffers llama.cpp allocated (computed: n_ctx * layers * 2 * kv_heads * head_dim * f16).
+  std::int64_t kv_alloc_bytes() const { return shape_.kv_bytes(llama_n_ctx(ctx_.get())); }
+  /// Bytes of the sequence's state as llama.cpp serialises it (llama_state_seq_get_size: the cells in use).
+  std::int64_t kv_state_bytes() const { return std::int64_t(llama_state_seq_get_size(ctx_.get(), 0)); }
+  const model_shape& shape() const { return shape_; }
+
+ protected:
+  /// Decodes `toks` at positions pos0, pos0 + 1, ... with logits from batch index `out_from` on.
+  void plain_decode(std::span<const llama_token> toks, std::int64_t pos0, std::int64_t out_from) {
+    llama_batch b = llama_batch_init(std::int32_t(toks.size()), 0, 1);
+    for (std::size_t i = 0; i < toks.size(); ++i) {
+      b.token[i] = toks[i];
+      b.pos[i] = llama_pos(pos0 + std::int64_t(i));
+      b.n_seq_id[i] = 1;
+      b.seq_id[i][0] = 0;
+      b.logits[i] = std::int64_t(i) >= out_from;
+    }
+    b.n_tokens = std::int32_t(toks.size());
+    const std::int32_t rc = llama_decode(ctx_.get(), b);
+    llama_batch_free(b);
+    if (rc != 0) infkv::detail::fail("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    first_out_ = out_from;
+  }
+
+  model_shape shape_;
+  context_ptr ctx_;
+  std::int64_t first_out_ = 0;
+};
+
+/// An infkv session over a context of budget + max_feed cells, evicting with one policy.
+class session_runner final : public runner {
+ public:
+  session_runner(const llama_model* m, kind k, const settings& s, std::int64_t max_feed)
+      : runner(m), kind_(k), set_(s), budget_(*policy_budget(k, s)), cap_(s.budget + max_feed),
+        session_(m, options(k, s)) {
+    budget_.validate();
+    auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
+    session_.attach(p);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", cap_, " cells");
+    session_.bind(ctx_.get());
+  }
+
+  void feed(std::span<const llama_token> toks, bool) override {
+    const std::int32_t rc = session_.decode(toks, {}, true);
+    if (rc != 0) infkv::detail::fail("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    first_out_ = 0;
+    infkv::detail::require(session_.size() <= cap_, "session slots", session_.size(),
+                           "exceed budget + block = ", cap_, ": the cache is not bounded");
+  }
+
+  std::int64_t evict() override {
+    if (session_.size() <= set_.budget) return 0;
+    infkv::llama_cpp::eviction_result r;
+    switch (kind_) {
+      case kind::window: case kind::streaming_llm: r = session_.evict(infkv::streaming_llm{}, budget_); break;
+      case kind::h2o: r = session_.evict(infkv::h2o{}, budget_); break;
+      case kind::snapkv: r = session_.evict(infkv::snapkv{.window = set_.window}, budget_); break;
+      case kind::keydiff: r = session_.evict(infkv::keydiff{}, budget_); break;
+      case kind::tova: r = session_.evict(infkv::tova{}, budget_); break;
+      case kind::inf_mllm: r = session_.evict(infkv::inf_mllm{.window = set_.window}, budget_); break;
+      case kind::inf_mllm_bias:
+        r = session_.evict(infkv::inf_mllm{.window = set_.window, .bias = {.beta = set_.beta}}, budget_);
+        break;
+      case kind::full: case kind::recompute: break;
+    }
+    infkv::detail::require(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
+                           "exceed --budget = ", set_.budget);
+    return r.evicted;
+  }
+
+  std::int64_t slots() const override { return session_.size(); }
+
+  /// Keys (f16) of every layer plus the window queries (f32), as the session holds them.
+  std::int64_t host_bytes() const override {
+    const std::int64_t keys = session_.size() * shape_.layers * shape_.kv_heads * shape_.head_dim * 2;
+    const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) *
+                                 shape_.layers * shape_.heads * shape_.head_dim * 4;
+    return keys + queries;
+  }
+
+ private:
+  static infkv::llama_cpp::session_options options(kind k, const settings& s) {
+    infkv::llama_cpp::session_options o;
+    o.window = std::max<std::int64_t>(1, k == kind::snapkv || k == kind::inf_mllm || k == kind::inf_mllm_bias ? s.window : 1);
+    o.key_type = infkv::dtype::f16;
+    if (k == kind::h2o) o.track_h2o = infkv::h2o{};
+    o.executor = {s.threads};
+    return o;
+  }
+
+  kind kind_;
+  settings set_;
+  infkv::budget budget_;
+  std::int64_t cap_;
+  infkv::llama_cpp::session session_;
+};
+
+/// No eviction: a context large enough for the whole stream.
+class full_runner final : public runner {
+ public:
+  full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
+    auto p = context_params(std::uint32_t(total), std::uint32_t(max_feed), s.threads);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", total, " cells");
+  }
+  void feed(std::span<const llama_token> toks, bool) override {
+    plain_decode(toks, n_, 0);
+    n_ += std::int64_t(toks.size());
+  }
+  std::int64_t evict() override { return 0; }
+  std::int64_t slots() const override { return n_; }
+
+ private:
+  std::int64_t n_ = 0;
+};
+
+/// Sliding window with recompute: each fed block goes into a cleared cache after the last
+/// `budget` tokens before it (positions from 0), so every block sees an exact, freshly computed
+/// window. Costs (budget + block) tokens of compute per block.
+class recompute_runner final : public runner {
+ public:
+  recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
+    auto p = context_params(std::uint32_t(s.budget + max_feed), std::uint32_t(s.budget + max_feed), s.threads);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", s.budget + max_feed, " cells");
+  }
+  void feed(std::span<const llama_token> toks, bool extend) override {
+    if (extend && n_ > 0) {
+      plain_decode(toks, n_, 0);
+      n_ += std::int64_t(toks.size());
+    } else {
+      llama_memory_clear(llama_get_memory(ctx_.get()), true);
+      const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
+      std::vector<llama_token> all(history_.end() - std::ptrdiff_t(prefix), history_.end());
+      all.insert(all.end(), toks.begin(), toks.end());
+      plain_decode(all, 0, std::int64_t(prefix));
+      n_ = std::int64_t(all.size());
+    }
+    history_.insert(history_.end(), toks.begin(), toks.end());
+  }
+  std::int64_t evict() override {
+    const std::int64_t gone = std::max<std::int64_t>(0, n_ - budget_);
+    n_ = std::min(n_, budget_);
+    return gone;
+  }
+  std::int64_t slots() const override { return n_; }
+
+ private:
+  std::int64_t budget_;
+  std::int64_t n_ = 0;
+  std::vector<llama_token> history_;
+};
+
+/// A runner for policy `k`: `total` is the stream's length (for full), `max_feed` the most
+/// tokens fed between two evictions.
+inline std::unique_ptr<runner> make_runner(const llama_model* m, kind k, const settings& s, std::int64_t total,
+                                           std::int64_t max_feed) {
+  switch (k) {
+    case kind::full: return std::make_unique<full_runner>(m, s, total, max_feed);
+    case kind::recompute: return std::make_unique<recompute_runner>(m, s, max_feed);
+    default: return std::make_unique<session_runner>(m, k, s, max_feed);
+  }
+}
+
+}  // namespace stream
