@@ -1,6 +1,7 @@
-# Runs infkv-stream (EXE). MODE smoke: ~2000 tokens of TEXT through MODEL with budget 256, block
-# 64 for streaming_llm and inf_mllm; the JSON (OUT) must hold one record per block, a cache that
-# never exceeded budget + block nor kept more than the budget, and finite perplexities.
+# Runs infkv-stream (EXE). MODE smoke: 2000 tokens of TEXT through MODEL with budget 256, block
+# 64 for streaming_llm and inf_mllm, one thread (robust on a loaded machine); the JSON (OUT) must
+# hold one record per block, a cache that never exceeded budget + block nor kept more than the
+# budget, and finite perplexities.
 # MODE bad_flag: bad values must fail with a message naming the flag.
 if(MODE STREQUAL "smoke")
   set(tokens 2000)
@@ -8,7 +9,7 @@ if(MODE STREQUAL "smoke")
   set(block 64)
   file(REMOVE ${OUT})
   execute_process(COMMAND ${EXE} --model ${MODEL} --text ${TEXT} --tokens ${tokens} --budget ${budget}
-                          --block ${block} --policy streaming_llm,inf_mllm --threads 2 --progress 0 --json ${OUT}
+                          --block ${block} --policy streaming_llm,inf_mllm --threads 1 --progress 0 --json ${OUT}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "infkv-stream failed (${rc}):\n${out}\n${err}")

@@ -4,11 +4,11 @@
 // optionally CSV, JSON and a PNG plot. See --help.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <limits>
 #include <set>
 #include <sstream>
 #include <string>
@@ -45,8 +45,8 @@ struct options {
 };
 
 void add_options(CLI::App& app, options& o) {
-  auto pos = CLI::Range(std::int64_t(1), std::numeric_limits<std::int64_t>::max());
-  auto nonneg = CLI::Range(std::int64_t(0), std::numeric_limits<std::int64_t>::max());
+  const auto& pos = CLI::PositiveNumber;
+  const auto& nonneg = CLI::NonNegativeNumber;
   app.add_option("--model", o.model, "GGUF model file (e.g. the path scripts/model.sh prints)")->check(CLI::ExistingFile);
   app.add_option("--text", o.text, "text file to stream (e.g. the path scripts/kjv.sh prints)")->check(CLI::ExistingFile);
   app.add_option("--policy", o.policy_names, "policies to run in turn, each on a fresh context (repeatable or comma "
@@ -59,7 +59,7 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
   app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
   app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(nonneg);
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE");
@@ -163,11 +163,13 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
   const stream::model_shape sh(m);
   std::vector<stream::passkey_prompt> prompts;
   for (std::int64_t t = 0; t < o.trials; ++t) prompts.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
+  std::size_t shortest = SIZE_MAX, longest = 0;
+  for (const auto& p : prompts)
+    shortest = std::min(shortest, p.context.size() + p.question.size()),
+    longest = std::max(longest, p.context.size() + p.question.size());
   std::fprintf(stderr, "infkv-stream: passkey, distance %lld, %lld trials, prompts of %zu..%zu tokens; budget %lld, "
-               "block %lld; load average %.2f\n", (long long)o.passkey, (long long)o.trials,
-               prompts.front().context.size() + prompts.front().question.size(),
-               prompts.back().context.size() + prompts.back().question.size(), (long long)o.s.budget,
-               (long long)o.s.block, load0);
+               "block %lld; load average %.2f\n", (long long)o.passkey, (long long)o.trials, shortest, longest,
+               (long long)o.s.budget, (long long)o.s.block, load0);
   std::vector<stream::passkey_run> runs;
   for (const auto& p : chosen) {
     stream::passkey_run run;

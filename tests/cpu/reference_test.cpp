@@ -91,6 +91,18 @@ TEST_CASE("window attention honours an explicit scale and zeroes queries that se
   for (float v : none.data) CHECK(v == 0.f);
 }
 
+TEST_CASE("window attention beyond the kept-probability cache (tiles recomputed) matches the reference") {
+  // 4 query heads x 32 queries x 40000 keys x 4 bytes = 20 MiB of probabilities: more than one
+  // worker keeps between the softmax passes, so later tiles are recomputed.
+  const problem p = make_problem(11, 40000, 1, 4, 8, 32, dtype::f32);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const auto got = cpu::window_attention(in);
+  check_close(got, ref_window_mass(p), rtol_stored, atol_stored, "40000 keys");
+  CHECK(cpu::window_attention(in, cpu::executor{2}).data == got.data);
+}
+
 TEST_CASE("snapkv scores match the reference with avg and max pooling") {
   for (const snapkv cfg : {snapkv{.window = 3, .kernel = 5, .pool = pooling::avg},
                            snapkv{.window = 4, .kernel = 7, .pool = pooling::max},

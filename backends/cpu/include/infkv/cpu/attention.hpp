@@ -97,14 +97,8 @@ inline float exp_nonpos(float x) {
   const float xc = std::bit_cast<float>(std::min(xb, lo_bits));  // max(x, lo)
   const float n = (xc * log2e + shifter) - shifter;  // round to nearest integer, in [-126, 0]
   const float r = fmadd(-n, ln2_lo, fmadd(-n, ln2_hi, xc));
-  float p = 1.f / 5040.f;
-  p = fmadd(p, r, 1.f / 720.f);
-  p = fmadd(p, r, 1.f / 120.f);
-  p = fmadd(p, r, 1.f / 24.f);
-  p = fmadd(p, r, 1.f / 6.f);
-  p = fmadd(p, r, 0.5f);
-  p = fmadd(p, r, 1.f);
-  p = fmadd(p, r, 1.f);
+  float p = fmadd(fmadd(fmadd(1.f / 5040.f, r, 1.f / 720.f), r, 1.f / 120.f), r, 1.f / 24.f);  // Horner
+  p = fmadd(fmadd(fmadd(fmadd(p, r, 1.f / 6.f), r, 0.5f), r, 1.f), r, 1.f);
   const float y = p * std::bit_cast<float>(std::uint32_t(std::int32_t(n) + 127) << 23);
   return std::bit_cast<float>(std::bit_cast<std::uint32_t>(y) & (xb <= lo_bits ? ~0u : 0u));
 }
@@ -121,13 +115,6 @@ inline float max_of(const float* x, std::int64_t n) {
   return m[0];
 }
 
-/// Pairwise total of 32 partial sums.
-inline float total_of(float* s) {
-  for (int w = 16; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) s[l] += s[l + w];
-  return s[0];
-}
-
 /// Sum of a[j] * b[j] over [0, n), or of a[j] when b is null: 32 interleaved partial sums (four
 /// 8-wide accumulators, so the loop runs at FMA throughput rather than latency).
 inline float sum_of(const float* a, const float* b, std::int64_t n) {
@@ -142,11 +129,10 @@ inline float sum_of(const float* a, const float* b, std::int64_t n) {
   for (int v = 0; v < 4; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
 #endif
   for (; j < n; ++j) s[j % 32] = fmadd(a[j], b ? b[j] : 1.f, s[j % 32]);
-  return total_of(s);
+  for (int w = 16; w >= 1; w /= 2)  // pairwise total
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
 }
-
-/// Sum of x[0, n).
-inline float sum_of(const float* x, std::int64_t n) { return sum_of(x, nullptr, n); }
 
 /// Dot product of a[0, n) and b[0, n).
 inline float dot_of(const float* a, const float* b, std::int64_t n) { return sum_of(a, b, n); }
@@ -221,14 +207,10 @@ void load_key_tile(const R& keys, std::int32_t head, std::int64_t t0, std::int64
 #if defined(__AVX2__) && defined(__FMA__)
   for (; j + 8 <= tn; j += 8) {  // eight keys at a time, 8 x 8 blocks transposed in registers
     const float* src[8];
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i) {  // f32 rows are read in place, others converted first
       const void* p = keys.row(t0 + j + i, head);
-      if (keys.type == dtype::f32) {
-        src[i] = static_cast<const float*>(p);
-      } else {
-        to_f32(keys.type, p, rows + i * d, d);
-        src[i] = rows + i * d;
-      }
+      if (keys.type != dtype::f32) to_f32(keys.type, p, rows + i * d, d);
+      src[i] = keys.type == dtype::f32 ? static_cast<const float*>(p) : rows + i * d;
     }
     std::int64_t e = 0;
     for (; e + 8 <= d; e += 8) transpose8(src, e, kt + e * key_tile + j, key_tile);
@@ -298,7 +280,7 @@ struct tile_softmax {
         continue;
       }
       for (std::int64_t j = 0; j < tn; ++j) x[j] = exp_nonpos(x[j] - mx);
-      s[r] = sum_of(x, tn);
+      s[r] = sum_of(x, nullptr, tn);
     }
   }
 };
@@ -320,8 +302,7 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   std::fill(std::copy(qg.begin(), qg.end(), buf[0]), buf[0] + padded * d, 0.f);  // padding rows: 0
   std::fill(buf[1], buf[1] + d * key_tile, 0.f);  // key columns past a short last tile stay 0
   const tile_softmax<R> tile{in, h, rows, padded, scale, buf[0], buf[1], buf[2]};
-  float* const cache = buf[3];
-  float* const scratch = buf[4];
+  float *const cache = buf[3], *const scratch = buf[4];
   std::vector<float> tmax(static_cast<std::size_t>(n_tiles * rows)), tsum(tmax.size());
   for (std::int64_t t = 0; t < n_tiles; ++t)
     tile(t * key_tile, std::min(key_tile, n - t * key_tile), t < cached ? cache + t * tile_floats : scratch,
@@ -330,12 +311,13 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   for (std::int64_t r = 0; r < rows; ++r) {
     float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (std::int64_t t = 0; t < n_tiles; ++t) mx = std::max(mx, tmax[std::size_t(t * rows + r)]);
-    for (std::int64_t t = 0; t < n_tiles; ++t)
-      if (tsum[std::size_t(t * rows + r)] > 0.f)
-        sum += tsum[std::size_t(t * rows + r)] * std::exp(tmax[std::size_t(t * rows + r)] - mx);
     for (std::int64_t t = 0; t < n_tiles; ++t) {
-      float& c = tmax[std::size_t(t * rows + r)];
-      c = tsum[std::size_t(t * rows + r)] > 0.f ? std::exp(c - mx) / sum : 0.f;
+      const auto i = std::size_t(t * rows + r);
+      if (tsum[i] > 0.f) sum += tsum[i] * std::exp(tmax[i] - mx);
+    }
+    for (std::int64_t t = 0; t < n_tiles; ++t) {
+      const auto i = std::size_t(t * rows + r);
+      tmax[i] = tsum[i] > 0.f ? std::exp(tmax[i] - mx) / sum : 0.f;
     }
   }
   std::vector<float> unused(static_cast<std::size_t>(2 * rows));
