@@ -23,19 +23,12 @@
 #include <infkv/tokens.hpp>
 
 #include "executor.hpp"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "kernels.hpp"
 
 namespace infkv::cpu {
 
 namespace detail {
 
-/// Keys per tile of the logits GEMM: a multiple of `kernel_keys`.
-inline constexpr std::int64_t key_tile = 192;
-/// Register block of the GEMM micro-kernel: query rows x keys.
-inline constexpr std::int64_t kernel_rows = 4, kernel_keys = 24;
 /// Per worker, tiles of probabilities up to this size are kept between the two softmax passes;
 /// tiles beyond it are recomputed, so memory stays bounded for any number of slots.
 inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
@@ -74,129 +67,6 @@ void check_attention_inputs(const layer_inputs<R>& in) {
   infkv::detail::require(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
   infkv::detail::require(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
-
-/// a * b + c, fused when the target has FMA.
-inline float fmadd(float a, float b, float c) {
-#if defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-/// e^x for x <= 0 (including -inf): Cody-Waite reduction by ln 2 and a degree-7 Taylor
-/// polynomial on |r| <= ln(2)/2. Relative error below 2e-7 for x in [-87.33, 0] (exactly 1 at
-/// 0); 0 below, where e^x would be subnormal. The clamp and the flush work on the bit patterns
-/// (for x <= 0 a larger pattern is a smaller number), so loops over it stay branch-free and
-/// vectorise even under -ftrapping-math.
-inline float exp_nonpos(float x) {
-  constexpr float lo = -87.33654f, log2e = 1.44269504f, shifter = 12582912.f;  // 1.5 * 2^23
-  constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682e-6f;       // ln2_hi * n is exact
-  constexpr std::uint32_t lo_bits = std::bit_cast<std::uint32_t>(lo);
-  const std::uint32_t xb = std::bit_cast<std::uint32_t>(x);
-  const float xc = std::bit_cast<float>(std::min(xb, lo_bits));  // max(x, lo)
-  const float n = (xc * log2e + shifter) - shifter;  // round to nearest integer, in [-126, 0]
-  const float r = fmadd(-n, ln2_lo, fmadd(-n, ln2_hi, xc));
-  float p = fmadd(fmadd(fmadd(1.f / 5040.f, r, 1.f / 720.f), r, 1.f / 120.f), r, 1.f / 24.f);  // Horner
-  p = fmadd(fmadd(fmadd(fmadd(p, r, 1.f / 6.f), r, 0.5f), r, 1.f), r, 1.f);
-  const float y = p * std::bit_cast<float>(std::uint32_t(std::int32_t(n) + 127) << 23);
-  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(y) & (xb <= lo_bits ? ~0u : 0u));
-}
-
-/// Largest of x[0, n) (-inf when n = 0); eight partial maxima so the loop vectorises.
-inline float max_of(const float* x, std::int64_t n) {
-  float m[8];
-  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
-  std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int l = 0; l < 8; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
-  for (; j < n; ++j) m[0] = x[j] > m[0] ? x[j] : m[0];
-  for (int l = 1; l < 8; ++l) m[0] = m[l] > m[0] ? m[l] : m[0];
-  return m[0];
-}
-
-/// Sum of a[j] * b[j] over [0, n), or of a[j] when b is null: 32 interleaved partial sums (four
-/// 8-wide accumulators, so the loop runs at FMA throughput rather than latency).
-inline float sum_of(const float* a, const float* b, std::int64_t n) {
-  float s[32] = {};
-  std::int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; j + 32 <= n; j += 32)
-    for (int v = 0; v < 4; ++v)
-      acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8 * v), b ? _mm256_loadu_ps(b + j + 8 * v) : one, acc[v]);
-  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
-#endif
-  for (; j < n; ++j) s[j % 32] = fmadd(a[j], b ? b[j] : 1.f, s[j % 32]);
-  for (int w = 16; w >= 1; w /= 2)  // pairwise total
-    for (int l = 0; l < w; ++l) s[l] += s[l + w];
-  return s[0];
-}
-
-/// Dot product of a[0, n) and b[0, n).
-inline float dot_of(const float* a, const float* b, std::int64_t n) { return sum_of(a, b, n); }
-
-/// out[r * ldo + c] = scale * sum_e q[r * d + e] * kt[e * key_tile + c] for one register block
-/// of kernel_rows query rows and kernel_keys keys (12 accumulators of 8 lanes). Written out with
-/// intrinsics under AVX2/FMA so the blocking survives any optimisation level; same arithmetic as
-/// the portable loop.
-inline void dot_block(const float* q, std::int64_t d, const float* kt, float scale, float* out, std::int64_t ldo) {
-#if defined(__AVX2__) && defined(__FMA__)
-  static_assert(kernel_rows == 4 && kernel_keys == 24);
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-  __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-  for (std::int64_t e = 0; e < d; ++e) {
-    const float* k = kt + e * key_tile;
-    const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8), k2 = _mm256_loadu_ps(k + 16);
-    __m256 a = _mm256_broadcast_ss(q + e);
-    c00 = _mm256_fmadd_ps(a, k0, c00), c01 = _mm256_fmadd_ps(a, k1, c01), c02 = _mm256_fmadd_ps(a, k2, c02);
-    a = _mm256_broadcast_ss(q + d + e);
-    c10 = _mm256_fmadd_ps(a, k0, c10), c11 = _mm256_fmadd_ps(a, k1, c11), c12 = _mm256_fmadd_ps(a, k2, c12);
-    a = _mm256_broadcast_ss(q + 2 * d + e);
-    c20 = _mm256_fmadd_ps(a, k0, c20), c21 = _mm256_fmadd_ps(a, k1, c21), c22 = _mm256_fmadd_ps(a, k2, c22);
-    a = _mm256_broadcast_ss(q + 3 * d + e);
-    c30 = _mm256_fmadd_ps(a, k0, c30), c31 = _mm256_fmadd_ps(a, k1, c31), c32 = _mm256_fmadd_ps(a, k2, c32);
-  }
-  const __m256 sc = _mm256_set1_ps(scale);
-  const __m256 acc[4][3] = {{c00, c01, c02}, {c10, c11, c12}, {c20, c21, c22}, {c30, c31, c32}};
-  for (int r = 0; r < 4; ++r)
-    for (int v = 0; v < 3; ++v) _mm256_storeu_ps(out + r * ldo + 8 * v, _mm256_mul_ps(acc[r][v], sc));
-#else
-  float acc[kernel_rows][kernel_keys] = {};
-  for (std::int64_t e = 0; e < d; ++e) {
-    const float* k = kt + e * key_tile;
-    for (std::int64_t r = 0; r < kernel_rows; ++r) {
-      const float qe = q[r * d + e];
-      for (std::int64_t c = 0; c < kernel_keys; ++c) acc[r][c] = fmadd(qe, k[c], acc[r][c]);
-    }
-  }
-  for (std::int64_t r = 0; r < kernel_rows; ++r)
-    for (std::int64_t c = 0; c < kernel_keys; ++c) out[r * ldo + c] = acc[r][c] * scale;
-#endif
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-/// Transposes the 8 x 8 block src[i][e0 + c] (i, c < 8) into dst[c * ldd + i].
-inline void transpose8(const float* const* src, std::int64_t e0, float* dst, std::int64_t ldd) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + e0);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // per lane: a_i0 a_(i+1)0 a_i1 a_(i+1)1
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // per lane: a_i2 a_(i+1)2 a_i3 a_(i+1)3
-  }
-  for (int i = 0; i < 8; i += 4) {  // columns c | c + 4 of rows i .. i + 3
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int c = 0; c < 4; ++c) {
-    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-    _mm256_storeu_ps(dst + (c + 4) * ldd, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-  }
-}
-#endif
 
 /// Keys [t0, t0 + tn) of `head` (tn <= key_tile) as f32, transposed: kt[e * key_tile + j].
 /// `rows` holds 8 * head_dim floats of scratch.
