@@ -1,6 +1,7 @@
-// infkv-compare: compares KV-cache eviction policies on a synthetic multi-round attention
-// workload (sinks, local recency, attention saddles, rounds that move the attended region).
-// Every block of tokens is appended to a bounded cache per (policy, budget), which is then
+// infkv-compare: compares KV-cache eviction policies on attention recorded from a real model
+// (a safetensors trace of post-RoPE Q, K and V, examples/trace_io.hpp; by default the built-in
+// SmolLM2 trace over the KJV Bible) or on a synthetic multi-round attention workload (sinks,
+// local recency, attention saddles, rounds that move the attended region). Every block of tokens is appended to a bounded cache per (policy, budget), which is then
 // evicted back to its budget and compacted; the queries of the next block measure how much of
 // the full cache's attention mass the kept cache holds and how far its attention output drifts.
 #include <algorithm>
@@ -9,10 +10,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -23,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "compare_stream.hpp"
+#include "compare_trace.hpp"
 
 namespace {
 
@@ -89,23 +93,83 @@ void print_table(const std::vector<record>& recs, const std::vector<std::string>
                "after each eviction (mean over evictions); out err: relative L2 error of their attention output.\n";
 }
 
-nlohmann::json to_json(const std::vector<record>& recs, const infkv::synthetic::workload& w,
-                       const compare::settings& s, std::int64_t block, std::size_t n_blocks) {
-  nlohmann::json j;
-  const auto& c = w.cfg;
-  j["workload"] = {{"tokens", c.tokens}, {"kv_heads", c.kv_heads}, {"group", c.group}, {"head_dim", c.head_dim},
-                   {"rounds", w.rounds.size()}, {"seed", c.seed}, {"blocks", n_blocks}};
-  j["settings"] = {{"block", block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
-                   {"probes", s.probes}, {"beta", s.beta}};
-  j["results"] = nlohmann::json::array();
+nlohmann::json to_json(const std::vector<record>& recs) {
+  nlohmann::json j = nlohmann::json::array();
   for (const auto& r : recs) {
     const auto opt = [&](double v) { return r.samples ? nlohmann::json(v) : nlohmann::json(nullptr); };
-    j["results"].push_back({{"policy", r.policy}, {"budget", r.budget}, {"samples", r.samples},
-                            {"mass_kept", {{"mean", opt(r.mass_mean)}, {"min", opt(r.mass_min)}}},
-                            {"output_rel_error", {{"mean", opt(r.err_mean)}, {"max", opt(r.err_max)}}},
-                            {"evictions", r.evictions}, {"seconds", r.seconds}});
+    j.push_back({{"policy", r.policy}, {"budget", r.budget}, {"samples", r.samples},
+                 {"mass_kept", {{"mean", opt(r.mass_mean)}, {"min", opt(r.mass_min)}}},
+                 {"output_rel_error", {{"mean", opt(r.err_mean)}, {"max", opt(r.err_max)}}},
+                 {"evictions", r.evictions}, {"seconds", r.seconds}});
   }
   return j;
+}
+
+/// Per (policy, budget): the mean over layers of the means, the min of the minima, the max of
+/// the maxima; samples, evictions and seconds summed.
+std::vector<record> average(const std::vector<std::vector<record>>& per_layer) {
+  std::vector<record> avg = per_layer.front();
+  std::vector<std::int64_t> n(avg.size(), 0);
+  for (std::size_t i = 0; i < avg.size(); ++i) {
+    auto& a = avg[i];
+    a.samples = a.evictions = 0, a.mass_mean = a.err_mean = a.seconds = a.err_max = 0;
+    a.mass_min = std::numeric_limits<double>::infinity();
+    for (const auto& layer : per_layer) {
+      const auto& r = layer[i];
+      a.samples += r.samples, a.evictions += r.evictions, a.seconds += r.seconds;
+      if (!r.samples) continue;
+      ++n[i], a.mass_mean += r.mass_mean, a.err_mean += r.err_mean;
+      a.mass_min = std::min(a.mass_min, r.mass_min), a.err_max = std::max(a.err_max, r.err_max);
+    }
+    if (n[i]) a.mass_mean /= double(n[i]), a.err_mean /= double(n[i]);
+  }
+  return avg;
+}
+
+/// Streams `w` through every (policy, budget) and summarises; `n_blocks` gets the block count.
+std::vector<record> run_workload(infkv::synthetic::workload& w, const std::vector<compare::policy_info>& chosen,
+                                 const std::vector<std::int64_t>& budgets, const compare::settings& s,
+                                 std::int64_t block, int threads, std::size_t& n_blocks) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t tokens = w.size();
+  const auto plan = infkv::block_prefill{.block = block, .budget = budgets.back(), .first_block_fills_budget = false}
+                        .plan(w.tokens);
+  n_blocks = plan.size();
+  std::int64_t max_block = 0;
+  for (const auto& b : plan) max_block = std::max(max_block, b.end - b.begin);
+  std::vector<std::unique_ptr<compare::policy_run>> runs;
+  for (const auto& p : chosen) {
+    if (p.k == kind::full) runs.push_back(std::make_unique<compare::policy_run>(p.k, 0, tokens, s, w.cfg));
+    else
+      for (auto b : budgets) runs.push_back(std::make_unique<compare::policy_run>(p.k, b, b + max_block, s, w.cfg));
+  }
+  auto last_report = start;
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const std::int64_t context = plan[i].end;
+    const bool measured = i + 1 < plan.size() && context > budgets.front();
+    std::optional<compare::reference> ref;
+    if (measured) ref = compare::make_reference(w, context, plan[i + 1], s.probes, {threads});
+    dynamic_for(threads, std::int64_t(runs.size()), [&](std::int64_t r) {
+      auto& run = *runs[std::size_t(r)];
+      run.step(w, plan[i], {1});
+      if (measured && (run.policy() == kind::full || context > run.capacity())) run.measure(*ref, {1});
+    });
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start > std::chrono::seconds(3) && now - last_report > std::chrono::seconds(2)) {
+      std::cerr << "infkv-compare: block " << i + 1 << "/" << plan.size() << " ("
+                << std::chrono::duration<double>(now - start).count() << " s)\n";
+      last_report = now;
+    }
+  }
+  std::vector<record> recs;
+  for (const auto& run : runs) {
+    const auto name = compare::policies[std::size_t(run->policy())].name;
+    if (run->policy() == kind::full)
+      for (auto b : budgets) recs.push_back(summarise(*run, name, b));
+    else
+      recs.push_back(summarise(*run, name, run->capacity()));
+  }
+  return recs;
 }
 
 /// CLI11 check: the value is a number >= `min` (an integer when `integer`).
@@ -130,24 +194,33 @@ CLI::Validator at_least(double min, bool integer = true) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-compare: KV-cache eviction policies on a synthetic multi-round attention stream"};
+  CLI::App app{"infkv-compare: KV-cache eviction policies on recorded real-model attention (default: the built-in "
+               "SmolLM2 trace) or a synthetic multi-round attention stream (--synthetic)"};
   app.name("infkv-compare");
   app.option_defaults()->always_capture_default();
   std::vector<std::string> policy_names;
   std::vector<std::int64_t> budgets;
-  std::int64_t block = 256, tokens = 8192;
+  std::int64_t block = 256, tokens = 0;
+  std::int32_t layer = -1;
   std::uint64_t seed = 1;
   int threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  std::string json_path;
-  bool list = false;
+  std::string json_path, trace_path;
+  bool list = false, synthetic = false;
   compare::settings s;
   app.add_option("--policy", policy_names, "policies to run (repeatable or comma list; default: all)")->delimiter(',');
   app.add_option("--budget", budgets, "cache budgets in tokens (repeatable or comma list; default 256,512,1024)")
       ->delimiter(',');
   app.add_option("--block", block, "prefill block size in tokens (blocks end at segment changes)")
       ->check(at_least(1));
-  app.add_option("--tokens", tokens, "length of the synthetic stream")->check(at_least(1));
-  app.add_option("--seed", seed, "workload seed");
+  auto* trace_opt = app.add_option("--trace", trace_path,
+                                   "recorded trace (safetensors, docs/traces.md); default: the built-in trace");
+  auto* synth_opt = app.add_flag("--synthetic", synthetic, "use the synthetic workload instead of a recorded trace");
+  trace_opt->excludes(synth_opt);
+  app.add_option("--layer", layer, "trace layer to run (default: every recorded layer, then their average)")
+      ->check(at_least(0))->excludes(synth_opt);
+  app.add_option("--tokens", tokens, "stream length (default: the whole trace; synthetic: 8192)")
+      ->check(at_least(1));
+  app.add_option("--seed", seed, "synthetic workload seed");
   app.add_option("--threads", threads, "worker threads")->check(at_least(1));
   app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm)")
       ->check(at_least(0));
@@ -183,6 +256,32 @@ int main(int argc, char** argv) {
       if (const auto pb = compare::policy_budget(p.k, b, s); pb && b <= pb->sinks + pb->recent)
         usage_error("--budget = " + std::to_string(b) + ": must exceed the tokens " + std::string(p.name) +
                     " protects (sinks " + std::to_string(pb->sinks) + " + recent " + std::to_string(pb->recent) + ")");
+
+  std::optional<trace_io::trace> trace;
+  if (!synthetic) {
+    if (trace_path.empty()) {
+      trace_path = compare::find_default_trace();
+      if (trace_path.empty()) {
+        std::string tried;
+        for (const auto& c : compare::default_trace_candidates()) tried += "\n  " + c;
+        usage_error("--trace: no built-in trace found (looked in:" + tried + "); pass --trace FILE or --synthetic");
+      }
+    } else if (std::error_code ec; !std::filesystem::is_regular_file(trace_path, ec)) {
+      usage_error("--trace = " + trace_path + ": no such file");
+    }
+    try {
+      trace = trace_io::read_trace(trace_path);
+    } catch (const infkv::error& e) {
+      usage_error(std::string("--trace = ") + trace_path + ": " + e.what());
+    }
+    if (layer >= 0 && std::none_of(trace->layers.begin(), trace->layers.end(), [&](auto& l) { return l.layer == layer; }))
+      usage_error("--layer = " + std::to_string(layer) + ": not in the trace (layers " + trace_io::layer_list(*trace) + ")");
+    if (tokens == 0) tokens = trace->n_tokens;
+    if (tokens > trace->n_tokens)
+      usage_error("--tokens = " + std::to_string(tokens) + ": the trace has " + std::to_string(trace->n_tokens));
+  } else if (tokens == 0) {
+    tokens = 8192;
+  }
   if (tokens <= budgets.back())
     usage_error("--tokens = " + std::to_string(tokens) + ": must exceed the largest budget (" +
                 std::to_string(budgets.back()) + ") so that the cache is evicted");
@@ -193,61 +292,63 @@ int main(int argc, char** argv) {
     if (!json_file) usage_error("--json = " + json_path + ": cannot open the file for writing");
   }
   try {
-    const auto start = std::chrono::steady_clock::now();
-    auto w = infkv::synthetic::generate({.tokens = tokens, .seed = seed});
-    const auto plan = infkv::block_prefill{.block = block, .budget = budgets.back(), .first_block_fills_budget = false}
-                          .plan(w.tokens);
-    std::int64_t max_block = 0;
-    for (const auto& b : plan) max_block = std::max(max_block, b.end - b.begin);
-    std::vector<std::unique_ptr<compare::policy_run>> runs;
-    for (const auto& p : chosen) {
-      if (p.k == kind::full) runs.push_back(std::make_unique<compare::policy_run>(p.k, 0, tokens, s, w.cfg));
-      else
-        for (auto b : budgets)
-          runs.push_back(std::make_unique<compare::policy_run>(p.k, b, b + max_block, s, w.cfg));
-    }
-    auto last_report = start;
-    for (std::size_t i = 0; i < plan.size(); ++i) {
-      const std::int64_t context = plan[i].end;
-      const bool measured = i + 1 < plan.size() && context > budgets.front();
-      std::optional<compare::reference> ref;
-      if (measured) ref = compare::make_reference(w, context, plan[i + 1], s.probes, {threads});
-      dynamic_for(threads, std::int64_t(runs.size()), [&](std::int64_t r) {
-        auto& run = *runs[std::size_t(r)];
-        run.step(w, plan[i], {1});
-        if (measured && (run.policy() == kind::full || context > run.capacity())) run.measure(*ref, {1});
-      });
-      const auto now = std::chrono::steady_clock::now();
-      if (now - start > std::chrono::seconds(3) && now - last_report > std::chrono::seconds(2)) {
-        std::cerr << "infkv-compare: block " << i + 1 << "/" << plan.size() << " ("
-                  << std::chrono::duration<double>(now - start).count() << " s)\n";
-        last_report = now;
-      }
-    }
-    std::vector<record> recs;
     std::vector<std::string> names;
     for (const auto& p : chosen) names.emplace_back(p.name);
-    for (const auto& run : runs) {
-      const auto name = compare::policies[std::size_t(run->policy())].name;
-      if (run->policy() == kind::full)
-        for (auto b : budgets) recs.push_back(summarise(*run, name, b));
-      else
-        recs.push_back(summarise(*run, name, run->capacity()));
+    nlohmann::json j;
+    j["settings"] = {{"block", block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
+                     {"probes", s.probes}, {"beta", s.beta}};
+    const bool text = json_path != "-";
+    std::vector<record> recs;
+    std::size_t n_blocks = 0;
+    if (synthetic) {
+      auto w = infkv::synthetic::generate({.tokens = tokens, .seed = seed});
+      recs = run_workload(w, chosen, budgets, s, block, threads, n_blocks);
+      const auto videos = std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& r) { return r.video; });
+      const auto& c = w.cfg;
+      j["workload"] = {{"kind", "synthetic"}, {"tokens", c.tokens}, {"kv_heads", c.kv_heads}, {"group", c.group},
+                       {"head_dim", c.head_dim}, {"rounds", w.rounds.size()}, {"seed", c.seed}, {"blocks", n_blocks}};
+      if (text) {
+        std::cout << "infkv-compare: synthetic, " << tokens << " tokens in " << w.rounds.size() << " rounds ("
+                  << videos << " video), " << c.kv_heads << " KV heads x " << c.group << " query heads, d = "
+                  << c.head_dim << "; " << n_blocks << " blocks of <= " << block << " tokens; seed " << seed << "\n\n";
+        print_table(recs, names, budgets);
+      }
+    } else {
+      std::vector<std::vector<record>> per_layer;
+      j["per_layer"] = nlohmann::json::array();
+      const auto meta = [&](const char* k) { return trace->metadata.count(k) ? trace->metadata.at(k) : "?"; };
+      if (text)
+        std::cout << "infkv-compare: trace " << trace_path << "\n  model " << meta("model") << ", text " << meta("source")
+                  << "; " << tokens << " of " << trace->n_tokens << " tokens, layers " << trace_io::layer_list(*trace)
+                  << "\n";
+      for (const auto& l : trace->layers) {
+        if (layer >= 0 && l.layer != layer) continue;
+        auto w = compare::to_workload(*trace, l.layer, tokens, 256);
+        per_layer.push_back(run_workload(w, chosen, budgets, s, block, threads, n_blocks));
+        j["per_layer"].push_back({{"layer", l.layer}, {"results", to_json(per_layer.back())}});
+        if (text) {
+          std::cout << "\nlayer " << l.layer << ": " << w.cfg.kv_heads << " KV heads x " << w.cfg.group
+                    << " query heads, d = " << w.cfg.head_dim << "; " << w.rounds.size() << " segments, " << n_blocks
+                    << " blocks of <= " << block << " tokens\n";
+          print_table(per_layer.back(), names, budgets);
+        }
+      }
+      recs = per_layer.size() == 1 ? per_layer.front() : average(per_layer);
+      if (text && per_layer.size() > 1) {
+        std::cout << "\nmean over layers " << trace_io::layer_list(*trace) << ":\n";
+        print_table(recs, names, budgets);
+      }
+      j["workload"] = {{"kind", "trace"}, {"trace", trace_path}, {"model", meta("model")}, {"source", meta("source")},
+                       {"tokens", tokens}, {"blocks", n_blocks}};
+      j["workload"]["layers"] = nlohmann::json::array();
+      for (const auto& p : j["per_layer"]) j["workload"]["layers"].push_back(p["layer"]);
     }
-    const auto videos = std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& r) { return r.video; });
-    if (json_path != "-") {
-      std::cout << "infkv-compare: " << tokens << " tokens in " << w.rounds.size() << " rounds (" << videos
-                << " video), " << w.cfg.kv_heads << " KV heads x " << w.cfg.group << " query heads, d = "
-                << w.cfg.head_dim << "; " << plan.size() << " blocks of <= " << block << " tokens; seed " << seed
-                << "\n\n";
-      print_table(recs, names, budgets);
-    }
+    j["results"] = to_json(recs);
     if (!json_path.empty()) {
-      const auto j = to_json(recs, w, s, block, plan.size()).dump(2);
       if (json_path == "-") {
-        std::cout << j << '\n';
+        std::cout << j.dump(2) << '\n';
       } else {
-        if (!(json_file << j << '\n' << std::flush)) usage_error("--json = " + json_path + ": cannot write the file");
+        if (!(json_file << j.dump(2) << '\n' << std::flush)) usage_error("--json = " + json_path + ": cannot write the file");
       }
     }
   } catch (const infkv::error& e) {

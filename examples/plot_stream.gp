@@ -15,13 +15,19 @@ set datafile separator comma
 set key outside right top box
 set grid
 set title title
-set xlabel 'tokens streamed'
+set xlabel 'tokens streamed (thousands)'
 set ylabel 'perplexity (moving average over blocks, log scale)'
 set logscale y
-set format x '%.0s%c'
+set format x '%g'
 set mxtics 5
-if (exists("budget") && budget > 0) set arrow from budget, graph 0 to budget, graph 1 nohead dashtype 2 lc rgb '#888888'
-if (exists("budget") && budget > 0) set label 'budget' at budget, graph 0.97 offset 0.5, 0 tc rgb '#666666'
+if (exists("budget") && budget > 0) set arrow from budget / 1000.0, graph 0 to budget / 1000.0, graph 1 nohead dashtype 2 lc rgb '#888888'
+if (exists("budget") && budget > 0) set label 'budget' at budget / 1000.0, graph 0.97 offset 0.5, 0 tc rgb '#666666'
 
-plot for [p in policies] csv using (strcol(1) eq p ? column('tokens') : NaN):(column('window_ppl')) \
-     with lines linewidth 2 title p
+# Twelve distinct colours; policies past the sixth are dashed, so that no two lines look alike.
+array colours[12] = ['#000000', '#e41a1c', '#377eb8', '#4daf4a', '#984ea3', '#ff7f00', \
+                     '#a65628', '#f781bf', '#17becf', '#999999', '#bcbd22', '#1f3a93']
+do for [i = 1:12] { dash = i > 6 ? 2 : 1; set linetype i linecolor rgb colours[i] linewidth 2 dashtype dash }
+
+plot for [i = 1:words(policies)] csv \
+     using (strcol(1) eq word(policies, i) ? column('tokens') / 1000.0 : NaN):(column('window_ppl')) \
+     with lines linetype i title word(policies, i)

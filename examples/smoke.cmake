@@ -1,13 +1,24 @@
-# Runs infkv-compare (EXE). MODE smoke: a small workload must succeed and write OUT, a JSON record
-# per (policy, budget) with mass kept in [0, 1]. MODE bad_flag: bad values must fail with a message.
+# Runs infkv-compare (EXE). MODE smoke: a small workload (KIND trace: the built-in recorded trace, the
+# default; KIND synthetic: --synthetic) must succeed and write OUT, a JSON record per (policy,
+# budget) with mass kept in [0, 1]. MODE bad_flag: bad values must fail with a message.
 if(MODE STREQUAL "smoke")
   file(REMOVE ${OUT})
-  execute_process(COMMAND ${EXE} --tokens 1536 --budget 256,512 --block 128 --probes 16 --json ${OUT}
+  set(kind_args "")
+  if(KIND STREQUAL "synthetic")
+    set(kind_args --synthetic)
+  elseif(NOT KIND STREQUAL "trace")
+    message(FATAL_ERROR "unknown KIND ${KIND}")
+  endif()
+  execute_process(COMMAND ${EXE} ${kind_args} --tokens 1536 --budget 256,512 --block 128 --probes 16 --json ${OUT}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "infkv-compare failed (${rc}):\n${out}\n${err}")
   endif()
   file(READ ${OUT} json)
+  string(JSON workload GET "${json}" workload kind)
+  if(NOT workload STREQUAL KIND)
+    message(FATAL_ERROR "expected a ${KIND} workload, the run used ${workload}")
+  endif()
   string(JSON n LENGTH "${json}" results)
   execute_process(COMMAND ${EXE} --list-policies OUTPUT_VARIABLE listing)
   string(REGEX MATCHALL "\n" lines "${listing}")
@@ -33,7 +44,7 @@ if(MODE STREQUAL "smoke")
     endif()
   endforeach()
 elseif(MODE STREQUAL "bad_flag")
-  foreach(args "--budget;20" "--policy;no_such_policy" "--block;0")
+  foreach(args "--budget;20" "--policy;no_such_policy" "--block;0" "--trace;no_such_trace.safetensors" "--layer;99")
     execute_process(COMMAND ${EXE} ${args} --tokens 1024 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
     list(GET args 0 flag)
     if(rc EQUAL 0)

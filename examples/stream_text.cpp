@@ -35,6 +35,20 @@ double load_average() {
   return v;
 }
 
+/// CLI11 check: the value is a number >= `min` (an integer when `integer`).
+CLI::Validator at_least(double min, bool integer = true) {
+  return CLI::Validator(
+      [=](std::string& v) -> std::string {
+        std::istringstream is(v);
+        double x = 0;
+        if (!(is >> x) || !is.eof() || (integer && x != std::floor(x)))
+          return "value " + v + " is not " + (integer ? "an integer" : "a number");
+        if (x < min) return "value " + v + " must be >= " + std::to_string(std::int64_t(min));
+        return {};
+      },
+      min >= 1 ? "POSITIVE" : "NONNEGATIVE");
+}
+
 struct options {
   std::string model, text, json, csv, plot;
   std::vector<std::string> policy_names;
@@ -45,8 +59,7 @@ struct options {
 };
 
 void add_options(CLI::App& app, options& o) {
-  const auto& pos = CLI::PositiveNumber;
-  const auto& nonneg = CLI::NonNegativeNumber;
+  const auto pos = at_least(1), nonneg = at_least(0);
   app.add_option("--model", o.model, "GGUF model file (e.g. the path scripts/model.sh prints)")->check(CLI::ExistingFile);
   app.add_option("--text", o.text, "text file to stream (e.g. the path scripts/kjv.sh prints)")->check(CLI::ExistingFile);
   app.add_option("--policy", o.policy_names, "policies to run in turn, each on a fresh context (repeatable or comma "
@@ -59,7 +72,7 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
   app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
   app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
-      ->check(nonneg);
+      ->check(at_least(0, false));
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE");

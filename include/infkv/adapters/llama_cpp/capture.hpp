@@ -2,7 +2,8 @@
 // the post-RoPE query and key nodes of every layer (`Qcur-<layer>` and `Kcur-<layer>` whose op is
 // GGML_OP_ROPE; several nodes share each name) and copies their rows out as f32, token-major,
 // across however many micro-batches llama_decode splits a batch into. Works with flash attention
-// on and off (those nodes exist either way). Public llama.h / ggml API only.
+// on and off (those nodes exist either way). On request it also copies the values (`Vcur-<layer>`,
+// the node reshaped or viewed to [head_dim, heads, tokens]). Public llama.h / ggml API only.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +27,10 @@ struct layer_rows {
   std::int32_t head_dim = 0;
   std::int64_t n_q = 0;  ///< query rows (tokens) captured
   std::int64_t n_k = 0;  ///< key rows (tokens) captured
+  std::int64_t n_v = 0;  ///< value rows (tokens) captured (graph_observer with values)
   std::vector<float> q;
   std::vector<float> k;
+  std::vector<float> v;  ///< [n_v][n_head_kv][head_dim] when values are captured
 };
 
 namespace detail {
@@ -84,7 +87,9 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
 /// Not copyable or movable: the context holds its address.
 class graph_observer {
  public:
-  explicit graph_observer(std::int32_t n_layers) : layers_(std::size_t(n_layers > 0 ? n_layers : 0)) {
+  /// Observes `n_layers` layers; `values`: also copy the value rows (`Vcur-<layer>`).
+  explicit graph_observer(std::int32_t n_layers, bool values = false)
+      : layers_(std::size_t(n_layers > 0 ? n_layers : 0)), values_(values) {
     infkv::detail::require(n_layers > 0, "n_layers", n_layers, "must be > 0");
   }
   graph_observer(const graph_observer&) = delete;
@@ -101,7 +106,7 @@ class graph_observer {
 
   /// Starts collecting (clears the rows of the previous decode).
   void begin() {
-    for (auto& l : layers_) l.n_q = l.n_k = 0, l.q.clear(), l.k.clear();
+    for (auto& l : layers_) l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear();
     error_.clear();
     active_ = true;
   }
@@ -137,10 +142,14 @@ class graph_observer {
     return ok;
   }
 
-  /// 1 for a post-RoPE query node, 2 for a post-RoPE key node, 0 otherwise.
+  /// 1 for a post-RoPE query node, 2 for a post-RoPE key node, 3 for a value node shaped
+  /// [head_dim, heads, tokens] (when values are captured), 0 otherwise.
   int match(const ggml_tensor* t) const {
-    if (t->op != GGML_OP_ROPE) return 0;
     const char* name = ggml_get_name(t);
+    if (values_ && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' &&
+        detail::layer_of(name, "Vcur") >= 0)
+      return 3;
+    if (t->op != GGML_OP_ROPE) return 0;
     if (name[0] == 'Q' && detail::layer_of(name, "Qcur") >= 0) return 1;
     if (name[0] == 'K' && detail::layer_of(name, "Kcur") >= 0) return 2;
     return 0;
@@ -149,7 +158,7 @@ class graph_observer {
   void observe(const ggml_tensor* t) {
     const int kind = match(t);
     if (kind == 0) return;
-    const std::int32_t layer = detail::layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : "Kcur");
+    const std::int32_t layer = detail::layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
     infkv::detail::require(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
                            ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
     layer_rows& l = layers_[std::size_t(layer)];
@@ -157,6 +166,11 @@ class graph_observer {
     if (l.head_dim == 0) l.head_dim = d;
     infkv::detail::require(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
                            l.head_dim);
+    if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
+      detail::append_rows(t, l.v, scratch_);
+      l.n_v += t->ne[2];
+      return;
+    }
     std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
     if (h == 0) h = heads;
     infkv::detail::require(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
@@ -171,6 +185,7 @@ class graph_observer {
   void* next_user_ = nullptr;
   bool next_wants_ = false;
   bool active_ = false;
+  bool values_ = false;
 };
 
 }  // namespace infkv::llama_cpp

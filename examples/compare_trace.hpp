@@ -1,0 +1,86 @@
+// infkv-compare: a recorded trace (examples/trace_io.hpp) as the workload the streaming loop of
+// compare_stream.hpp runs on, and where the built-in trace is found.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <infkv/error.hpp>
+#include <infkv/synthetic.hpp>
+
+#include "trace_io.hpp"
+
+namespace compare {
+
+/// The first `tokens` tokens of one recorded layer as a workload: keys and values per KV head,
+/// queries per query head (head h * group + g belongs to KV head h, as llama.cpp groups them),
+/// token i at position i. Segments come from the trace, or are `segment_tokens` long when it has
+/// none. A recorded `attention_scale` is folded into the queries (the loop scales by 1/sqrt(d)).
+inline infkv::synthetic::workload to_workload(const trace_io::trace& t, std::int32_t layer, std::int64_t tokens,
+                                              std::int64_t segment_tokens) {
+  const auto& l = t.layer(layer);
+  infkv::detail::require(tokens >= 1 && tokens <= t.n_tokens, "--tokens", tokens, "must be in [1, ", t.n_tokens,
+                         "] (the trace's tokens)");
+  infkv::detail::require(segment_tokens >= 1, "segment_tokens", segment_tokens, "must be >= 1");
+  infkv::synthetic::workload w;
+  w.cfg.tokens = tokens;
+  w.cfg.kv_heads = l.n_head_kv;
+  w.cfg.group = l.n_head / l.n_head_kv;
+  w.cfg.head_dim = l.head_dim;
+  w.cfg.seed = 0;
+  const auto n = std::size_t(tokens);
+  w.keys.assign(l.k.begin(), l.k.begin() + std::ptrdiff_t(n * std::size_t(l.n_head_kv * l.head_dim)));
+  w.values.assign(l.v.begin(), l.v.begin() + std::ptrdiff_t(n * std::size_t(l.n_head_kv * l.head_dim)));
+  w.queries.assign(l.q.begin(), l.q.begin() + std::ptrdiff_t(n * std::size_t(l.n_head * l.head_dim)));
+  if (const auto it = t.metadata.find("attention_scale"); it != t.metadata.end()) {
+    char* end = nullptr;
+    const double scale = std::strtod(it->second.c_str(), &end);
+    infkv::detail::require(end != it->second.c_str() && *end == '\0' && std::isfinite(scale) && scale > 0,
+                           "__metadata__.attention_scale", it->second, "must be a positive number");
+    const auto gain = float(scale * std::sqrt(double(l.head_dim)));
+    if (gain != 1.0f)
+      for (auto& x : w.queries) x *= gain;
+  }
+  w.tokens.resize(n);
+  w.round_of.resize(n);
+  w.roles.assign(n, infkv::synthetic::role::ordinary);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int32_t seg = t.segments.empty() ? std::int32_t(std::int64_t(i) / segment_tokens)
+                                                : t.segments[i] - t.segments[0];
+    w.tokens[i] = {std::int64_t(i), seg, infkv::modality::text};
+    w.round_of[i] = seg;
+    if (i == 0 || seg != w.tokens[i - 1].segment) w.rounds.push_back({std::int64_t(i), std::int64_t(i), false});
+    w.rounds.back().end = std::int64_t(i) + 1;
+  }
+  return w;
+}
+
+/// Where the built-in trace may be, in lookup order: next to the installed program
+/// (<bin>/../share/infkv), the install prefix, the source tree.
+inline std::vector<std::string> default_trace_candidates() {
+  std::vector<std::string> c;
+#ifdef INFKV_TRACE_NAME
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) c.push_back((exe.parent_path().parent_path() / INFKV_TRACE_DATADIR / INFKV_TRACE_NAME).string());
+  c.push_back(INFKV_TRACE_INSTALLED);
+  c.push_back(INFKV_TRACE_SOURCE);
+#endif
+  return c;
+}
+
+/// The first existing built-in trace, or empty.
+inline std::string find_default_trace() {
+  for (const auto& p : default_trace_candidates()) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(p, ec)) return p;
+  }
+  return {};
+}
+
+}  // namespace compare
