@@ -25,6 +25,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cli_util.hpp"
+
 #include "compare_stream.hpp"
 #include "compare_trace.hpp"
 
@@ -172,19 +174,7 @@ std::vector<record> run_workload(infkv::synthetic::workload& w, const std::vecto
   return recs;
 }
 
-/// CLI11 check: the value is a number >= `min` (an integer when `integer`).
-CLI::Validator at_least(double min, bool integer = true) {
-  return CLI::Validator(
-      [=](std::string& v) -> std::string {
-        std::istringstream is(v);
-        double x = 0;
-        if (!(is >> x) || !is.eof() || (integer && x != std::floor(x)))
-          return "value " + v + " is not " + (integer ? "an integer" : "a number");
-        if (x < min) return "value " + v + " must be >= " + fixed(min, 0, integer ? 0 : 1);
-        return {};
-      },
-      integer ? (min >= 1 ? "POSITIVE" : "NONNEGATIVE") : "NONNEGATIVE");
-}
+using infkv_examples::at_least;
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::cerr << "infkv-compare: error: " << msg << '\n';

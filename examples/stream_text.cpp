@@ -18,6 +18,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cli_util.hpp"
+
 #include "stream_text/report.hpp"
 
 namespace {
@@ -35,19 +37,7 @@ double load_average() {
   return v;
 }
 
-/// CLI11 check: the value is a number >= `min` (an integer when `integer`).
-CLI::Validator at_least(double min, bool integer = true) {
-  return CLI::Validator(
-      [=](std::string& v) -> std::string {
-        std::istringstream is(v);
-        double x = 0;
-        if (!(is >> x) || !is.eof() || (integer && x != std::floor(x)))
-          return "value " + v + " is not " + (integer ? "an integer" : "a number");
-        if (x < min) return "value " + v + " must be >= " + std::to_string(std::int64_t(min));
-        return {};
-      },
-      min >= 1 ? "POSITIVE" : "NONNEGATIVE");
-}
+using infkv_examples::at_least;
 
 struct options {
   std::string model, text, json, csv, plot;

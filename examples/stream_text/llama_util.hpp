@@ -16,40 +16,16 @@
 
 #include <llama.h>
 
+#include <infkv/adapters/llama_cpp/handles.hpp>
 #include <infkv/error.hpp>
 
 namespace stream {
 
-struct model_deleter {
-  void operator()(llama_model* m) const { llama_model_free(m); }
-};
-struct context_deleter {
-  void operator()(llama_context* c) const { llama_free(c); }
-};
-using model_ptr = std::unique_ptr<llama_model, model_deleter>;
-using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+using infkv::llama_cpp::context_ptr;
+using infkv::llama_cpp::model_ptr;
 
-/// Initialises llama.cpp once; only its errors reach stderr.
-inline void init_llama() {
-  static const bool once = [] {
-    llama_log_set([](ggml_log_level level, const char* text, void*) {
-      if (level == GGML_LOG_LEVEL_ERROR) std::fprintf(stderr, "[llama.cpp] %s", text);
-    }, nullptr);
-    llama_backend_init();
-    return true;
-  }();
-  (void)once;
-}
-
-/// Loads a GGUF model on the CPU; throws infkv::error naming the path when it cannot.
-inline model_ptr load_model(const std::string& path) {
-  init_llama();
-  auto mp = llama_model_default_params();
-  mp.n_gpu_layers = 0;
-  model_ptr m(llama_model_load_from_file(path.c_str(), mp));
-  if (!m) infkv::detail::fail("--model = ", path, ": llama.cpp cannot load it as a GGUF model");
-  return m;
-}
+/// Loads a GGUF model on the CPU; throws infkv::error naming --model and the path when it cannot.
+inline model_ptr load_model(const std::string& path) { return infkv::llama_cpp::load_model(path, "--model"); }
 
 /// Shape figures of a model that the memory accounting needs.
 struct model_shape {

@@ -79,7 +79,7 @@ inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
 /// two evictions: the cache never holds more than budget + max_feed slots.
 class runner {
  public:
-  runner(const llama_model* m) : shape_(m) {}
+  explicit runner(const llama_model* m) : shape_(m) {}
   virtual ~runner() = default;
   runner(const runner&) = delete;
   runner& operator=(const runner&) = delete;

@@ -15,36 +15,13 @@
 
 namespace infkv_test {
 
-/// Loads llama.cpp once, with only its errors printed.
-inline void init_llama() {
-  static const bool once = [] {
-    llama_log_set([](ggml_log_level level, const char* text, void*) {
-      if (level == GGML_LOG_LEVEL_ERROR) std::fprintf(stderr, "[llama.cpp] %s", text);
-    }, nullptr);
-    llama_backend_init();
-    return true;
-  }();
-  (void)once;
-}
-
-struct model_deleter {
-  void operator()(llama_model* m) const { llama_model_free(m); }
-};
-struct context_deleter {
-  void operator()(llama_context* c) const { llama_free(c); }
-};
-using model_ptr = std::unique_ptr<llama_model, model_deleter>;
-using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+using infkv::llama_cpp::context_ptr;
+using infkv::llama_cpp::model_ptr;
 
 /// The tiny llama model with `layers` layers (64-dim embeddings, 4 heads, 2 KV heads, vocab 128).
 inline model_ptr tiny_model(int layers) {
-  init_llama();
-  const std::string path = std::string(INFKV_TEST_MODEL_DIR) + "/tiny-llama-" + std::to_string(layers) + ".gguf";
-  auto mp = llama_model_default_params();
-  mp.n_gpu_layers = 0;
-  model_ptr m(llama_model_load_from_file(path.c_str(), mp));
-  REQUIRE_MESSAGE(m != nullptr, "cannot load ", path);
-  return m;
+  return infkv::llama_cpp::load_model(std::string(INFKV_TEST_MODEL_DIR) + "/tiny-llama-" + std::to_string(layers) +
+                                      ".gguf");
 }
 
 /// Context settings the tests vary.

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "llama_cpp/capture.hpp"
+#include "llama_cpp/handles.hpp"
 #include "llama_cpp/layer_cache.hpp"
 #include "llama_cpp/model_info.hpp"
 #include "llama_cpp/session.hpp"
