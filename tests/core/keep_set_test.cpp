@@ -8,15 +8,13 @@
 #include <doctest/doctest.h>
 #include <infkv/infkv.hpp>
 
+#include "test_tokens.hpp"
+
 using namespace infkv;
 
 namespace {
 
-std::vector<token> tokens_at(std::vector<std::int64_t> pos) {
-  std::vector<token> t;
-  for (auto p : pos) t.push_back({p, 0, modality::text});
-  return t;
-}
+using infkv_test::tokens_at;
 
 keep_set one_unit(std::int64_t n, std::vector<std::int64_t> slots) {
   keep_set k(n);

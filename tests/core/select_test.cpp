@@ -12,15 +12,13 @@
 #include <doctest/doctest.h>
 #include <infkv/infkv.hpp>
 
+#include "test_tokens.hpp"
+
 using namespace infkv;
 
 namespace {
 
-std::vector<token> tokens_at(std::vector<std::int64_t> pos) {
-  std::vector<token> t;
-  for (auto p : pos) t.push_back({p, 0, modality::text});
-  return t;
-}
+using infkv_test::tokens_at;
 
 score_matrix row_of(std::vector<float> v) {
   score_matrix s(1, std::int64_t(v.size()));

@@ -1,0 +1,16 @@
+# infkv_header_check(NAME <test> TARGET <lib> HEADERS <paths relative to include/>...)
+# Adds an object library that compiles each header alone (twice, for include guards) against
+# <lib>, and a test <test> that builds it.
+function(infkv_header_check)
+  cmake_parse_arguments(arg "" "NAME;TARGET" "HEADERS" ${ARGN})
+  set(sources "")
+  foreach(h IN LISTS arg_HEADERS)
+    string(MAKE_C_IDENTIFIER ${h} id)
+    set(src ${CMAKE_CURRENT_BINARY_DIR}/header_check/${id}.cpp)
+    file(CONFIGURE OUTPUT ${src} CONTENT "#include <${h}>\n#include <${h}>\nint ${id}_marker = 0;\n")
+    list(APPEND sources ${src})
+  endforeach()
+  add_library(${arg_NAME}_objects OBJECT ${sources})
+  target_link_libraries(${arg_NAME}_objects PRIVATE ${arg_TARGET} infkv_dev_flags)
+  add_test(NAME ${arg_NAME} COMMAND ${CMAKE_COMMAND} --build ${PROJECT_BINARY_DIR} --target ${arg_NAME}_objects)
+endfunction()
