@@ -43,7 +43,7 @@ struct options {
   std::string model, text, json, csv, plot;
   std::vector<std::string> policy_names;
   stream::settings s;
-  std::int64_t tokens = 0, passkey = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
+  std::int64_t tokens = 0, skip = 0, passkey = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
   std::uint64_t seed = 1;
   bool list = false;
 };
@@ -57,6 +57,8 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--budget", o.s.budget, "cache slots kept after each eviction")->check(pos);
   app.add_option("--block", o.s.block, "tokens decoded between two evictions")->check(pos);
   app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
+  app.add_option("--skip", o.skip, "start the stream after this many tokens of the text (e.g. to compare a slice "
+                                   "with the recompute oracle); CSV token counts include them")->check(nonneg);
   app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(pos);
   app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*)")->check(nonneg);
   app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
@@ -68,6 +70,8 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE");
   app.add_option("--csv", o.csv, "write the per-block (or per-trial) records as CSV to FILE");
   app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)");
+  app.add_flag("--keep-positions", o.s.keep_positions, "evicting policies leave holes at the original positions "
+                                                      "instead of compacting them (positions then grow with the stream)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
   app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: DISTANCE tokens of filler between "
                                          "the key and the question")->check(pos);
@@ -80,6 +84,7 @@ void add_options(CLI::App& app, options& o) {
 std::vector<stream::policy_info> check(const options& o) {
   if (o.model.empty()) usage_error("--model is required");
   if (o.passkey == 0 && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
+  if (o.skip > 0 && o.passkey > 0) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not --passkey");
   if (!o.plot.empty() && o.passkey > 0) usage_error("--plot = " + o.plot + ": plots are for the text stream, not --passkey");
   std::vector<stream::policy_info> chosen;
   std::set<std::string> seen;
@@ -106,16 +111,19 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
                            {"head_dim", sh.head_dim}, {"vocab", sh.vocab}, {"n_ctx_train", sh.n_ctx_train}}},
           {"text", o.text},
           {"settings", {{"budget", o.s.budget}, {"block", o.s.block}, {"sinks", o.s.sinks}, {"recent", o.s.recent},
-                        {"window", o.s.window}, {"beta", o.s.beta}, {"threads", o.s.threads}, {"smooth", o.smooth}}},
+                        {"window", o.s.window}, {"beta", o.s.beta}, {"threads", o.s.threads}, {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
 
 int run_text(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const double load0 = load_average();
-  const auto toks = stream::tokenize_file(m, o.text, o.tokens);
-  if (std::int64_t(toks.size()) < 2) usage_error("--text = " + o.text + ": fewer than 2 tokens");
-  std::fprintf(stderr, "infkv-stream: %zu tokens of %s; budget %lld, block %lld, %d threads; load average %.2f\n",
-               toks.size(), o.text.c_str(), (long long)o.s.budget, (long long)o.s.block, o.s.threads, load0);
+  auto toks = stream::tokenize_file(m, o.text, o.tokens > 0 ? o.skip + o.tokens : 0);
+  if (std::int64_t(toks.size()) < o.skip + 2)
+    usage_error("--skip = " + std::to_string(o.skip) + ": the text has " + std::to_string(toks.size()) +
+                " tokens, fewer than 2 remain");
+  toks.erase(toks.begin(), toks.begin() + o.skip);
+  std::fprintf(stderr, "infkv-stream: %zu tokens of %s after %lld skipped; budget %lld, block %lld, %d threads; load average %.2f\n",
+               toks.size(), o.text.c_str(), (long long)o.skip, (long long)o.s.budget, (long long)o.s.block, o.s.threads, load0);
   const stream::model_shape sh(m);
   std::vector<stream::stream_run> runs;
   for (const auto& p : chosen) {
@@ -134,7 +142,7 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
                    b.block_ppl, b.running_ppl, (long long)b.slots_peak, double(b.kv_state_bytes) / 1048576.0,
                    double(b.rss_bytes) / 1048576.0, b.tok_per_s);
     };
-    runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.s, o.smooth, progress));
+    runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.skip, o.s, o.smooth, progress));
     runs.back().note = note;
   }
   const double load1 = load_average();
@@ -143,6 +151,7 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
   if (!o.json.empty()) {
     auto j = stream::stream_json(head(o, m, load0), runs, o.s);
     j["tokens"] = toks.size();
+    j["skip"] = o.skip;
     j["load_average_end"] = stream::num(load1);
     stream::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -188,9 +197,10 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
       run.trials.push_back(stream::run_passkey(m, p.k, o.s, pr, t, o.gen));
       const auto& tr = run.trials.back();
       if (o.progress > 0)
-        std::fprintf(stderr, "[%s] trial %lld: key %s at token %lld, distance %lld: \"%s\" %s (%.1f s)\n",
-                     std::string(p.name).c_str(), (long long)t, pr.number.c_str(), (long long)pr.key_at,
-                     (long long)pr.distance, tr.answer.c_str(), tr.success ? "ok" : "miss", tr.seconds);
+        std::fprintf(stderr, "[%s] trial %lld: key %s at token %lld, distance %lld, %lld/%lld key tokens cached: "
+                     "\"%s\" %s (%.1f s)\n", std::string(p.name).c_str(), (long long)t, pr.number.c_str(),
+                     (long long)pr.key_at, (long long)pr.distance, (long long)tr.key_kept,
+                     (long long)pr.key_tokens(), tr.answer.c_str(), tr.success ? "ok" : "miss", tr.seconds);
     }
     runs.push_back(std::move(run));
   }

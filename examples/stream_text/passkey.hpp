@@ -22,6 +22,8 @@ struct passkey_prompt {
   std::int64_t prefix_units = 0;      ///< filler sentences before the key (varies per trial)
   std::int64_t key_at = 0;            ///< token index where the key statement starts
   std::int64_t distance = 0;          ///< tokens from the end of the key statement to the question
+  /// Tokens of the key statement.
+  std::int64_t key_tokens() const { return std::int64_t(context.size()) - distance - key_at; }
 };
 
 /// The outcome of one trial.
@@ -29,6 +31,7 @@ struct passkey_trial {
   std::int64_t trial = 0;
   passkey_prompt prompt;
   std::string answer;
+  std::int64_t key_kept = 0;  ///< tokens of the key statement still cached when the question starts
   bool success = false;
   double seconds = 0.0;
 };
@@ -84,6 +87,7 @@ inline passkey_trial run_passkey(const llama_model* m, kind k, const settings& s
     r->feed(std::span(ctx).subspan(at, std::min(std::size_t(s.block), ctx.size() - at)));
     r->evict();
   }
+  out.key_kept = r->cached_in(out.prompt.key_at, out.prompt.key_at + out.prompt.key_tokens());
   r->feed(q);
   const llama_vocab* vocab = llama_model_get_vocab(m);
   std::int64_t last = std::int64_t(q.size()) - 1;

@@ -117,7 +117,8 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
       trials.push_back({{"trial", t.trial}, {"number", t.prompt.number}, {"prefix_units", t.prompt.prefix_units},
                         {"key_at", t.prompt.key_at}, {"distance", t.prompt.distance},
                         {"prompt_tokens", t.prompt.context.size() + t.prompt.question.size()},
-                        {"answer", t.answer}, {"success", t.success}, {"seconds", t.seconds}});
+                        {"key_tokens", t.prompt.key_tokens()}, {"key_kept", t.key_kept}, {"answer", t.answer},
+                        {"success", t.success}, {"seconds", t.seconds}});
     j["runs"].push_back({{"policy", r.policy}, {"note", r.note}, {"success_rate", num(r.trials.empty() ? NAN : r.rate())},
                          {"trials", std::move(trials)}});
   }
@@ -126,26 +127,28 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
 
 inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
-  os << "policy,trial,number,key_at,distance,prompt_tokens,success,seconds,answer\n";
+  os << "policy,trial,number,key_at,distance,prompt_tokens,key_tokens,key_kept,success,seconds,answer\n";
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
       std::string a = t.answer;
       for (auto& c : a)
         if (c == '"' || c == '\n' || c == ',') c = ' ';
       os << r.policy << ',' << t.trial << ',' << t.prompt.number << ',' << t.prompt.key_at << ',' << t.prompt.distance
-         << ',' << t.prompt.context.size() + t.prompt.question.size() << ',' << int(t.success) << ','
+         << ',' << t.prompt.context.size() + t.prompt.question.size() << ',' << t.prompt.key_tokens() << ','
+         << t.key_kept << ',' << int(t.success) << ','
          << t.seconds << ",\"" << a << "\"\n";
     }
   return os.str();
 }
 
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
-  std::printf("%-14s %7s %8s %9s\n", "policy", "trials", "success", "s/trial");
+  std::printf("%-14s %7s %8s %9s %9s\n", "policy", "trials", "success", "key_kept", "s/trial");
   for (const auto& r : runs) {
-    double sec = 0;
-    for (const auto& t : r.trials) sec += t.seconds;
-    std::printf("%-14s %7zu %7.0f%% %s%s\n", r.policy.c_str(), r.trials.size(), 100.0 * r.rate(),
-                fmt(r.trials.empty() ? NAN : sec / double(r.trials.size()), 9, 2).c_str(),
+    double sec = 0, kept = 0;
+    for (const auto& t : r.trials) sec += t.seconds, kept += double(t.key_kept) / double(t.prompt.key_tokens());
+    const double n = r.trials.empty() ? NAN : double(r.trials.size());
+    std::printf("%-14s %7zu %7.0f%% %8.0f%% %s%s\n", r.policy.c_str(), r.trials.size(), 100.0 * r.rate(),
+                100.0 * kept / n, fmt(sec / n, 9, 2).c_str(),
                 r.note.empty() ? "" : ("  (" + r.note + ")").c_str());
   }
 }

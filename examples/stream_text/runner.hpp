@@ -3,6 +3,7 @@
 // sliding window with recompute (a fresh cache per block).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -58,6 +59,7 @@ struct settings {
   /// 8 5.932, 32 5.998).
   double beta = 8.0;
   int threads = 2;             ///< llama.cpp and scoring threads
+  bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
 };
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
@@ -93,6 +95,11 @@ class runner {
   virtual std::int64_t slots() const = 0;
   /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
   virtual std::int64_t host_bytes() const { return 0; }
+  /// How many of the stream's tokens [begin, end) (indices in feed order) are cached now.
+  std::int64_t cached_in(std::int64_t begin, std::int64_t end) const {
+    return std::int64_t(std::lower_bound(cached_.begin(), cached_.end(), end) -
+                        std::lower_bound(cached_.begin(), cached_.end(), begin));
+  }
 
   /// Logits of the i-th token of the last feed.
   std::span<const float> logits(std::int64_t i) const {
@@ -125,9 +132,16 @@ class runner {
     first_out_ = out_from;
   }
 
+  /// Records that the next `n` tokens of the stream were appended to the cache.
+  void note_fed(std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) cached_.push_back(fed_++);
+  }
+
   model_shape shape_;
   context_ptr ctx_;
   std::int64_t first_out_ = 0;
+  std::vector<std::int64_t> cached_;  ///< stream indices of the cached tokens, ascending (= position order)
+  std::int64_t fed_ = 0;
 };
 
 /// An infkv session over a context of budget + max_feed cells, evicting with one policy.
@@ -148,12 +162,16 @@ class session_runner final : public runner {
     const std::int32_t rc = session_.decode(toks, {}, true);
     if (rc != 0) infkv::detail::fail("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
     first_out_ = 0;
+    note_fed(toks.size());
     infkv::detail::require(session_.size() <= cap_, "session slots", session_.size(),
                            "exceed budget + block = ", cap_, ": the cache is not bounded");
   }
 
   std::int64_t evict() override {
     if (session_.size() <= set_.budget) return 0;
+    std::vector<std::int64_t> before;  // positions in stream order, aligned with cached_
+    for (const auto& t : session_.tokens()) before.push_back(t.pos);
+    std::sort(before.begin(), before.end());
     infkv::llama_cpp::eviction_result r;
     switch (kind_) {
       case kind::window: case kind::streaming_llm: r = session_.evict(infkv::streaming_llm{}, budget_); break;
@@ -169,6 +187,15 @@ class session_runner final : public runner {
     }
     infkv::detail::require(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
                            "exceed --budget = ", set_.budget);
+    std::size_t out = 0;
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      const bool gone = std::any_of(r.removed.begin(), r.removed.end(),
+                                    [&](const auto& run) { return before[i] >= run.begin && before[i] < run.end; });
+      if (!gone) cached_[out++] = cached_[i];
+    }
+    cached_.resize(out);
+    infkv::detail::require(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
+                           "differ from the session's slots ", session_.size());
     return r.evicted;
   }
 
@@ -187,6 +214,7 @@ class session_runner final : public runner {
     infkv::llama_cpp::session_options o;
     o.window = std::max<std::int64_t>(1, k == kind::snapkv || k == kind::inf_mllm || k == kind::inf_mllm_bias ? s.window : 1);
     o.key_type = infkv::dtype::f16;
+    o.positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact;
     if (k == kind::h2o) o.track_h2o = infkv::h2o{};
     o.executor = {s.threads};
     return o;
@@ -210,6 +238,7 @@ class full_runner final : public runner {
   void feed(std::span<const llama_token> toks, bool) override {
     plain_decode(toks, n_, 0);
     n_ += std::int64_t(toks.size());
+    note_fed(toks.size());
   }
   std::int64_t evict() override { return 0; }
   std::int64_t slots() const override { return n_; }
@@ -241,10 +270,12 @@ class recompute_runner final : public runner {
       n_ = std::int64_t(all.size());
     }
     history_.insert(history_.end(), toks.begin(), toks.end());
+    note_fed(toks.size());
   }
   std::int64_t evict() override {
     const std::int64_t gone = std::max<std::int64_t>(0, n_ - budget_);
     n_ = std::min(n_, budget_);
+    cached_.erase(cached_.begin(), cached_.begin() + gone);
     return gone;
   }
   std::int64_t slots() const override { return n_; }

@@ -18,7 +18,7 @@ namespace stream {
 /// What one block of the stream measured.
 struct block_record {
   std::int64_t index = 0;          ///< block number from 0
-  std::int64_t tokens = 0;         ///< stream tokens seen after this block
+  std::int64_t tokens = 0;         ///< text tokens up to the end of this block (skipped ones included)
   std::int64_t scored = 0;         ///< tokens of the block with a prediction (the stream's first has none)
   double nll = 0.0;                ///< summed negative log-likelihood of the block's scored tokens
   double block_ppl = 0.0;          ///< exp(nll / scored)
@@ -41,6 +41,7 @@ struct stream_run {
   std::vector<block_record> blocks;
   double seconds = 0.0;
   std::int64_t tokens = 0;
+  std::int64_t skipped = 0;  ///< text tokens before the stream's first (--skip)
   std::string note;  ///< why the run covers fewer tokens than asked, if it does
 };
 
@@ -54,11 +55,14 @@ struct run_summary {
   std::int64_t max_slots = 0, kv_alloc_bytes = 0, peak_rss = 0, evictions = 0;
 };
 
-/// Streams `toks` through `r` in blocks of `s.block`; `progress(record)` is called after each.
-inline stream_run run_stream(runner& r, std::string policy, std::span<const llama_token> toks, const settings& s,
-                             std::int64_t smooth, const std::function<void(const block_record&)>& progress) {
+/// Streams `toks`, the text's tokens from index `skipped` on, through `r` in blocks of `s.block`;
+/// `progress(record)` is called after each.
+inline stream_run run_stream(runner& r, std::string policy, std::span<const llama_token> toks, std::int64_t skipped,
+                             const settings& s, std::int64_t smooth,
+                             const std::function<void(const block_record&)>& progress) {
   stream_run out;
   out.policy = std::move(policy);
+  out.skipped = skipped;
   std::vector<float> prev;  // logits of the previous block's last token
   double total_nll = 0.0;
   std::int64_t total_scored = 0;
@@ -67,7 +71,7 @@ inline stream_run run_stream(runner& r, std::string policy, std::span<const llam
     const auto t0 = std::chrono::steady_clock::now();
     const auto blk = toks.subspan(std::size_t(at), std::size_t(std::min<std::int64_t>(s.block, std::int64_t(toks.size()) - at)));
     r.feed(blk);
-    block_record rec{.index = index, .tokens = at + std::int64_t(blk.size())};
+    block_record rec{.index = index, .tokens = skipped + at + std::int64_t(blk.size())};
     for (std::size_t i = 0; i < blk.size(); ++i) {
       if (i == 0 && prev.empty()) continue;
       rec.nll += token_nll(i == 0 ? std::span<const float>(prev) : r.logits(std::int64_t(i) - 1), blk[i]);
@@ -115,7 +119,7 @@ inline run_summary summarise(const stream_run& run, const settings& s) {
   std::span<const block_record> all(run.blocks);
   r.ppl = ppl_of(all);
   std::size_t first = 0;
-  while (first < all.size() && all[first].tokens <= s.budget + s.block) ++first;
+  while (first < all.size() && all[first].tokens - run.skipped <= s.budget + s.block) ++first;
   const auto warm = all.subspan(first);
   r.warm_blocks = std::int64_t(warm.size());
   if (!warm.empty()) {

@@ -8,10 +8,12 @@
 //   s.bind(ctx);
 //   s.decode(prompt_tokens);                        // bookkeeping grows only on success
 //   s.evict(infkv::snapkv{}, {.capacity = 512, .sinks = 4});
+//   prefill(s, chunks, infkv::keydiff{}, {.block = 256, .budget = 1024});  // text + image/video embeddings
 #pragma once
 
 #include "llama_cpp/capture.hpp"
 #include "llama_cpp/handles.hpp"
 #include "llama_cpp/layer_cache.hpp"
 #include "llama_cpp/model_info.hpp"
+#include "llama_cpp/prefill.hpp"
 #include "llama_cpp/session.hpp"
