@@ -165,7 +165,7 @@ std::vector<record> run_workload(infkv::synthetic::workload& w, const std::vecto
   }
   std::vector<record> recs;
   for (const auto& run : runs) {
-    const auto name = compare::policies[std::size_t(run->policy())].name;
+    const auto name = infkv_examples::policy_catalog[std::size_t(run->policy())].name;
     if (run->policy() == kind::full)
       for (auto b : budgets) recs.push_back(summarise(*run, name, b));
     else
@@ -226,18 +226,18 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (list) {
-    for (const auto& p : compare::policies)
-      std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+    for (const auto& p : infkv_examples::policy_catalog)
+      if (compare::compared(p.k)) std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
     return 0;
   }
   // Policies in the table's order, each once.
   std::vector<compare::policy_info> chosen;
   std::set<std::string> wanted(policy_names.begin(), policy_names.end());
   for (const auto& w : wanted)
-    if (std::none_of(compare::policies.begin(), compare::policies.end(), [&](auto& p) { return p.name == w; }))
+    if (const auto p = infkv_examples::find_policy(w); !p || !compare::compared(p->k))
       usage_error("--policy = " + w + ": unknown policy (see --list-policies)");
-  for (const auto& p : compare::policies)
-    if (wanted.empty() || wanted.count(std::string(p.name))) chosen.push_back(p);
+  for (const auto& p : infkv_examples::policy_catalog)
+    if (compare::compared(p.k) && (wanted.empty() || wanted.count(std::string(p.name)))) chosen.push_back(p);
   if (budgets.empty()) budgets = {256, 512, 1024};
   std::sort(budgets.begin(), budgets.end());
   budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());

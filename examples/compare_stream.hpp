@@ -10,56 +10,32 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <infkv/cpu.hpp>
 #include <infkv/synthetic.hpp>
 
+#include "policy_catalog.hpp"
+
 namespace compare {
 
-/// The policies the program compares.
-enum class kind { full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias };
+using kind = infkv_examples::policy_kind;
+using policy_info = infkv_examples::policy_entry;
 
-/// A policy's name on the command line and a one-line description.
-struct policy_info {
-  std::string_view name;
-  kind k;
-  std::string_view about;
-};
-
-inline constexpr std::array<policy_info, 9> policies{{
-    {"full", kind::full, "reference: keeps every token (no eviction)"},
-    {"window", kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
-    {"streaming_llm", kind::streaming_llm, "sinks + the most recent tokens"},
-    {"h2o", kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent"},
-    {"tova", kind::tova, "attention of the last query, mean over the layer's heads"},
-    {"snapkv", kind::snapkv, "attention of the last `window` queries, avg-pooled, + the window"},
-    {"keydiff", kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent"},
-    {"inf_mllm", kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias"},
-    {"inf_mllm_bias", kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)"},
-}};
+/// The policies the program compares: every one of the catalog but the recompute oracle, which
+/// needs a model.
+inline bool compared(kind k) { return k != kind::recompute; }
 
 /// Shared settings of all runs.
-struct settings {
-  std::int64_t sinks = 4;     ///< protected first tokens (streaming_llm, keydiff, inf_mllm)
-  std::int64_t recent = 32;   ///< protected last tokens (all scored policies)
-  std::int64_t window = 32;   ///< retrieval / observation window: the last queries seen
-  std::int64_t probes = 32;   ///< queries of the next block used to measure fidelity
-  double beta = 0.5;          ///< attention bias of inf_mllm_bias (linear, in positions)
+struct settings : infkv_examples::policy_knobs {
+  std::int64_t probes = 32;  ///< queries of the next block used to measure fidelity
+  settings() { beta = 0.5; }
 };
 
 /// The budget (with its protected tokens) a policy evicts to, or nullopt for `full`.
 inline std::optional<infkv::budget> policy_budget(kind k, std::int64_t capacity, const settings& s) {
-  infkv::budget b{.capacity = capacity};
-  switch (k) {
-    case kind::full: return std::nullopt;
-    case kind::window: case kind::tova: break;
-    case kind::streaming_llm: b.sinks = s.sinks; break;
-    case kind::h2o: b.recent = s.recent; break;
-    case kind::snapkv: b = infkv::snapkv{.window = s.window}.protect({.capacity = capacity, .recent = s.recent}); break;
-    case kind::keydiff: case kind::inf_mllm: case kind::inf_mllm_bias: b.sinks = s.sinks, b.recent = s.recent; break;
-  }
-  return b;
+  return infkv_examples::policy_budget(k, capacity, s);
 }
 
 /// The full-cache reference for one measurement point: the probe queries (taken evenly from the
@@ -204,17 +180,12 @@ class policy_run {
     } else {
       for (std::int32_t h = 0; h < hkv_; ++h) {
         const auto in = head_inputs(h, group_rows(window_q, h), pos);
-        switch (kind_) {
-          case kind::h2o: keep.push_back(infkv::cpu::select(h2o_[std::size_t(h)], bud, in)); break;
-          case kind::snapkv: keep.push_back(infkv::cpu::select(infkv::snapkv{.window = s_.window}, bud, in)); break;
-          case kind::keydiff: keep.push_back(infkv::cpu::select(infkv::keydiff{}, bud, in)); break;
-          case kind::inf_mllm:
-            keep.push_back(infkv::cpu::select(infkv::inf_mllm{.window = s_.window}, bud, in));
-            break;
-          default:  // inf_mllm_bias
-            keep.push_back(
-                infkv::cpu::select(infkv::inf_mllm{.window = s_.window, .bias = {.beta = s_.beta}}, bud, in));
-        }
+        keep.push_back(infkv_examples::with_policy(kind_, s_, [&]<class P>(const P& p) {
+          if constexpr (std::is_same_v<P, infkv::h2o>)
+            return infkv::cpu::select(h2o_[std::size_t(h)], bud, in);  // the head's accumulated state
+          else
+            return infkv::cpu::select(p, bud, in);
+        }));
       }
     }
     for (std::int32_t h = 0; h < hkv_; ++h) {

@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
   if (o.list) {
-    for (const auto& p : stream::policies)
+    for (const auto& p : infkv_examples::policy_catalog)
       std::printf("%-14s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
     return 0;
   }

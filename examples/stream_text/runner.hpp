@@ -15,65 +15,29 @@
 
 #include <infkv/adapters/llama_cpp.hpp>
 
+#include "../policy_catalog.hpp"
+
 #include "llama_util.hpp"
 
 namespace stream {
 
-enum class kind { full, window, streaming_llm, h2o, snapkv, keydiff, tova, inf_mllm, inf_mllm_bias, recompute };
+using kind = infkv_examples::policy_kind;
+using policy_info = infkv_examples::policy_entry;
+using infkv_examples::find_policy;
 
-struct policy_info {
-  std::string_view name;
-  kind k;
-  std::string_view about;
-};
-
-inline constexpr std::array<policy_info, 10> policies{{
-    {"full", kind::full, "reference: keeps every token (only up to the model's trained context)"},
-    {"window", kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
-    {"streaming_llm", kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
-    {"h2o", kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent"},
-    {"snapkv", kind::snapkv, "attention of the last --window queries, avg-pooled, + the window"},
-    {"keydiff", kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent"},
-    {"tova", kind::tova, "attention of the last query, mean over the heads"},
-    {"inf_mllm", kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias"},
-    {"inf_mllm_bias", kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)"},
-    {"recompute", kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
-}};
-
-/// The entry of `name`, or nullopt.
-inline std::optional<policy_info> find_policy(std::string_view name) {
-  for (const auto& p : policies)
-    if (p.name == name) return p;
-  return std::nullopt;
-}
-
-/// Settings shared by every run.
-struct settings {
+/// Settings shared by every run. beta (inf_mllm_bias, linear in positions) defaults to 8: on
+/// SmolLM2-135M it was the best of 0 / 0.5 / 2 / 4 / 8 / 32 over the first 3000 KJV tokens at
+/// budget 256, and at budget 1024 on held-out KJV text (docs/evaluation.md).
+struct settings : infkv_examples::policy_knobs {
   std::int64_t budget = 1024;  ///< cache slots kept after each eviction
   std::int64_t block = 128;    ///< tokens decoded between evictions
-  std::int64_t sinks = 4;      ///< protected first tokens (streaming_llm, keydiff, inf_mllm)
-  std::int64_t recent = 32;    ///< protected last tokens (scored policies)
-  std::int64_t window = 32;    ///< queries that score the cache (snapkv, inf_mllm)
-  /// Attention bias of inf_mllm_bias (linear, in positions). Tuned on SmolLM2-135M over the first
-  /// 3000 KJV tokens at budget 256, block 64 (ppl by beta: 0 6.153, 0.5 6.150, 2 6.097, 4 5.996,
-  /// 8 5.932, 32 5.998).
-  double beta = 8.0;
   int threads = 2;             ///< llama.cpp and scoring threads
   bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
 };
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
 inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
-  infkv::budget b{.capacity = s.budget};
-  switch (k) {
-    case kind::full: case kind::recompute: return std::nullopt;
-    case kind::window: case kind::tova: break;
-    case kind::streaming_llm: b.sinks = s.sinks; break;
-    case kind::h2o: b.recent = s.recent; break;
-    case kind::snapkv: b = infkv::snapkv{.window = s.window}.protect({.capacity = s.budget, .recent = s.recent}); break;
-    case kind::keydiff: case kind::inf_mllm: case kind::inf_mllm_bias: b.sinks = s.sinks, b.recent = s.recent; break;
-  }
-  return b;
+  return infkv_examples::policy_budget(k, s.budget, s);
 }
 
 /// One context streaming one token sequence. `feed` decodes the next tokens with logits for
@@ -172,19 +136,7 @@ class session_runner final : public runner {
     std::vector<std::int64_t> before;  // positions in stream order, aligned with cached_
     for (const auto& t : session_.tokens()) before.push_back(t.pos);
     std::sort(before.begin(), before.end());
-    infkv::llama_cpp::eviction_result r;
-    switch (kind_) {
-      case kind::window: case kind::streaming_llm: r = session_.evict(infkv::streaming_llm{}, budget_); break;
-      case kind::h2o: r = session_.evict(infkv::h2o{}, budget_); break;
-      case kind::snapkv: r = session_.evict(infkv::snapkv{.window = set_.window}, budget_); break;
-      case kind::keydiff: r = session_.evict(infkv::keydiff{}, budget_); break;
-      case kind::tova: r = session_.evict(infkv::tova{}, budget_); break;
-      case kind::inf_mllm: r = session_.evict(infkv::inf_mllm{.window = set_.window}, budget_); break;
-      case kind::inf_mllm_bias:
-        r = session_.evict(infkv::inf_mllm{.window = set_.window, .bias = {.beta = set_.beta}}, budget_);
-        break;
-      case kind::full: case kind::recompute: break;
-    }
+    const auto r = infkv_examples::with_policy(kind_, set_, [&](const auto& p) { return session_.evict(p, budget_); });
     infkv::detail::require(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
                            "exceed --budget = ", set_.budget);
     std::size_t out = 0;

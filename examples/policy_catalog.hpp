@@ -1,0 +1,89 @@
+// Shared by infkv's example programs: the policies they run by name, the tokens each protects,
+// and the policy object behind each name.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include <infkv/infkv.hpp>
+
+namespace infkv_examples {
+
+/// The policies the example programs know (infkv-compare runs all but `recompute`).
+enum class policy_kind { full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, recompute };
+
+/// A policy's name on the command line and a one-line description.
+struct policy_entry {
+  std::string_view name;
+  policy_kind k;
+  std::string_view about;
+};
+
+/// Every policy, in `policy_kind` order.
+inline constexpr std::array<policy_entry, 10> policy_catalog{{
+    {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
+    {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
+    {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
+    {"h2o", policy_kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent"},
+    {"tova", policy_kind::tova, "attention of the last query, mean over the heads"},
+    {"snapkv", policy_kind::snapkv, "attention of the last --window queries, avg-pooled, + the window"},
+    {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent"},
+    {"inf_mllm", policy_kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias"},
+    {"inf_mllm_bias", policy_kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)"},
+    {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
+}};
+
+/// The entry of `name`, or nullopt.
+inline std::optional<policy_entry> find_policy(std::string_view name) {
+  for (const auto& p : policy_catalog)
+    if (p.name == name) return p;
+  return std::nullopt;
+}
+
+/// The knobs the policies share.
+struct policy_knobs {
+  std::int64_t sinks = 4;   ///< protected first tokens (streaming_llm, keydiff, inf_mllm*)
+  std::int64_t recent = 32; ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*)
+  std::int64_t window = 32; ///< queries that score the cache (snapkv, inf_mllm*)
+  double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, in positions)
+};
+
+/// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
+inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t capacity, const policy_knobs& s) {
+  infkv::budget b{.capacity = capacity};
+  switch (k) {
+    case policy_kind::full: case policy_kind::recompute: return std::nullopt;
+    case policy_kind::window: case policy_kind::tova: break;
+    case policy_kind::streaming_llm: b.sinks = s.sinks; break;
+    case policy_kind::h2o: b.recent = s.recent; break;
+    case policy_kind::snapkv:
+      b = infkv::snapkv{.window = s.window}.protect({.capacity = capacity, .recent = s.recent});
+      break;
+    case policy_kind::keydiff: case policy_kind::inf_mllm: case policy_kind::inf_mllm_bias:
+      b.sinks = s.sinks, b.recent = s.recent;
+      break;
+  }
+  return b;
+}
+
+/// Calls `f` with the policy object of `k` (window: streaming_llm, whose budget has no sinks;
+/// h2o: its configuration) and returns what `f` returns; full and recompute evict nothing and
+/// are refused.
+template <class F>
+decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
+  switch (k) {
+    case policy_kind::window: case policy_kind::streaming_llm: return f(infkv::streaming_llm{});
+    case policy_kind::h2o: return f(infkv::h2o{});
+    case policy_kind::tova: return f(infkv::tova{});
+    case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
+    case policy_kind::keydiff: return f(infkv::keydiff{});
+    case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
+    case policy_kind::inf_mllm_bias: return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta}});
+    case policy_kind::full: case policy_kind::recompute: break;
+  }
+  infkv::detail::fail("policy ", int(k), ": full and recompute have no policy object (they never evict)");
+}
+
+}  // namespace infkv_examples
