@@ -47,7 +47,7 @@ struct policy_knobs {
   std::int64_t sinks = 4;   ///< protected first tokens (streaming_llm, keydiff, inf_mllm*)
   std::int64_t recent = 32; ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*)
   std::int64_t window = 32; ///< queries that score the cache (snapkv, inf_mllm*)
-  double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, in positions)
+  double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, age in ranks)
 };
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
@@ -80,7 +80,8 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
     case policy_kind::keydiff: return f(infkv::keydiff{});
     case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
-    case policy_kind::inf_mllm_bias: return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta}});
+    case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
+      return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
     case policy_kind::full: case policy_kind::recompute: break;
   }
   infkv::detail::fail("policy ", int(k), ": full and recompute have no policy object (they never evict)");

@@ -179,6 +179,10 @@ TEST_CASE("attention bias: beta 0 leaves scores alone; otherwise rows are normal
   attention_bias{.beta = 3.0, .unit = age_unit::segments}.apply(seg, t);
   CHECK(seg.data == lin.data);
 
+  auto ranked = m;  // ranks 2, 0, 1, 3 of the positions: the same ages again
+  attention_bias{.beta = 3.0, .unit = age_unit::ranks}.apply(ranked, t);
+  CHECK(ranked.data == lin.data);
+
   auto ex = m;  // exponential: f(0) = 1, f(1) = 0, in between below the linear ramp
   attention_bias{.beta = 1.0, .shape = decay::exponential, .rate = 4.0}.apply(ex, t);
   CHECK(ex(1, 3) == doctest::Approx(2.0));
@@ -189,4 +193,19 @@ TEST_CASE("attention bias: beta 0 leaves scores alone; otherwise rows are normal
   CHECK_THROWS_WITH_AS(attention_bias{.beta = -1.0}.apply(ex, t), doctest::Contains("bias.beta = -1"), error);
   const attention_bias flat{.beta = 1.0, .rate = 0.0};
   CHECK_THROWS_WITH_AS(flat.apply(ex, t), doctest::Contains("bias.rate = 0"), error);
+}
+
+TEST_CASE("attention bias: ages in ranks do not fade as kept positions grow apart") {
+  // keep mode after a long stream: sinks at 0 and 1, the rest far later; two slots share position 5000
+  const std::vector<token> t{{0, 0, modality::text}, {1, 0, modality::text}, {5000, 0, modality::image},
+                             {5000, 0, modality::image}, {5001, 0, modality::text}, {5003, 0, modality::text}};
+  score_matrix zero(1, 6);  // all scores 0: only the bias is left (the row mean is 0, kept as is)
+  auto by_pos = zero, by_rank = zero;
+  attention_bias{.beta = 1.0}.apply(by_pos, t);
+  attention_bias{.beta = 1.0, .unit = age_unit::ranks}.apply(by_rank, t);
+  // positions: every non-sink slot is within 3 / 5003 of the newest, so the bias hardly separates them
+  CHECK(by_pos(0, 2) > 0.999f);
+  // ranks: distinct positions 0, 1, 5000, 5001, 5003 -> ages 4, 3, 2, 1, 0 of 4
+  const std::vector<float> expect{0.f, 0.25f, 0.5f, 0.5f, 0.75f, 1.f};
+  for (std::int64_t c = 0; c < 6; ++c) CHECK(by_rank(0, c) == doctest::Approx(expect[std::size_t(c)]));
 }

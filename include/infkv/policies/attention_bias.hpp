@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "../error.hpp"
 #include "../scores.hpp"
@@ -21,7 +22,12 @@ enum class decay : std::uint8_t {
 };
 
 /// What age is counted in.
-enum class age_unit : std::uint8_t { positions, segments };
+enum class age_unit : std::uint8_t {
+  positions,  ///< position differences: in compact mode (positions 0..n-1) the same as ranks
+  segments,   ///< frames, tiles or turns
+  ranks,      ///< distinct cached positions newer than the token: a cache whose positions keep
+              ///< growing (keep mode) ages its tokens as a compacted one would
+};
 
 /// Each row is divided by its mean (scores become "times an average slot's relevance", free of
 /// cache size), then `beta * f(age)` is added. beta = 0 leaves the ranking unchanged.
@@ -46,12 +52,20 @@ struct attention_bias {
     validate();
     if (beta == 0.0 || s.cols == 0) return;
     validate_tokens(tokens, s.cols);
-    const auto age_of = [&](const token& t) {
-      return unit == age_unit::positions ? double(t.pos) : double(t.segment);
-    };
-    double newest = age_of(tokens[0]), oldest = newest;
-    for (const auto& t : tokens) newest = std::max(newest, age_of(t)), oldest = std::min(oldest, age_of(t));
-    const double span = newest - oldest;
+    std::vector<double> when(tokens.size());  // larger = newer
+    if (unit == age_unit::ranks) {
+      std::vector<std::int64_t> distinct(tokens.size());
+      for (std::size_t i = 0; i < tokens.size(); ++i) distinct[i] = tokens[i].pos;
+      std::sort(distinct.begin(), distinct.end());
+      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+      for (std::size_t i = 0; i < tokens.size(); ++i)
+        when[i] = double(std::lower_bound(distinct.begin(), distinct.end(), tokens[i].pos) - distinct.begin());
+    } else {
+      for (std::size_t i = 0; i < tokens.size(); ++i)
+        when[i] = unit == age_unit::positions ? double(tokens[i].pos) : double(tokens[i].segment);
+    }
+    const auto [oldest, newest] = std::minmax_element(when.begin(), when.end());
+    const double top = *newest, span = *newest - *oldest;
     for (std::int64_t r = 0; r < s.rows; ++r) {
       auto row = s.row(r);
       double mean = 0;
@@ -59,7 +73,7 @@ struct attention_bias {
       mean /= double(s.cols);
       const double inv = mean > 0 ? 1.0 / mean : 1.0;
       for (std::int64_t c = 0; c < s.cols; ++c) {
-        const double a = span > 0 ? (newest - age_of(tokens[std::size_t(c)])) / span : 0.0;
+        const double a = span > 0 ? (top - when[std::size_t(c)]) / span : 0.0;
         row[std::size_t(c)] = float(row[std::size_t(c)] * inv + beta * recency(a));
       }
     }
