@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Summarises infkv-stream per-block CSVs (several policies, concatenated) as the markdown table of
-docs/evaluation.md: perplexity over all blocks, over the first and last 10% of the blocks after
-warm-up, and, where a reference policy (default: recompute, the sliding window with recompute) ran
-on slices of the same text, each policy's perplexity on exactly the reference's blocks divided by
-the reference's.
+"""Summarises infkv-stream CSVs as the markdown tables of docs/evaluation.md.
+
+Per-block CSVs (several policies, concatenated): perplexity over all blocks, over the first and
+last 10% of the blocks after warm-up, and, where a reference policy (default: recompute, the
+sliding window with recompute) ran on slices of the same text, each policy's perplexity on exactly
+the reference's blocks divided by the reference's. Passkey CSVs (--passkey runs, concatenated):
+success rate and share of the key statement's tokens still cached at the question, per policy and
+distance.
 
     scripts/eval_summary.py docs/evaluation/kjv200k.csv [--reference recompute] [--warmup 1152]
+    scripts/eval_summary.py docs/evaluation/passkey.csv
 """
 import argparse
 import csv
@@ -20,38 +24,69 @@ def ppl(rows):
     return math.exp(nll / n) if n else float("nan")
 
 
+def passkey_table(rows):
+    """Success and key tokens cached per policy (rows) and distance in thousands (columns)."""
+    cells = OrderedDict()
+    distances = sorted({round(int(r["distance"]) / 1000) for r in rows})
+    for r in rows:
+        c = cells.setdefault(r["policy"], {}).setdefault(round(int(r["distance"]) / 1000), [0, 0, 0.0])
+        c[0] += int(r["success"])
+        c[1] += 1
+        c[2] += int(r["key_kept"]) / int(r["key_tokens"])
+    print("| policy | " + " | ".join(f"{d}K: success (key tokens cached)" for d in distances) + " |")
+    print("|---|" + "---|" * len(distances))
+    for name, by_d in cells.items():
+        line = f"| {name} |"
+        for d in distances:
+            if d in by_d:
+                ok, n, kept = by_d[d]
+                line += f" {ok}/{n} = {100 * ok / n:.0f}% ({100 * kept / n:.0f}%) |"
+            else:
+                line += " |"
+        print(line)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="infkv-stream --csv output(s), concatenated (one header or many)")
-    ap.add_argument("--reference", default="recompute", help="policy whose blocks define the matched slices")
+    ap.add_argument("--reference", action="append",
+                    help="policy whose blocks define matched slices (repeatable; default: recompute and full)")
     ap.add_argument("--warmup", type=int, default=1152,
                     help="blocks ending at or before this many tokens after a stream's start are warm-up")
     a = ap.parse_args()
+    a.reference = a.reference or ["recompute", "full"]
+
+    with open(a.csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["policy"] != "policy"]
+    if rows and "key_kept" in rows[0]:
+        return passkey_table(rows)
 
     runs = OrderedDict()
-    with open(a.csv, newline="") as f:
-        for r in csv.DictReader(f):
-            if r["policy"] == "policy":
-                continue  # a repeated header
-            # infkv-stream writes block_ppl = exp(nll / scored); recover nll per block.
-            r["nll"] = math.log(float(r["block_ppl"])) * int(r["scored"]) if int(r["scored"]) else 0.0
-            runs.setdefault(r["policy"], []).append(r)
+    for r in rows:
+        # infkv-stream writes block_ppl = exp(nll / scored); recover nll per block.
+        r["nll"] = math.log(float(r["block_ppl"])) * int(r["scored"]) if int(r["scored"]) else 0.0
+        runs.setdefault(r["policy"], []).append(r)
 
-    # Slices of the reference: runs of consecutive blocks (a slice starts where block 0 restarts;
+    # Slices of each reference: runs of consecutive blocks (a slice starts where block 0 restarts;
     # its first block predicts all its tokens but the first). Warm-up blocks are left out.
     ref_slices = []
-    for r in runs.get(a.reference, []):
-        if r["block"] == "0" or not ref_slices:
-            ref_slices.append((int(r["tokens"]) - int(r["scored"]) - 1, []))
-        ref_slices[-1][1].append(r)
-    ref_slices = [[r for r in rows if int(r["tokens"]) - start > a.warmup] for start, rows in ref_slices]
-    ref_slices = [s for s in ref_slices if s]
+    for ref in a.reference:
+        slices = []
+        for r in runs.get(ref, []):
+            if r["block"] == "0" or not slices:
+                slices.append((int(r["tokens"]) - int(r["scored"]) - 1, []))
+            slices[-1][1].append(r)
+        for start, rows in slices:
+            warm = [r for r in rows if int(r["tokens"]) - start > a.warmup]
+            if warm:
+                ref_slices.append((ref, warm))
 
     head = "| policy | tokens | PPL | early PPL | late PPL | late / early |"
     sep = "|---|---|---|---|---|---|"
-    for s in ref_slices:
+    for ref, s in ref_slices:
         lo = int(s[0]["tokens"]) - int(s[0]["scored"])
-        head += f" vs {a.reference}, tokens {lo / 1000:.1f}K-{int(s[-1]['tokens']) / 1000:.1f}K |"
+        head += f" vs {ref}, tokens {lo / 1000:.1f}K-{int(s[-1]['tokens']) / 1000:.1f}K |"
         sep += "---|"
     print(head)
     print(sep)
@@ -60,13 +95,14 @@ def main():
         tenth = max(1, len(warm) // 10)
         early, late = ppl(warm[:tenth]), ppl(warm[-tenth:])
         line = f"| {name} | {rows[-1]['tokens']} | {ppl(rows):.3f} | {early:.3f} | {late:.3f} | {late / early:.2f} |"
-        by_tokens = {r["tokens"]: r for r in rows}
-        for s in ref_slices:
-            mine = [by_tokens.get(r["tokens"]) for r in s]
-            if any(m is None for m in mine):
+        by_tokens = {(r["tokens"], r["scored"]): r for r in rows}
+        for _, s in ref_slices:
+            # the blocks both runs predicted (same last token, same count): a slice's last block may be partial
+            pairs = [(by_tokens[(r["tokens"], r["scored"])], r) for r in s if (r["tokens"], r["scored"]) in by_tokens]
+            if len(pairs) < len(s) - 1:
                 line += " |"
             else:
-                line += f" {ppl(mine) / ppl(s):.3f} |"
+                line += f" {ppl([m for m, _ in pairs]) / ppl([o for _, o in pairs]):.3f} |"
         print(line)
     return 0
 
