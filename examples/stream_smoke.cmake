@@ -2,6 +2,9 @@
 # 64 for streaming_llm and inf_mllm, one thread (robust on a loaded machine); the JSON (OUT) must
 # hold one record per block, a cache that never exceeded budget + block nor kept more than the
 # budget, and finite perplexities.
+# MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
+# every token of the key statement at the question, StreamingLLM none; and a --skip run whose
+# block token counts start after the skipped tokens.
 # MODE bad_flag: bad values must fail with a message naming the flag.
 if(MODE STREQUAL "smoke")
   set(tokens 2000)
@@ -51,8 +54,38 @@ if(MODE STREQUAL "smoke")
       message(FATAL_ERROR "${policy}: the last block ends at ${total} tokens, not ${tokens}")
     endif()
   endforeach()
+elseif(MODE STREQUAL "passkey")
+  file(REMOVE ${OUT})
+  execute_process(COMMAND ${EXE} --model ${MODEL} --passkey 300 --trials 1 --budget 128 --block 32
+                          --policy full,streaming_llm --threads 1 --json ${OUT}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "infkv-stream --passkey failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${out}")
+  file(READ ${OUT} json)
+  string(JSON full_kept GET "${json}" runs 0 trials 0 key_kept)
+  string(JSON key_tokens GET "${json}" runs 0 trials 0 key_tokens)
+  string(JSON window_kept GET "${json}" runs 1 trials 0 key_kept)
+  if(key_tokens LESS 10 OR NOT full_kept EQUAL key_tokens OR NOT window_kept EQUAL 0)
+    message(FATAL_ERROR "key statement of ${key_tokens} tokens: full kept ${full_kept} (all expected), "
+                        "streaming_llm ${window_kept} (none expected)")
+  endif()
+  file(REMOVE ${OUT})
+  execute_process(COMMAND ${EXE} --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32
+                          --policy streaming_llm --threads 1 --progress 0 --json ${OUT}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "infkv-stream --skip failed (${rc}):\n${out}\n${err}")
+  endif()
+  file(READ ${OUT} json)
+  string(JSON first GET "${json}" runs 0 blocks 0 tokens)
+  string(JSON last GET "${json}" runs 0 blocks 2 tokens)
+  if(NOT first EQUAL 1032 OR NOT last EQUAL 1096)
+    message(FATAL_ERROR "--skip 1000: blocks end at ${first} .. ${last} tokens, expected 1032 .. 1096")
+  endif()
 elseif(MODE STREQUAL "bad_flag")
-  foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20")
+  foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
