@@ -62,44 +62,37 @@ def main():
     if rows and "key_kept" in rows[0]:
         return passkey_table(rows)
 
-    runs = OrderedDict()
+    # Runs: consecutive blocks of one policy; a new run starts where block 0 restarts (a slice of
+    # the text streamed with --skip, say). Its first block predicts all its tokens but the first.
+    runs = []
     for r in rows:
         # infkv-stream writes block_ppl = exp(nll / scored); recover nll per block.
         r["nll"] = math.log(float(r["block_ppl"])) * int(r["scored"]) if int(r["scored"]) else 0.0
-        runs.setdefault(r["policy"], []).append(r)
+        if r["block"] == "0" or not runs or runs[-1]["policy"] != r["policy"]:
+            runs.append({"policy": r["policy"], "start": int(r["tokens"]) - int(r["scored"]) - 1, "rows": []})
+        runs[-1]["rows"].append(r)
+    for run in runs:  # blocks ending within the warm-up (no eviction before them) are left out
+        run["warm"] = [r for r in run["rows"] if int(r["tokens"]) - run["start"] > a.warmup]
+    sliced = {p for p in {run["policy"] for run in runs} if sum(run["policy"] == p for run in runs) > 1}
+    refs = [run for ref in a.reference for run in runs if run["policy"] == ref and run["warm"]]
 
-    # Slices of each reference: runs of consecutive blocks (a slice starts where block 0 restarts;
-    # its first block predicts all its tokens but the first). Warm-up blocks are left out.
-    ref_slices = []
-    for ref in a.reference:
-        slices = []
-        for r in runs.get(ref, []):
-            if r["block"] == "0" or not slices:
-                slices.append((int(r["tokens"]) - int(r["scored"]) - 1, []))
-            slices[-1][1].append(r)
-        for start, rows in slices:
-            warm = [r for r in rows if int(r["tokens"]) - start > a.warmup]
-            if warm:
-                ref_slices.append((ref, warm))
+    def span(rows):
+        return f"{(int(rows[0]['tokens']) - int(rows[0]['scored'])) / 1000:.1f}K-{int(rows[-1]['tokens']) / 1000:.1f}K"
 
-    head = "| policy | tokens | PPL | early PPL | late PPL | late / early |"
-    sep = "|---|---|---|---|---|---|"
-    for ref, s in ref_slices:
-        lo = int(s[0]["tokens"]) - int(s[0]["scored"])
-        head += f" vs {ref}, tokens {lo / 1000:.1f}K-{int(s[-1]['tokens']) / 1000:.1f}K |"
-        sep += "---|"
-    print(head)
-    print(sep)
-    for name, rows in runs.items():
-        warm = [r for r in rows if int(r["tokens"]) > a.warmup]
+    print("| policy | tokens | PPL | early PPL | late PPL | late / early |" +
+          "".join(f" vs {ref['policy']}, tokens {span(ref['warm'])} |" for ref in refs))
+    print("|---|---|---|---|---|---|" + "---|" * len(refs))
+    for run in runs:
+        rows, warm = run["rows"], run["warm"]
         tenth = max(1, len(warm) // 10)
         early, late = ppl(warm[:tenth]), ppl(warm[-tenth:])
-        line = f"| {name} | {rows[-1]['tokens']} | {ppl(rows):.3f} | {early:.3f} | {late:.3f} | {late / early:.2f} |"
+        name = run["policy"] + (f" (tokens {span(rows)})" if run["policy"] in sliced else "")
+        line = f"| {name} | {int(rows[-1]['tokens']) - run['start']} | {ppl(rows):.3f} | {early:.3f} | {late:.3f} | {late / early:.2f} |"
         by_tokens = {(r["tokens"], r["scored"]): r for r in rows}
-        for _, s in ref_slices:
-            # the blocks both runs predicted (same last token, same count): a slice's last block may be partial
-            pairs = [(by_tokens[(r["tokens"], r["scored"])], r) for r in s if (r["tokens"], r["scored"]) in by_tokens]
-            if len(pairs) < len(s) - 1:
+        for ref in refs:
+            # the blocks both runs predicted (same last token, same count); the last may differ (partial)
+            pairs = [(by_tokens[(r["tokens"], r["scored"])], r) for r in ref["warm"] if (r["tokens"], r["scored"]) in by_tokens]
+            if len(pairs) < len(ref["warm"]) - 1:
                 line += " |"
             else:
                 line += f" {ppl([m for m, _ in pairs]) / ppl([o for _, o in pairs]):.3f} |"
