@@ -6,19 +6,26 @@
 # every token of the key statement at the question, StreamingLLM none; and a --skip run whose
 # block token counts start after the skipped tokens.
 # MODE bad_flag: bad values must fail with a message naming the flag.
+# Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
+# sets `json` to the JSON.
+function(run_stream what)
+  file(REMOVE ${OUT})
+  execute_process(COMMAND ${EXE} ${ARGN} --threads 1 --progress 0 --json ${OUT}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "infkv-stream ${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${out}")
+  file(READ ${OUT} j)
+  set(json "${j}" PARENT_SCOPE)
+endfunction()
+
 if(MODE STREQUAL "smoke")
   set(tokens 2000)
   set(budget 256)
   set(block 64)
-  file(REMOVE ${OUT})
-  execute_process(COMMAND ${EXE} --model ${MODEL} --text ${TEXT} --tokens ${tokens} --budget ${budget}
-                          --block ${block} --policy streaming_llm,inf_mllm --threads 1 --progress 0 --json ${OUT}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "infkv-stream failed (${rc}):\n${out}\n${err}")
-  endif()
-  message(STATUS "${out}")
-  file(READ ${OUT} json)
+  run_stream("" --model ${MODEL} --text ${TEXT} --tokens ${tokens} --budget ${budget} --block ${block}
+             --policy streaming_llm,inf_mllm)
   string(JSON n_runs LENGTH "${json}" runs)
   if(NOT n_runs EQUAL 2)
     message(FATAL_ERROR "expected 2 runs (streaming_llm, inf_mllm), got ${n_runs}")
@@ -55,15 +62,7 @@ if(MODE STREQUAL "smoke")
     endif()
   endforeach()
 elseif(MODE STREQUAL "passkey")
-  file(REMOVE ${OUT})
-  execute_process(COMMAND ${EXE} --model ${MODEL} --passkey 300 --trials 1 --budget 128 --block 32
-                          --policy full,streaming_llm --threads 1 --json ${OUT}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "infkv-stream --passkey failed (${rc}):\n${out}\n${err}")
-  endif()
-  message(STATUS "${out}")
-  file(READ ${OUT} json)
+  run_stream(--passkey --model ${MODEL} --passkey 300 --trials 1 --budget 128 --block 32 --policy full,streaming_llm)
   string(JSON full_kept GET "${json}" runs 0 trials 0 key_kept)
   string(JSON key_tokens GET "${json}" runs 0 trials 0 key_tokens)
   string(JSON window_kept GET "${json}" runs 1 trials 0 key_kept)
@@ -71,14 +70,7 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "key statement of ${key_tokens} tokens: full kept ${full_kept} (all expected), "
                         "streaming_llm ${window_kept} (none expected)")
   endif()
-  file(REMOVE ${OUT})
-  execute_process(COMMAND ${EXE} --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32
-                          --policy streaming_llm --threads 1 --progress 0 --json ${OUT}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "infkv-stream --skip failed (${rc}):\n${out}\n${err}")
-  endif()
-  file(READ ${OUT} json)
+  run_stream(--skip --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32 --policy streaming_llm)
   string(JSON first GET "${json}" runs 0 blocks 0 tokens)
   string(JSON last GET "${json}" runs 0 blocks 2 tokens)
   if(NOT first EQUAL 1032 OR NOT last EQUAL 1096)
