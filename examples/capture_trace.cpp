@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
     infkv::llama_cpp::graph_observer obs(n_layer, true);
     obs.install(cp);  // keeps calling the output capture
     stream::context_ptr ctx(llama_init_from_model(model.get(), cp));
-    if (!ctx) infkv::detail::fail("infkv-capture: llama_init_from_model failed (n_ctx ", cp.n_ctx, ")");
+    if (!ctx) infkv::detail::raise<infkv::engine_error>("infkv-capture: llama_init_from_model failed (n_ctx ", cp.n_ctx, ")");
 
     // Every layer is kept for --survey, only the chosen ones otherwise.
     std::vector<infkv::llama_cpp::layer_rows> rows(static_cast<std::size_t>(n_layer));
@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
       obs.end();
       llama_batch_free(b);
       if (!obs.error().empty()) infkv::detail::fail(obs.error());
-      if (rc != 0) infkv::detail::fail("infkv-capture: llama_decode = ", rc, " at token ", at);
+      if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-capture: llama_decode = ", rc, " at token ", at);
       for (std::int32_t l = 0; l < n_layer; ++l) {
         const auto& r = obs.layers()[std::size_t(l)];
         if (r.n_q != len || r.n_k != len || r.n_v != len || std::int64_t(r.v.size()) != r.n_k * r.n_head_kv * r.head_dim)

@@ -98,7 +98,7 @@ class policy_run {
   void step(infkv::synthetic::workload& w, infkv::block_range b, const infkv::cpu::executor& ex) {
     const auto t0 = std::chrono::steady_clock::now();
     const std::int64_t n = size(), len = b.end - b.begin;
-    infkv::detail::require(n + len <= cap_, "cache", n + len, "exceeds the allocated slots (", cap_, ")");
+    INFKV_REQUIRE(n + len <= cap_, "cache", n + len, "exceeds the allocated slots (", cap_, ")");
     for (std::int32_t h = 0; h < hkv_; ++h) {
       for (std::int64_t t = b.begin; t < b.end; ++t) {
         std::copy_n(w.keys.data() + (t * hkv_ + h) * d_, d_, row(k_, h, n + t - b.begin));

@@ -24,9 +24,9 @@ namespace compare {
 inline infkv::synthetic::workload to_workload(const trace_io::trace& t, std::int32_t layer, std::int64_t tokens,
                                               std::int64_t segment_tokens) {
   const auto& l = t.layer(layer);
-  infkv::detail::require(tokens >= 1 && tokens <= t.n_tokens, "--tokens", tokens, "must be in [1, ", t.n_tokens,
+  INFKV_REQUIRE(tokens >= 1 && tokens <= t.n_tokens, "--tokens", tokens, "must be in [1, ", t.n_tokens,
                          "] (the trace's tokens)");
-  infkv::detail::require(segment_tokens >= 1, "segment_tokens", segment_tokens, "must be >= 1");
+  INFKV_REQUIRE(segment_tokens >= 1, "segment_tokens", segment_tokens, "must be >= 1");
   infkv::synthetic::workload w;
   w.cfg.tokens = tokens;
   w.cfg.kv_heads = l.n_head_kv;
@@ -40,7 +40,7 @@ inline infkv::synthetic::workload to_workload(const trace_io::trace& t, std::int
   if (const auto it = t.metadata.find("attention_scale"); it != t.metadata.end()) {
     char* end = nullptr;
     const double scale = std::strtod(it->second.c_str(), &end);
-    infkv::detail::require(end != it->second.c_str() && *end == '\0' && std::isfinite(scale) && scale > 0,
+    INFKV_REQUIRE(end != it->second.c_str() && *end == '\0' && std::isfinite(scale) && scale > 0,
                            "__metadata__.attention_scale", it->second, "must be a positive number");
     const auto gain = float(scale * std::sqrt(double(l.head_dim)));
     if (gain != 1.0f)

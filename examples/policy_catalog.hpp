@@ -59,7 +59,7 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
     case policy_kind::streaming_llm: b.sinks = s.sinks; break;
     case policy_kind::h2o: b.recent = s.recent; break;
     case policy_kind::snapkv:
-      b = infkv::snapkv{.window = s.window}.protect({.capacity = capacity, .recent = s.recent});
+      b = infkv::protect(infkv::snapkv{.window = s.window}, {.capacity = capacity, .recent = s.recent});
       break;
     case policy_kind::keydiff: case policy_kind::inf_mllm: case policy_kind::inf_mllm_bias:
       b.sinks = s.sinks, b.recent = s.recent;

@@ -46,7 +46,7 @@ struct safetensors {
     const auto& t = at(name);
     const infkv::dtype type = t.dtype == "F32" ? infkv::dtype::f32 : t.dtype == "F16" ? infkv::dtype::f16
                                                                                        : infkv::dtype::bf16;
-    infkv::detail::require(t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16", what + ": " + name + ".dtype",
+    INFKV_REQUIRE(t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16", what + ": " + name + ".dtype",
                            t.dtype, "must be F16, F32 or BF16");
     std::vector<float> out((t.end - t.begin) / infkv::size_of(type));
     infkv::to_f32(type, data.data() + t.begin, out.data(), std::int64_t(out.size()));
@@ -55,7 +55,7 @@ struct safetensors {
   /// Tensor `name` (I32) as integers.
   std::vector<std::int32_t> ints(const std::string& name) const {
     const auto& t = at(name);
-    infkv::detail::require(t.dtype == "I32", what + ": " + name + ".dtype", t.dtype, "must be I32");
+    INFKV_REQUIRE(t.dtype == "I32", what + ": " + name + ".dtype", t.dtype, "must be I32");
     std::vector<std::int32_t> out((t.end - t.begin) / 4);
     std::memcpy(out.data(), data.data() + t.begin, out.size() * 4);  // little-endian hosts only
     return out;
@@ -73,13 +73,12 @@ inline std::uint64_t dtype_size(const std::string& d) {
 
 /// Parses safetensors bytes; `what` names the source in messages.
 inline safetensors parse_safetensors(const std::string& bytes, const std::string& what) {
-  using infkv::detail::require;
   safetensors f;
   f.what = what;
-  require(bytes.size() >= 8, what + ": file size", bytes.size(), "too short for the 8-byte header length");
+  INFKV_REQUIRE(bytes.size() >= 8, what + ": file size", bytes.size(), "too short for the 8-byte header length");
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | std::uint8_t(bytes[std::size_t(i)]);
-  require(n >= 2 && n <= bytes.size() - 8, what + ": header length", n, "must be in [2, ", bytes.size() - 8,
+  INFKV_REQUIRE(n >= 2 && n <= bytes.size() - 8, what + ": header length", n, "must be in [2, ", bytes.size() - 8,
           "] (the bytes after the length field): truncated file?");
   nlohmann::json h;
   try {
@@ -87,42 +86,42 @@ inline safetensors parse_safetensors(const std::string& bytes, const std::string
   } catch (const nlohmann::json::exception& e) {
     infkv::detail::fail("infkv: ", what, ": header is not valid JSON: ", e.what());
   }
-  require(h.is_object(), what + ": header", h.type_name(), "must be a JSON object");
+  INFKV_REQUIRE(h.is_object(), what + ": header", h.type_name(), "must be a JSON object");
   f.data = bytes.substr(8 + n);
   const std::uint64_t size = f.data.size();
   for (const auto& [name, e] : h.items()) {
     if (name == "__metadata__") {
-      require(e.is_object(), what + ": __metadata__", e.type_name(), "must be an object of strings");
+      INFKV_REQUIRE(e.is_object(), what + ": __metadata__", e.type_name(), "must be an object of strings");
       for (const auto& [k, v] : e.items()) {
-        require(v.is_string(), what + ": __metadata__." + k, v.dump(), "must be a string");
+        INFKV_REQUIRE(v.is_string(), what + ": __metadata__." + k, v.dump(), "must be a string");
         f.metadata[k] = v.get<std::string>();
       }
       continue;
     }
     const std::string at = what + ": " + name;
-    require(e.is_object(), at, e.dump(), "must be an object with dtype, shape and data_offsets");
+    INFKV_REQUIRE(e.is_object(), at, e.dump(), "must be an object with dtype, shape and data_offsets");
     for (const char* key : {"dtype", "shape", "data_offsets"})
-      require(e.contains(key), at + "." + key, "missing", "every tensor needs dtype, shape and data_offsets");
+      INFKV_REQUIRE(e.contains(key), at + "." + key, "missing", "every tensor needs dtype, shape and data_offsets");
     tensor_info t;
-    require(e["dtype"].is_string() && dtype_size(e["dtype"].get<std::string>()) > 0, at + ".dtype",
+    INFKV_REQUIRE(e["dtype"].is_string() && dtype_size(e["dtype"].get<std::string>()) > 0, at + ".dtype",
             e["dtype"].dump(), "is not a safetensors dtype");
     t.dtype = e["dtype"].get<std::string>();
-    require(e["shape"].is_array(), at + ".shape", e["shape"].dump(), "must be an array of integers");
+    INFKV_REQUIRE(e["shape"].is_array(), at + ".shape", e["shape"].dump(), "must be an array of integers");
     std::uint64_t count = 1;
     for (const auto& d : e["shape"]) {
-      require(d.is_number_unsigned() && d.get<std::uint64_t>() < (1ull << 40), at + ".shape", e["shape"].dump(),
+      INFKV_REQUIRE(d.is_number_unsigned() && d.get<std::uint64_t>() < (1ull << 40), at + ".shape", e["shape"].dump(),
               "must be non-negative integers");
       t.shape.push_back(d.get<std::int64_t>());
       count *= d.get<std::uint64_t>();
-      require(count < (1ull << 48), at + ".shape", e["shape"].dump(), "is too large");
+      INFKV_REQUIRE(count < (1ull << 48), at + ".shape", e["shape"].dump(), "is too large");
     }
     const auto& o = e["data_offsets"];
-    require(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(),
+    INFKV_REQUIRE(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(),
             at + ".data_offsets", o.dump(), "must be [begin, end], non-negative integers");
     t.begin = o[0].get<std::uint64_t>(), t.end = o[1].get<std::uint64_t>();
-    require(t.begin <= t.end && t.end <= size, at + ".data_offsets", o.dump(), "must satisfy begin <= end <= ", size,
+    INFKV_REQUIRE(t.begin <= t.end && t.end <= size, at + ".data_offsets", o.dump(), "must satisfy begin <= end <= ", size,
             " (the data section's size): truncated file?");
-    require(t.end - t.begin == count * dtype_size(t.dtype), at + ".data_offsets", o.dump(), "span ",
+    INFKV_REQUIRE(t.end - t.begin == count * dtype_size(t.dtype), at + ".data_offsets", o.dump(), "span ",
             t.end - t.begin, " bytes but shape ", e["shape"].dump(), " of ", t.dtype, " needs ",
             count * dtype_size(t.dtype));
     f.tensors[name] = t;
@@ -243,7 +242,6 @@ inline std::string to_safetensors(const trace& t) {
 
 /// Reads a trace from parsed safetensors, checking every shape against the others and the metadata.
 inline trace to_trace(const safetensors& f) {
-  using infkv::detail::require;
   const std::string& w = f.what;
   const auto meta = [&](const std::string& k) -> const std::string& {
     const auto it = f.metadata.find(k);
@@ -253,23 +251,23 @@ inline trace to_trace(const safetensors& f) {
   trace t;
   t.metadata = f.metadata;
   const std::string& n = meta("n_tokens");
-  require(!n.empty() && n.size() < 12 && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+  INFKV_REQUIRE(!n.empty() && n.size() < 12 && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
               std::stoll(n) > 0,
           w + ": __metadata__.n_tokens", n, "must be a positive integer");
   t.n_tokens = std::stoll(n);
   const std::string positions = "0.." + std::to_string(t.n_tokens - 1);
   if (f.metadata.count("positions"))
-    require(meta("positions") == positions, w + ": __metadata__.positions", meta("positions"), "must be ",
+    INFKV_REQUIRE(meta("positions") == positions, w + ": __metadata__.positions", meta("positions"), "must be ",
             positions, " (token i at position i)");
   std::vector<std::int32_t> listed;
   const std::string& layers = meta("layers");
   for (std::size_t at = 0; at <= layers.size();) {
     const std::size_t comma = std::min(layers.find(',', at), layers.size());
     const std::string item = layers.substr(at, comma - at);
-    require(!item.empty() && item.size() < 8 &&
+    INFKV_REQUIRE(!item.empty() && item.size() < 8 &&
                 std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; }),
             w + ": __metadata__.layers", layers, "must be a comma list of layer numbers");
-    require(std::find(listed.begin(), listed.end(), std::stoi(item)) == listed.end(), w + ": __metadata__.layers",
+    INFKV_REQUIRE(std::find(listed.begin(), listed.end(), std::stoi(item)) == listed.end(), w + ": __metadata__.layers",
             layers, "lists layer ", item, " twice");
     listed.push_back(std::stoi(item));
     at = comma + 1;
@@ -281,15 +279,15 @@ inline trace to_trace(const safetensors& f) {
     const auto& v = f.at(p + "v");
     for (const auto* x : {&q, &k, &v}) {
       const std::string name = p + (x == &q ? "q" : x == &k ? "k" : "v");
-      require(x->shape.size() == 3 && x->shape[0] == t.n_tokens && x->shape[1] > 0 && x->shape[2] > 0,
+      INFKV_REQUIRE(x->shape.size() == 3 && x->shape[0] == t.n_tokens && x->shape[1] > 0 && x->shape[2] > 0,
               w + ": " + name + ".shape", nlohmann::json(x->shape).dump(), "must be [n_tokens = ", t.n_tokens,
               ", heads > 0, head_dim > 0]");
     }
-    require(k.shape == v.shape, w + ": " + p + "v.shape", nlohmann::json(v.shape).dump(), "must equal ", p,
+    INFKV_REQUIRE(k.shape == v.shape, w + ": " + p + "v.shape", nlohmann::json(v.shape).dump(), "must equal ", p,
             "k.shape ", nlohmann::json(k.shape).dump());
-    require(q.shape[2] == k.shape[2], w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
+    INFKV_REQUIRE(q.shape[2] == k.shape[2], w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
             "head_dim must equal that of ", p, "k (", k.shape[2], ")");
-    require(q.shape[1] % k.shape[1] == 0, w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
+    INFKV_REQUIRE(q.shape[1] % k.shape[1] == 0, w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
             "query heads must be a multiple of the KV heads (", k.shape[1], ")");
     layer_trace lt{l, std::int32_t(q.shape[1]), std::int32_t(k.shape[1]), std::int32_t(k.shape[2]),
                    f.floats(p + "q"), f.floats(p + "k"), f.floats(p + "v")};
@@ -299,19 +297,19 @@ inline trace to_trace(const safetensors& f) {
     if (name.rfind("layer.", 0) == 0) {
       const auto dot = name.find('.', 6);
       const std::string l = name.substr(6, dot == std::string::npos ? std::string::npos : dot - 6);
-      require(std::any_of(listed.begin(), listed.end(), [&](auto x) { return std::to_string(x) == l; }),
+      INFKV_REQUIRE(std::any_of(listed.begin(), listed.end(), [&](auto x) { return std::to_string(x) == l; }),
               w + ": tensor " + name, nlohmann::json(info.shape).dump(), "its layer is not in __metadata__.layers (",
               meta("layers"), ")");
     }
   for (const char* name : {"segments", "tokens"})
     if (f.tensors.count(name)) {
       const auto& s = f.at(name);
-      require(s.shape.size() == 1 && s.shape[0] == t.n_tokens, w + ": " + name + ".shape",
+      INFKV_REQUIRE(s.shape.size() == 1 && s.shape[0] == t.n_tokens, w + ": " + name + ".shape",
               nlohmann::json(s.shape).dump(), "must be [n_tokens = ", t.n_tokens, "]");
       (std::string(name) == "segments" ? t.segments : t.token_ids) = f.ints(name);
     }
   for (std::size_t i = 1; i < t.segments.size(); ++i)
-    require(t.segments[i] >= t.segments[i - 1], w + ": segments[" + std::to_string(i) + "]", t.segments[i],
+    INFKV_REQUIRE(t.segments[i] >= t.segments[i - 1], w + ": segments[" + std::to_string(i) + "]", t.segments[i],
             "segments must not decrease (previous ", t.segments[i - 1], ")");
   return t;
 }

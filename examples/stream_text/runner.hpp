@@ -90,7 +90,7 @@ class runner {
     b.n_tokens = std::int32_t(toks.size());
     const std::int32_t rc = llama_decode(ctx_.get(), b);
     llama_batch_free(b);
-    if (rc != 0) infkv::detail::fail("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
     first_out_ = out_from;
   }
 
@@ -116,16 +116,16 @@ class session_runner final : public runner {
     auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
     session_.attach(p);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", cap_, " cells");
+    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", cap_, " cells");
     session_.bind(ctx_.get());
   }
 
   void feed(std::span<const llama_token> toks, bool) override {
     const std::int32_t rc = session_.decode(toks, {}, true);
-    if (rc != 0) infkv::detail::fail("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
     first_out_ = 0;
     note_fed(toks.size());
-    infkv::detail::require(session_.size() <= cap_, "session slots", session_.size(),
+    INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(),
                            "exceed budget + block = ", cap_, ": the cache is not bounded");
   }
 
@@ -135,7 +135,7 @@ class session_runner final : public runner {
     for (const auto& t : session_.tokens()) before.push_back(t.pos);
     std::sort(before.begin(), before.end());
     const auto r = infkv_examples::with_policy(kind_, set_, [&](const auto& p) { return session_.evict(p, budget_); });
-    infkv::detail::require(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
+    INFKV_REQUIRE(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
                            "exceed --budget = ", set_.budget);
     std::size_t out = 0;
     for (std::size_t i = 0; i < before.size(); ++i) {
@@ -144,7 +144,7 @@ class session_runner final : public runner {
       if (!gone) cached_[out++] = cached_[i];
     }
     cached_.resize(out);
-    infkv::detail::require(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
+    INFKV_REQUIRE(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
                            "differ from the session's slots ", session_.size());
     return r.evicted;
   }
@@ -183,7 +183,7 @@ class full_runner final : public runner {
   full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
     auto p = context_params(std::uint32_t(total), std::uint32_t(max_feed), s.threads);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", total, " cells");
+    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", total, " cells");
   }
   void feed(std::span<const llama_token> toks, bool) override {
     plain_decode(toks, n_, 0);
@@ -205,7 +205,7 @@ class recompute_runner final : public runner {
   recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
     auto p = context_params(std::uint32_t(s.budget + max_feed), std::uint32_t(s.budget + max_feed), s.threads);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::fail("infkv-stream: cannot create a context of ", s.budget + max_feed, " cells");
+    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", s.budget + max_feed, " cells");
   }
   void feed(std::span<const llama_token> toks, bool extend) override {
     if (extend && n_ > 0) {

@@ -4,7 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__) && (defined(__x86_64__) || defined(__i386__))
+#include "config.hpp"
+
+// x86 intrinsics only for host compilers that target F16C (never in nvcc's device pass).
+#if defined(__F16C__) && (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDA_ARCH__)
 #include <immintrin.h>
 #define INFKV_HAVE_F16C 1
 #endif
@@ -15,9 +18,9 @@ namespace infkv {
 enum class dtype : std::uint8_t { f32, f16, bf16 };
 
 /// Bytes per element.
-constexpr std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
+INFKV_HOST_DEVICE constexpr std::size_t size_of(dtype t) { return t == dtype::f32 ? 4 : 2; }
 
-constexpr const char* to_string(dtype t) {
+INFKV_HOST_DEVICE constexpr const char* to_string(dtype t) {
   switch (t) {
     case dtype::f32: return "f32";
     case dtype::f16: return "f16";
@@ -27,7 +30,7 @@ constexpr const char* to_string(dtype t) {
 }
 
 /// IEEE binary16 -> binary32 (exact).
-inline float f16_to_f32(std::uint16_t h) {
+INFKV_HOST_DEVICE inline float f16_to_f32(std::uint16_t h) {
   const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
   std::uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
   if (exp == 0x1f) {
@@ -42,14 +45,14 @@ inline float f16_to_f32(std::uint16_t h) {
     bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
   }
   float f;
-  std::memcpy(&f, &bits, 4);
+  memcpy(&f, &bits, 4);
   return f;
 }
 
 /// binary32 -> binary16, round to nearest even, overflow to infinity, NaN kept.
-inline std::uint16_t f32_to_f16(float f) {
+INFKV_HOST_DEVICE inline std::uint16_t f32_to_f16(float f) {
   std::uint32_t x;
-  std::memcpy(&x, &f, 4);
+  memcpy(&x, &f, 4);
   const std::uint16_t sign = std::uint16_t((x >> 16) & 0x8000u);
   const std::uint32_t ax = x & 0x7fffffffu;
   if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);
@@ -70,17 +73,17 @@ inline std::uint16_t f32_to_f16(float f) {
 }
 
 /// bfloat16 -> binary32 (exact).
-inline float bf16_to_f32(std::uint16_t b) {
+INFKV_HOST_DEVICE inline float bf16_to_f32(std::uint16_t b) {
   const std::uint32_t bits = std::uint32_t(b) << 16;
   float f;
-  std::memcpy(&f, &bits, 4);
+  memcpy(&f, &bits, 4);
   return f;
 }
 
 /// binary32 -> bfloat16, round to nearest even, NaN kept.
-inline std::uint16_t f32_to_bf16(float f) {
+INFKV_HOST_DEVICE inline std::uint16_t f32_to_bf16(float f) {
   std::uint32_t x;
-  std::memcpy(&x, &f, 4);
+  memcpy(&x, &f, 4);
   if ((x & 0x7fffffffu) > 0x7f800000u) return std::uint16_t((x >> 16) | 0x40u);
   x += 0x7fffu + ((x >> 16) & 1u);
   return std::uint16_t(x >> 16);

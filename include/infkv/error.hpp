@@ -1,4 +1,4 @@
-// infkv: the library's one exception type and the argument checks that raise it.
+// infkv: the library's exception types and the argument checks that raise them.
 #pragma once
 
 #include <sstream>
@@ -8,26 +8,61 @@
 
 namespace infkv {
 
-/// Raised for every invalid argument: the message names the argument and its value.
-class error : public std::invalid_argument {
+/// Base of everything infkv throws.
+class error : public std::runtime_error {
  public:
-  using std::invalid_argument::invalid_argument;
+  using std::runtime_error::runtime_error;
+};
+
+/// An invalid argument: the message names the argument and its value.
+class invalid_argument : public error {
+ public:
+  using error::error;
+};
+
+/// An engine or device refused or failed a call (llama.cpp memory calls, model loading, CUDA):
+/// the message names the call, its arguments and what state was left.
+class engine_error : public error {
+ public:
+  using error::error;
 };
 
 namespace detail {
 
+/// Concatenates `parts` with operator<<.
 template <class... Parts>
-[[noreturn]] void fail(const Parts&... parts) {
+std::string cat(const Parts&... parts) {
   std::ostringstream os;
   (os << ... << parts);
-  throw error(os.str());
+  return os.str();
 }
 
-/// Throws `infkv::error("infkv: <arg> = <value>: <why>")` unless `ok`.
-template <class Value, class... Why>
-void require(bool ok, std::string_view arg, const Value& value, const Why&... why) {
-  if (!ok) fail("infkv: ", arg, " = ", value, ": ", why...);
+/// Throws `infkv::invalid_argument` with the concatenated parts.
+template <class... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  throw invalid_argument(cat(parts...));
+}
+
+/// Throws `E` (an `infkv::error`) with the concatenated parts.
+template <class E, class... Parts>
+[[noreturn]] void raise(const Parts&... parts) {
+  throw E(cat(parts...));
+}
+
+/// Throws `infkv::invalid_argument("infkv: <arg> = <value>: <why>")`. Cold: only called once a
+/// check has failed, so the message (and any string the caller builds for it) costs nothing on
+/// the path that passes.
+template <class Arg, class Value, class... Why>
+[[noreturn]] void fail_arg(const Arg& arg, const Value& value, const Why&... why) {
+  fail("infkv: ", arg, " = ", value, ": ", why...);
 }
 
 }  // namespace detail
 }  // namespace infkv
+
+/// Checks `ok`; when it fails, throws `infkv::invalid_argument("infkv: <arg> = <value>: <why>")`.
+/// The arguments after `ok` are evaluated only on failure.
+#define INFKV_REQUIRE(ok, ...)                                   \
+  do {                                                           \
+    if (!(ok)) [[unlikely]] ::infkv::detail::fail_arg(__VA_ARGS__); \
+  } while (0)

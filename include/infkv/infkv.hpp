@@ -3,10 +3,12 @@
 #pragma once
 
 #include "budget.hpp"
+#include "config.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "keep_set.hpp"
 #include "kv_view.hpp"
+#include "pipeline.hpp"
 #include "policy.hpp"
 #include "policies/allocation.hpp"
 #include "policies/attention_bias.hpp"

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "config.hpp"
 #include "error.hpp"
 #include "tokens.hpp"
 
@@ -20,13 +21,25 @@ struct position_run {
   friend bool operator==(const position_run&, const position_run&) = default;
 };
 
+/// Non-owning keep set in CSR form: unit u keeps slots[offsets[u] .. offsets[u + 1]), strictly
+/// increasing, within [0, n_slots). What the pipeline writes and kernels take by value.
+struct keep_view {
+  std::int64_t* slots = nullptr;    ///< [offsets[n_units]]
+  std::int64_t* offsets = nullptr;  ///< [n_units + 1], offsets[0] = 0
+  std::int64_t n_units = 0;
+  std::int64_t n_slots = 0;
+
+  INFKV_HOST_DEVICE std::int64_t size(std::int64_t u) const { return offsets[u + 1] - offsets[u]; }
+  INFKV_HOST_DEVICE std::int64_t* unit(std::int64_t u) const { return slots + offsets[u]; }
+};
+
 /// Slots kept per decision unit (a KV head, a layer, or the whole token), in CSR form.
 /// Each unit's slots are strictly increasing and in [0, n_slots).
 class keep_set {
  public:
   keep_set() = default;
   explicit keep_set(std::int64_t n_slots) : n_slots_(n_slots) {
-    detail::require(n_slots >= 0, "n_slots", n_slots, "must be >= 0");
+    INFKV_REQUIRE(n_slots >= 0, "n_slots", n_slots, "must be >= 0");
   }
 
   /// Every slot kept, for `n_units` units.
@@ -38,12 +51,29 @@ class keep_set {
     return k;
   }
 
+  /// Copies a view's units, checking each (a pipeline's output, for instance).
+  static keep_set from_view(const keep_view& v) {
+    keep_set k(v.n_slots);
+    INFKV_REQUIRE(v.n_units >= 0, "keep.n_units", v.n_units, "must be >= 0");
+    k.slots_.reserve(std::size_t(v.n_units == 0 ? 0 : v.offsets[v.n_units]));
+    for (std::int64_t u = 0; u < v.n_units; ++u) {
+      INFKV_REQUIRE(v.size(u) >= 0, "keep.offsets[" + std::to_string(u + 1) + "]", v.offsets[u + 1],
+                    "must not be below offsets[", u, "] = ", v.offsets[u]);
+      k.add_unit({v.unit(u), std::size_t(v.size(u))});
+    }
+    return k;
+  }
+  /// A view of the storage (reading through it is fine on a const keep set).
+  keep_view view() const {
+    return {const_cast<std::int64_t*>(slots_.data()), const_cast<std::int64_t*>(offsets_.data()), n_units(), n_slots_};
+  }
+
   /// Appends a unit; `slots` must be strictly increasing and within [0, n_slots).
   void add_unit(std::span<const std::int64_t> slots) {
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      detail::require(slots[i] >= 0 && slots[i] < n_slots_, "slots[" + std::to_string(i) + "]", slots[i],
+      INFKV_REQUIRE(slots[i] >= 0 && slots[i] < n_slots_, "slots[" + std::to_string(i) + "]", slots[i],
                       "must be in [0, n_slots = ", n_slots_, ")");
-      if (i) detail::require(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
+      if (i) INFKV_REQUIRE(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
                              "must be greater than the previous slot ", slots[i - 1]);
     }
     slots_.insert(slots_.end(), slots.begin(), slots.end());
@@ -54,7 +84,7 @@ class keep_set {
   std::int64_t n_units() const { return std::int64_t(offsets_.size()) - 1; }
   std::int64_t size(std::int64_t u) const { return offsets_[std::size_t(u + 1)] - offsets_[std::size_t(u)]; }
   std::span<const std::int64_t> unit(std::int64_t u) const {
-    detail::require(u >= 0 && u < n_units(), "unit", u, "must be in [0, n_units = ", n_units(), ")");
+    INFKV_REQUIRE(u >= 0 && u < n_units(), "unit", u, "must be in [0, n_units = ", n_units(), ")");
     return {slots_.data() + offsets_[std::size_t(u)], std::size_t(size(u))};
   }
   /// True when every unit keeps the same slots (a per-token decision).
@@ -101,7 +131,7 @@ class keep_set {
   /// One unit keeping the slots whose positions fall in one of `kept` (inverse of kept_runs).
   static keep_set from_runs(std::span<const position_run> kept, std::span<const token> tokens) {
     for (std::size_t i = 0; i < kept.size(); ++i)
-      detail::require(kept[i].begin < kept[i].end, "kept[" + std::to_string(i) + "].end", kept[i].end,
+      INFKV_REQUIRE(kept[i].begin < kept[i].end, "kept[" + std::to_string(i) + "].end", kept[i].end,
                       "must exceed begin = ", kept[i].begin);
     keep_set k(std::int64_t(tokens.size()));
     std::vector<std::int64_t> s;

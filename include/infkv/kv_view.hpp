@@ -4,9 +4,12 @@
 // Slot order is not time order: the positions live in a parallel array of `token`s.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <string>
 
+#include "config.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 
@@ -24,11 +27,11 @@ struct tensor_view {
   std::int64_t head_stride = 0;
 
   /// Address of the head_dim elements of (slot, head). No bounds check.
-  void* row(std::int64_t slot, std::int32_t head) const {
+  INFKV_HOST_DEVICE void* row(std::int64_t slot, std::int32_t head) const {
     return static_cast<char*>(data) +
            (slot * slot_stride + std::int64_t(head) * head_stride) * std::int64_t(size_of(type));
   }
-  bool empty() const { return data == nullptr; }
+  INFKV_HOST_DEVICE bool empty() const { return data == nullptr; }
 };
 
 /// Keys and values of one layer; `v` may be empty for scorers that read keys only.
@@ -46,6 +49,8 @@ inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n
 /// [head][slot][dim] layout; `slot_capacity` is the allocated slots per head (>= n_slots).
 inline tensor_view hnd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
                        std::int32_t head_dim, std::int64_t slot_capacity) {
+  INFKV_REQUIRE(slot_capacity >= n_slots, "slot_capacity", slot_capacity, "must be >= n_slots (", n_slots,
+                "): the rows of one head would run into the next head's");
   return {data, t, n_slots, n_heads, head_dim, head_dim, slot_capacity * head_dim};
 }
 
@@ -71,7 +76,8 @@ struct page_storage {
 };
 
 /// Paged cache of one layer for a batch of sequences (CSR page table). Sequence s owns pages
-/// indices[indptr[s] .. indptr[s+1]), all full but the last, which holds last_page_len[s] slots.
+/// indices[indptr[s] .. indptr[s+1]), all full but the last, which holds last_page_len[s] slots;
+/// page ids index a pool of `n_pages` pages in the storage.
 struct paged_view {
   page_storage k;
   page_storage v;
@@ -80,12 +86,13 @@ struct paged_view {
   std::int32_t head_dim = 0;
   std::int32_t page_size = 0;
   std::int32_t n_seqs = 0;
+  std::int32_t n_pages = 0;               // pages in the pool: every page id is in [0, n_pages)
   std::int32_t* indptr = nullptr;         // [n_seqs + 1]
   std::int32_t* indices = nullptr;        // [indptr[n_seqs]]
   std::int32_t* last_page_len = nullptr;  // [n_seqs]
 
   /// Slots held by sequence s.
-  std::int64_t seq_len(std::int32_t s) const {
+  INFKV_HOST_DEVICE std::int64_t seq_len(std::int32_t s) const {
     const std::int32_t pages = indptr[s + 1] - indptr[s];
     return pages == 0 ? 0 : std::int64_t(pages - 1) * page_size + last_page_len[s];
   }
@@ -101,13 +108,13 @@ struct paged_rows {
   std::int32_t head_dim = 0;
   std::int32_t page_size = 0;
 
-  void* row(std::int64_t slot, std::int32_t head) const {
+  INFKV_HOST_DEVICE void* row(std::int64_t slot, std::int32_t head) const {
     const std::int64_t page = pages[slot / page_size], in = slot % page_size;
     return static_cast<char*>(store.data) +
            (page * store.page_stride + in * store.slot_stride + std::int64_t(head) * store.head_stride) *
                std::int64_t(size_of(type));
   }
-  bool empty() const { return store.data == nullptr; }
+  INFKV_HOST_DEVICE bool empty() const { return store.data == nullptr; }
 };
 
 inline void validate(const paged_view& p, const char* name);
@@ -115,13 +122,13 @@ inline void validate(const paged_view& p, const char* name);
 /// Key rows of sequence s; checks the page table first (O(n_seqs)).
 inline paged_rows key_rows(const paged_view& p, std::int32_t s) {
   validate(p, "paged");
-  detail::require(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
+  INFKV_REQUIRE(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
   return {p.k, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
 }
 /// Value rows of sequence s; checks the page table first (O(n_seqs)).
 inline paged_rows value_rows(const paged_view& p, std::int32_t s) {
   validate(p, "paged");
-  detail::require(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
+  INFKV_REQUIRE(s >= 0 && s < p.n_seqs, "seq", s, "must be in [0, n_seqs = ", p.n_seqs, ")");
   return {p.v, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
 }
 
@@ -139,31 +146,50 @@ concept row_source = requires(const R& r, std::int64_t slot, std::int32_t head) 
 template <row_source R>
 void validate(const R& r, const char* name) {
   if (r.empty()) detail::fail("infkv: ", name, ".data = null: the view holds no storage");
-  detail::require(r.n_slots >= 0, std::string(name) + ".n_slots", r.n_slots, "must be >= 0");
-  detail::require(r.n_heads > 0, std::string(name) + ".n_heads", r.n_heads, "must be > 0");
-  detail::require(r.head_dim > 0, std::string(name) + ".head_dim", r.head_dim, "must be > 0");
+  INFKV_REQUIRE(r.n_slots >= 0, std::string(name) + ".n_slots", r.n_slots, "must be >= 0");
+  INFKV_REQUIRE(r.n_heads > 0, std::string(name) + ".n_heads", r.n_heads, "must be > 0");
+  INFKV_REQUIRE(r.head_dim > 0, std::string(name) + ".head_dim", r.head_dim, "must be > 0");
   if constexpr (std::same_as<R, paged_rows>)
-    detail::require(r.page_size > 0, std::string(name) + ".page_size", r.page_size, "must be > 0");
+    INFKV_REQUIRE(r.page_size > 0, std::string(name) + ".page_size", r.page_size, "must be > 0");
+  if constexpr (std::same_as<R, tensor_view>) {
+    // Rows (slot, head) of head_dim elements must not overlap: the smaller stride spans a row,
+    // the larger one spans all rows of the smaller.
+    const bool heads_inner = r.n_heads == 1 ? false : r.n_slots <= 1 ? true : r.head_stride <= r.slot_stride;
+    const std::int64_t inner = heads_inner ? r.head_stride : r.slot_stride;
+    const std::int64_t outer = heads_inner ? r.slot_stride : r.head_stride;
+    const std::int64_t inner_count = heads_inner ? r.n_heads : r.n_slots;
+    const std::int64_t outer_count = heads_inner ? r.n_slots : r.n_heads;
+    INFKV_REQUIRE(inner_count <= 1 || inner >= r.head_dim, std::string(name) + (heads_inner ? ".head_stride" : ".slot_stride"),
+                  inner, "rows of head_dim = ", r.head_dim, " elements would overlap");
+    INFKV_REQUIRE(outer_count <= 1 || outer >= inner_count * std::max<std::int64_t>(inner, r.head_dim),
+                  std::string(name) + (heads_inner ? ".slot_stride" : ".head_stride"), outer,
+                  "must span the ", inner_count, heads_inner ? " heads" : " slots", " of stride ", inner,
+                  " (rows would overlap)");
+  }
 }
 
 /// Checks a whole paged table: strictly consistent CSR arrays and last-page lengths in range.
 inline void validate(const paged_view& p, const char* name) {
-  detail::require(p.n_seqs >= 0, std::string(name) + ".n_seqs", p.n_seqs, "must be >= 0");
-  detail::require(p.page_size > 0, std::string(name) + ".page_size", p.page_size, "must be > 0");
-  detail::require(p.n_heads > 0, std::string(name) + ".n_heads", p.n_heads, "must be > 0");
-  detail::require(p.head_dim > 0, std::string(name) + ".head_dim", p.head_dim, "must be > 0");
+  INFKV_REQUIRE(p.n_seqs >= 0, std::string(name) + ".n_seqs", p.n_seqs, "must be >= 0");
+  INFKV_REQUIRE(p.page_size > 0, std::string(name) + ".page_size", p.page_size, "must be > 0");
+  INFKV_REQUIRE(p.n_heads > 0, std::string(name) + ".n_heads", p.n_heads, "must be > 0");
+  INFKV_REQUIRE(p.head_dim > 0, std::string(name) + ".head_dim", p.head_dim, "must be > 0");
   if (!p.indptr || !p.indices || !p.last_page_len || !p.k.data)
     detail::fail("infkv: ", name, ": indptr, indices, last_page_len and k.data must be non-null");
-  detail::require(p.indptr[0] == 0, std::string(name) + ".indptr[0]", p.indptr[0], "must be 0");
+  INFKV_REQUIRE(p.n_pages >= 0, std::string(name) + ".n_pages", p.n_pages, "must be >= 0");
+  INFKV_REQUIRE(p.indptr[0] == 0, std::string(name) + ".indptr[0]", p.indptr[0], "must be 0");
   for (std::int32_t s = 0; s < p.n_seqs; ++s) {
     const std::int32_t pages = p.indptr[s + 1] - p.indptr[s];
-    detail::require(pages >= 0, std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
+    INFKV_REQUIRE(pages >= 0, std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
                     p.indptr[s + 1], "must not be below indptr[", s, "] = ", p.indptr[s]);
     const std::int32_t last = p.last_page_len[s];
-    detail::require(pages == 0 ? last == 0 : (last >= 1 && last <= p.page_size),
+    INFKV_REQUIRE(pages == 0 ? last == 0 : (last >= 1 && last <= p.page_size),
                     std::string(name) + ".last_page_len[" + std::to_string(s) + "]", last,
                     "must be in [1, page_size = ", p.page_size, "] for a sequence with pages, 0 without");
   }
+  for (std::int32_t i = 0; i < p.indptr[p.n_seqs]; ++i)
+    INFKV_REQUIRE(p.indices[i] >= 0 && p.indices[i] < p.n_pages, std::string(name) + ".indices[" + std::to_string(i) + "]",
+                  p.indices[i], "must be a page of the pool: in [0, n_pages = ", p.n_pages, ")");
 }
 
 }  // namespace infkv

@@ -1,34 +1,105 @@
-// infkv: the parts a policy is made of, as concepts: a scorer that declares its inputs, a bias
-// that adds to scores, a selector (scores + budget -> keep set), a schedule (when to evict) and
-// the hooks of stateful scorers. Also the per-layer inputs a backend scores from.
+// infkv: a policy as data. Every policy value gives a `policy_spec`: where its raw scores come
+// from (one of five score sources a backend implements once), how they are finished (pooling
+// along time, attention bias) and what it always keeps. The pipeline (pipeline.hpp) runs any
+// spec on any backend. Also the per-layer inputs a backend scores from.
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstdint>
 #include <span>
 #include <string_view>
 
 #include "budget.hpp"
-#include "keep_set.hpp"
 #include "kv_view.hpp"
+#include "policies/attention_bias.hpp"
 #include "scores.hpp"
-#include "select.hpp"
 #include "tokens.hpp"
 
 namespace infkv {
 
-/// Inputs a scorer reads, as bit flags.
+/// Inputs a score source reads, as bit flags.
 enum input : unsigned {
   needs_nothing = 0,
-  needs_keys = 1u << 0,        ///< cached keys
-  needs_values = 1u << 1,      ///< cached values
-  needs_queries = 1u << 2,     ///< a window of recent (post-RoPE) queries
-  needs_attention = 1u << 3,   ///< attention probabilities of every decode step (stateful)
+  needs_keys = 1u << 0,       ///< cached keys
+  needs_queries = 1u << 2,    ///< a window of recent (post-RoPE) queries
+  needs_attention = 1u << 3,  ///< attention probabilities of every decode step (stateful)
 };
+
+/// Where a policy's raw scores come from. A backend implements each source once.
+enum class score_source : std::uint8_t {
+  recency,           ///< rank in time order, one row (StreamingLLM)
+  key_diversity,     ///< -cos(k_j, mean unit key) per KV head (KeyDiff)
+  window_attention,  ///< attention mass from the last `queries` queries, per KV head (SnapKV, Inf-MLLM)
+  last_query,        ///< attention of the last query, mean over every head of the layer: one row (TOVA)
+  accumulated,       ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
+};
+
+constexpr const char* to_string(score_source s) {
+  switch (s) {
+    case score_source::recency: return "recency";
+    case score_source::key_diversity: return "key_diversity";
+    case score_source::window_attention: return "window_attention";
+    case score_source::last_query: return "last_query";
+    case score_source::accumulated: return "accumulated";
+  }
+  return "?";
+}
+
+/// A policy as data: score source, finish (pooling along time with the observation window left
+/// out, then the attention bias) and the recent tokens it always keeps.
+struct policy_spec {
+  std::string_view name;
+  score_source source = score_source::recency;
+  std::int64_t queries = 0;         ///< queries the source reads (window_attention; last_query reads 1)
+  pooling pool = pooling::none;
+  std::int32_t kernel = 1;          ///< pooling width (odd)
+  std::int64_t pool_tail = 0;       ///< last slots in time order left out of pooling (the observation window)
+  attention_bias bias{};
+  std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
+  granularity natural = granularity::per_token;
+
+  /// Inputs the source reads.
+  constexpr unsigned needs() const {
+    switch (source) {
+      case score_source::recency: return needs_nothing;
+      case score_source::key_diversity: return needs_keys;
+      case score_source::window_attention: case score_source::last_query: return needs_keys | needs_queries;
+      case score_source::accumulated: return needs_attention;
+    }
+    return needs_nothing;
+  }
+  /// The budget the policy actually keeps: recent widened to protect_recent.
+  budget protect(budget b) const {
+    b.recent = std::max(b.recent, protect_recent);
+    return b;
+  }
+  /// True when max pooling must run per query head before the GQA group mean (as SnapKV and
+  /// kvpress do); for avg and sum pooling the order does not matter.
+  constexpr bool pools_per_query_head() const {
+    return pool == pooling::max && kernel > 1 && source == score_source::window_attention;
+  }
+  /// True when pooling changes anything (and the observation window then gets the row's maximum).
+  constexpr bool pools() const { return pool != pooling::none && kernel > 1; }
+};
+
+/// A policy: a value that checks its parameters and describes itself as a `policy_spec`.
+template <class P>
+concept policy = requires(const P& p) {
+  p.validate();
+  { p.spec() } -> std::same_as<policy_spec>;
+};
+
+/// The budget policy `p` keeps given `b` (its window widens the recent tokens).
+template <policy P>
+budget protect(const P& p, const budget& b) {
+  return p.spec().protect(b);
+}
 
 /// What one layer of one sequence offers a scorer. `keys`/`values`: [n_slots][Hkv][D] rows;
 /// `queries`: [n_q][Hq][D] with Hq a multiple of Hkv, and `query_pos` their positions (key j is
-/// visible to query i iff tokens[j].pos <= query_pos[i]); `scale` 0 means 1/sqrt(D).
+/// visible to query i iff tokens[j].pos <= query_pos[i]); `scale` 0 means 1/sqrt(D);
+/// `accumulated`: [Hkv][n_slots] scores of a stateful source (H2O), owned by the backend.
 template <row_source Rows = tensor_view>
 struct layer_inputs {
   Rows keys{};
@@ -37,55 +108,7 @@ struct layer_inputs {
   std::span<const std::int64_t> query_pos{};
   std::span<const token> tokens{};
   float scale = 0.f;
-};
-
-/// A scorer: a named value declaring the inputs it needs, that can check its own parameters.
-template <class S>
-concept scorer = requires(const S& s) {
-  { S::name } -> std::convertible_to<std::string_view>;
-  { S::needs } -> std::convertible_to<unsigned>;
-  { S::natural_granularity } -> std::convertible_to<granularity>;
-  s.validate();
-};
-
-/// A bias: adds to a score matrix, given the slots' metadata.
-template <class B>
-concept bias = requires(const B& b, score_matrix& s, std::span<const token> t) { b.apply(s, t); };
-
-/// A selector: scores + budget -> keep set.
-template <class S>
-concept selector = requires(const S& s, const score_matrix& m, std::span<const token> t, const budget& b) {
-  { s.select(m, t, b) } -> std::same_as<keep_set>;
-};
-
-/// A schedule: whether a cache of `n_cached` slots is due for eviction, and to how many slots.
-template <class S>
-concept schedule = requires(const S& s, std::int64_t n_cached) {
-  { s.due(n_cached) } -> std::convertible_to<bool>;
-  { s.target(n_cached) } -> std::convertible_to<std::int64_t>;
-};
-
-/// A stateful scorer's state, mirroring the cache: slots appended, evicted (compacted in keep
-/// order, as `cpu::compact` does) and positions shifted.
-template <class S>
-concept scorer_state = requires(S& s, std::int64_t n, const keep_set& k, std::span<const token> t) {
-  s.append(n);
-  s.evict(k);
-  s.shift(t);
-};
-
-/// A policy: a scorer plus its host-side finish (pooling, bias) and the budget it protects.
-template <class P>
-concept policy = scorer<P> && requires(const P& p, score_matrix& s, std::span<const token> t, const budget& b) {
-  p.finish(s, t);
-  { p.protect(b) } -> std::same_as<budget>;
-};
-
-/// The default selector: protected sinks and recent window, then top scores.
-struct top_k {
-  keep_set select(const score_matrix& s, std::span<const token> t, const budget& b) const {
-    return select_top(s, t, b);
-  }
+  score_view accumulated{};
 };
 
 }  // namespace infkv

@@ -1,5 +1,6 @@
-// infkv: score matrices (one row per decision unit, one column per slot, higher = keep),
-// granularity, reductions across heads and layers, and pooling along time.
+// infkv: scores (one row per decision unit, one column per slot, higher = keep): the
+// non-owning `score_view` the pipeline and kernels take, the owning `score_matrix`, granularity,
+// reductions across heads and layers, and pooling along time (host implementations).
 #pragma once
 
 #include <algorithm>
@@ -10,27 +11,49 @@
 #include <string>
 #include <vector>
 
+#include "config.hpp"
 #include "error.hpp"
 #include "tokens.hpp"
 
 namespace infkv {
 
-/// Dense row-major scores: rows = decision units (KV heads, layers, ...), cols = slots.
+/// Non-owning row-major scores: `rows` x `cols`, row r at `data + r * ld` (ld >= cols).
+/// Trivially copyable: kernels take it by value.
+struct score_view {
+  float* data = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t ld = 0;
+
+  INFKV_HOST_DEVICE float* row(std::int64_t r) const { return data + r * ld; }
+  INFKV_HOST_DEVICE float& operator()(std::int64_t r, std::int64_t c) const { return data[r * ld + c]; }
+  /// Rows [first, first + count).
+  INFKV_HOST_DEVICE score_view rows_from(std::int64_t first, std::int64_t count) const {
+    return {data + first * ld, count, cols, ld};
+  }
+};
+
+/// Dense row-major scores owning their storage: rows = decision units (KV heads, layers, ...),
+/// cols = slots. A convenience over `score_view`.
 struct score_matrix {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
   std::vector<float> data;
 
   score_matrix() = default;
-  score_matrix(std::int64_t r, std::int64_t c, float fill = 0.f)
-      : rows(r), cols(c),
-        data((detail::require(r >= 0 && c >= 0, "score_matrix.rows", r, "rows and cols must be >= 0; cols = ", c),
-              static_cast<std::size_t>(r * c)),
-             fill) {}
+  score_matrix(std::int64_t r, std::int64_t c, float fill = 0.f) : rows(r), cols(c), data(checked_size(r, c), fill) {}
   std::span<float> row(std::int64_t r) { return {data.data() + r * cols, std::size_t(cols)}; }
   std::span<const float> row(std::int64_t r) const { return {data.data() + r * cols, std::size_t(cols)}; }
   float& operator()(std::int64_t r, std::int64_t c) { return data[std::size_t(r * cols + c)]; }
   float operator()(std::int64_t r, std::int64_t c) const { return data[std::size_t(r * cols + c)]; }
+  /// A view of the storage (reading through it is fine on a const matrix).
+  score_view view() const { return {const_cast<float*>(data.data()), rows, cols, cols}; }
+
+ private:
+  static std::size_t checked_size(std::int64_t r, std::int64_t c) {
+    INFKV_REQUIRE(r >= 0 && c >= 0, "score_matrix.rows", r, "rows and cols must be >= 0; cols = ", c);
+    return static_cast<std::size_t>(r * c);
+  }
 };
 
 /// What one eviction decision covers.
@@ -40,11 +63,32 @@ enum class granularity : std::uint8_t {
   per_token,  ///< all layers and heads keep the same slots (what llama.cpp and vLLM can free)
 };
 
+constexpr const char* to_string(granularity g) {
+  return g == granularity::per_head ? "per_head" : g == granularity::per_layer ? "per_layer" : "per_token";
+}
+
 /// How per-head (or per-layer) scores are combined into one decision.
 enum class reduction : std::uint8_t { sum, mean, max };
 
 constexpr const char* to_string(reduction r) {
   return r == reduction::sum ? "sum" : r == reduction::mean ? "mean" : "max";
+}
+
+/// Folds every row of `s` into `acc` (one row of s.cols): sum or max (mean is a sum divided by
+/// the row count at the end, see `finish_reduction`). `first` starts the fold.
+inline void reduce_into(score_view acc, score_view s, reduction r, bool first) {
+  float* a = acc.row(0);
+  if (first) std::fill(a, a + s.cols, r == reduction::max ? -std::numeric_limits<float>::infinity() : 0.f);
+  for (std::int64_t row = 0; row < s.rows; ++row) {
+    const float* x = s.row(row);
+    for (std::int64_t c = 0; c < s.cols; ++c) a[c] = r == reduction::max ? std::max(a[c], x[c]) : a[c] + x[c];
+  }
+}
+
+/// Divides a mean reduction's sum by the number of rows folded.
+inline void finish_reduction(score_view acc, reduction r, std::int64_t rows_folded) {
+  if (r != reduction::mean || rows_folded == 0) return;
+  for (std::int64_t c = 0; c < acc.cols; ++c) acc(0, c) /= float(rows_folded);
 }
 
 /// Combines score rows column by column: add() any number of matrices with the same cols, then
@@ -53,26 +97,20 @@ class score_reducer {
  public:
   explicit score_reducer(reduction r) : r_(r) {}
   void add(const score_matrix& s) {
-    if (count_ == 0) acc_.assign(std::size_t(s.cols), r_ == reduction::max ? -std::numeric_limits<float>::infinity() : 0.f);
-    detail::require(std::int64_t(acc_.size()) == s.cols, "scores.cols", s.cols,
-                    "must match the columns added before (", acc_.size(), ")");
-    for (std::int64_t r = 0; r < s.rows; ++r)
-      for (std::int64_t c = 0; c < s.cols; ++c) {
-        float& a = acc_[std::size_t(c)];
-        a = r_ == reduction::max ? std::max(a, s(r, c)) : a + s(r, c);
-      }
+    if (count_ == 0) acc_ = score_matrix(1, s.cols);
+    INFKV_REQUIRE(acc_.cols == s.cols, "scores.cols", s.cols, "must match the columns added before (", acc_.cols, ")");
+    reduce_into(acc_.view(), s.view(), r_, count_ == 0);
     count_ += s.rows;
   }
   score_matrix result() const {
-    score_matrix out(1, std::int64_t(acc_.size()));
-    for (std::size_t c = 0; c < acc_.size(); ++c)
-      out.data[c] = r_ == reduction::mean && count_ ? acc_[c] / float(count_) : acc_[c];
+    score_matrix out = acc_;
+    finish_reduction(out.view(), r_, count_);
     return out;
   }
 
  private:
   reduction r_;
-  std::vector<float> acc_;
+  score_matrix acc_;
   std::int64_t count_ = 0;
 };
 
@@ -101,33 +139,60 @@ constexpr const char* to_string(pooling p) {
   return "?";
 }
 
-/// Pools every row of `s` along time order (slots sorted by position), stride 1, "same"
-/// padding; `kernel` must be odd. O(rows * cols * kernel).
-inline void pool_along_time(score_matrix& s, std::span<const token> tokens, std::int32_t kernel, pooling kind) {
-  if (kind == pooling::none || kernel == 1) return;
-  detail::require(kernel >= 1 && kernel % 2 == 1, "kernel", kernel, "pooling kernel must be odd and >= 1");
-  validate_tokens(tokens, s.cols);
-  const auto order = time_order(tokens);
-  const std::int64_t n = s.cols, half = kernel / 2;
-  std::vector<float> t(static_cast<std::size_t>(n));
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    auto row = s.row(r);
-    for (std::int64_t i = 0; i < n; ++i) t[std::size_t(i)] = row[std::size_t(order[std::size_t(i)])];
-    for (std::int64_t i = 0; i < n; ++i) {
-      float acc = kind == pooling::max ? -std::numeric_limits<float>::infinity() : 0.f;
-      for (std::int64_t j = std::max<std::int64_t>(0, i - half); j <= std::min(n - 1, i + half); ++j)
-        acc = kind == pooling::max ? std::max(acc, t[std::size_t(j)]) : acc + t[std::size_t(j)];
-      row[std::size_t(order[std::size_t(i)])] = kind == pooling::avg ? acc / float(kernel) : acc;
-    }
+/// Pools one row along time, as SnapKV's reference pools `attn[..., :-window]`: `order` lists
+/// the n slots in time order; the first n - tail of them (the prefix) are pooled with an odd
+/// `kernel`, stride 1, padding at the prefix's two ends (zeros for avg and sum, counted by avg;
+/// nothing for max). The last `tail` slots (the observation window, which the policy protects)
+/// are left as they are (see `fill_tail`). Kernel 1 (or no pooling) leaves the row as it is.
+/// `tmp` holds n floats. Allocates nothing.
+inline void pool_row(float* row, const std::int64_t* order, std::int64_t n, std::int32_t kernel, pooling kind,
+                     std::int64_t tail, float* tmp) {
+  const std::int64_t len = n - std::min(tail, n), half = kernel / 2;
+  if (kind == pooling::none || kernel == 1 || len == 0) return;  // kernel 1 is the identity
+  for (std::int64_t i = 0; i < len; ++i) tmp[i] = row[order[i]];
+  for (std::int64_t i = 0; i < len; ++i) {
+    float acc = kind == pooling::max ? -std::numeric_limits<float>::infinity() : 0.f;
+    for (std::int64_t j = std::max<std::int64_t>(0, i - half); j <= std::min(len - 1, i + half); ++j)
+      acc = kind == pooling::max ? std::max(acc, tmp[j]) : acc + tmp[j];
+    row[order[i]] = kind == pooling::avg ? acc / float(kernel) : acc;
   }
 }
 
-/// Throws `infkv::error` naming the first NaN score.
-inline void check_scores(const score_matrix& s, const char* name = "scores") {
+/// Gives the last `tail` slots of a pooled row (in time order) the largest score of the rest, as
+/// kvpress pads the observation window with the maximum: the window is kept anyway, and its raw
+/// mass, unpooled, would not be comparable. No-op when nothing is pooled or no prefix remains.
+inline void fill_tail(float* row, const std::int64_t* order, std::int64_t n, std::int64_t tail) {
+  const std::int64_t len = n - std::min(tail, n);
+  if (len == 0 || len == n) return;
+  float top = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < len; ++i) top = std::max(top, row[order[i]]);
+  for (std::int64_t i = len; i < n; ++i) row[order[i]] = top;
+}
+
+/// Pools every row of `s` along time order (see `pool_row`); `tail` slots at the end of time
+/// order are the observation window, left out of the pooling and then given the row's largest
+/// pooled score (`fill_tail`). O(rows * cols * kernel).
+inline void pool_along_time(score_matrix& s, std::span<const token> tokens, std::int32_t kernel, pooling kind,
+                            std::int64_t tail = 0) {
+  if (kind == pooling::none) return;
+  INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "kernel", kernel, "pooling kernel must be odd and >= 1");
+  INFKV_REQUIRE(tail >= 0, "tail", tail, "must be >= 0");
+  validate_tokens(tokens, s.cols);
+  const auto order = time_order(tokens);
+  std::vector<float> tmp(static_cast<std::size_t>(s.cols));
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    pool_row(s.row(r).data(), order.data(), s.cols, kernel, kind, tail, tmp.data());
+    if (kernel > 1) fill_tail(s.row(r).data(), order.data(), s.cols, tail);
+  }
+}
+
+/// Throws `infkv::invalid_argument` naming the first NaN score.
+inline void check_scores(score_view s, const char* name = "scores") {
   for (std::int64_t r = 0; r < s.rows; ++r)
     for (std::int64_t c = 0; c < s.cols; ++c)
-      if (std::isnan(s(r, c)))
+      if (std::isnan(s(r, c))) [[unlikely]]
         detail::fail("infkv: ", name, "[", r, ", ", c, "] = nan: scores must not be NaN");
 }
+inline void check_scores(const score_matrix& s, const char* name = "scores") { check_scores(s.view(), name); }
 
 }  // namespace infkv

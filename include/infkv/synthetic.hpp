@@ -53,24 +53,24 @@ struct config {
   /// Throws `infkv::error` naming the first invalid field.
   void validate() const {
     const auto finite_ge0 = [](const char* n, double v) {
-      detail::require(std::isfinite(v) && v >= 0.0, n, v, "must be finite and >= 0");
+      INFKV_REQUIRE(std::isfinite(v) && v >= 0.0, n, v, "must be finite and >= 0");
     };
-    detail::require(tokens >= 1, "config.tokens", tokens, "must be >= 1");
-    detail::require(kv_heads >= 1, "config.kv_heads", kv_heads, "must be >= 1");
-    detail::require(group >= 1, "config.group", group, "must be >= 1");
-    detail::require(head_dim >= 4, "config.head_dim", head_dim, "must be >= 4");
-    detail::require(round_tokens >= 1, "config.round_tokens", round_tokens, "must be >= 1");
-    detail::require(std::isfinite(round_jitter) && round_jitter >= 0.0 && round_jitter < 1.0, "config.round_jitter",
+    INFKV_REQUIRE(tokens >= 1, "config.tokens", tokens, "must be >= 1");
+    INFKV_REQUIRE(kv_heads >= 1, "config.kv_heads", kv_heads, "must be >= 1");
+    INFKV_REQUIRE(group >= 1, "config.group", group, "must be >= 1");
+    INFKV_REQUIRE(head_dim >= 4, "config.head_dim", head_dim, "must be >= 4");
+    INFKV_REQUIRE(round_tokens >= 1, "config.round_tokens", round_tokens, "must be >= 1");
+    INFKV_REQUIRE(std::isfinite(round_jitter) && round_jitter >= 0.0 && round_jitter < 1.0, "config.round_jitter",
                     round_jitter, "must be in [0, 1)");
-    detail::require(video_every >= 0, "config.video_every", video_every, "must be >= 0");
-    detail::require(frame_tokens >= 1, "config.frame_tokens", frame_tokens, "must be >= 1");
-    detail::require(sinks >= 0 && sinks <= tokens, "config.sinks", sinks, "must be in [0, tokens = ", tokens, "]");
-    detail::require(saddles_per_round >= 0, "config.saddles_per_round", saddles_per_round, "must be >= 0");
-    detail::require(saddle_span >= 1, "config.saddle_span", saddle_span, "must be >= 1");
-    detail::require(long_lived >= 0, "config.long_lived", long_lived, "must be >= 0");
-    detail::require(std::isfinite(local_tokens) && local_tokens > 0.0, "config.local_tokens", local_tokens,
+    INFKV_REQUIRE(video_every >= 0, "config.video_every", video_every, "must be >= 0");
+    INFKV_REQUIRE(frame_tokens >= 1, "config.frame_tokens", frame_tokens, "must be >= 1");
+    INFKV_REQUIRE(sinks >= 0 && sinks <= tokens, "config.sinks", sinks, "must be in [0, tokens = ", tokens, "]");
+    INFKV_REQUIRE(saddles_per_round >= 0, "config.saddles_per_round", saddles_per_round, "must be >= 0");
+    INFKV_REQUIRE(saddle_span >= 1, "config.saddle_span", saddle_span, "must be >= 1");
+    INFKV_REQUIRE(long_lived >= 0, "config.long_lived", long_lived, "must be >= 0");
+    INFKV_REQUIRE(std::isfinite(local_tokens) && local_tokens > 0.0, "config.local_tokens", local_tokens,
                     "must be finite and > 0");
-    detail::require(std::isfinite(query_gain_spread) && query_gain_spread >= 0.0 && query_gain_spread < 1.0,
+    INFKV_REQUIRE(std::isfinite(query_gain_spread) && query_gain_spread >= 0.0 && query_gain_spread < 1.0,
                     "config.query_gain_spread", query_gain_spread, "must be in [0, 1)");
     finite_ge0("config.frame_logit", frame_logit);
     finite_ge0("config.sink_logit", sink_logit);
@@ -116,12 +116,12 @@ struct workload {
 
   /// Keys and values of tokens [0, n) as a contiguous NHD view (do not write through it).
   kv_view kv(std::int64_t n) {
-    detail::require(n >= 0 && n <= size(), "n", n, "must be in [0, tokens = ", size(), "]");
+    INFKV_REQUIRE(n >= 0 && n <= size(), "n", n, "must be in [0, tokens = ", size(), "]");
     return contiguous_nhd(keys.data(), values.data(), dtype::f32, n, cfg.kv_heads, cfg.head_dim);
   }
   /// Queries of tokens [begin, end) as an NHD view (do not write through it).
   tensor_view query_rows(std::int64_t begin, std::int64_t end) {
-    detail::require(begin >= 0 && begin <= end && end <= size(), "begin", begin, "with end = ", end,
+    INFKV_REQUIRE(begin >= 0 && begin <= end && end <= size(), "begin", begin, "with end = ", end,
                     " must satisfy 0 <= begin <= end <= tokens = ", size());
     const std::int64_t row = std::int64_t(query_heads()) * cfg.head_dim;
     return nhd(queries.data() + begin * row, dtype::f32, end - begin, query_heads(), cfg.head_dim);

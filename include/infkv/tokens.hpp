@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <span>
 #include <string>
 #include <vector>
@@ -40,22 +39,30 @@ inline std::vector<token> text_tokens(std::int64_t n, std::int64_t first = 0, st
   return t;
 }
 
+/// Writes the slot indices sorted by (position, slot), time order, to `order[0, tokens.size())`.
+/// Allocates nothing. O(n log n).
+inline void time_order_into(std::span<const token> tokens, std::int64_t* order) {
+  const auto n = std::int64_t(tokens.size());
+  for (std::int64_t i = 0; i < n; ++i) order[i] = i;
+  std::sort(order, order + n, [&](std::int64_t a, std::int64_t b) {
+    const auto pa = tokens[std::size_t(a)].pos, pb = tokens[std::size_t(b)].pos;
+    return pa != pb ? pa < pb : a < b;
+  });
+}
+
 /// Slot indices sorted by (position, slot): time order. O(n log n).
 inline std::vector<std::int64_t> time_order(std::span<const token> tokens) {
   std::vector<std::int64_t> order(tokens.size());
-  std::iota(order.begin(), order.end(), std::int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
-    return tokens[std::size_t(a)].pos < tokens[std::size_t(b)].pos;
-  });
+  time_order_into(tokens, order.data());
   return order;
 }
 
 /// Checks that `tokens` describes exactly `n_slots` slots with non-negative positions.
 inline void validate_tokens(std::span<const token> tokens, std::int64_t n_slots, const char* name = "tokens") {
-  detail::require(std::int64_t(tokens.size()) == n_slots, std::string(name) + ".size()", tokens.size(),
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, std::string(name) + ".size()", tokens.size(),
                   "must equal the number of cached slots (", n_slots, ")");
   for (std::size_t i = 0; i < tokens.size(); ++i)
-    detail::require(tokens[i].pos >= 0, std::string(name) + "[" + std::to_string(i) + "].pos",
+    INFKV_REQUIRE(tokens[i].pos >= 0, std::string(name) + "[" + std::to_string(i) + "].pos",
                     tokens[i].pos, "positions must be >= 0");
 }
 

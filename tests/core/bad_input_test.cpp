@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -35,8 +36,13 @@ struct small_layer {
 
 }  // namespace
 
-TEST_CASE("infkv::error is an std::invalid_argument") {
-  CHECK_THROWS_AS(budget{}.validate(), std::invalid_argument);
+TEST_CASE("error types: invalid arguments are infkv::invalid_argument, every infkv error a std::runtime_error") {
+  CHECK_THROWS_AS(budget{}.validate(), infkv::invalid_argument);
+  CHECK_THROWS_AS(budget{}.validate(), infkv::error);
+  CHECK_THROWS_AS(budget{}.validate(), std::runtime_error);
+  static_assert(std::is_base_of_v<infkv::error, infkv::engine_error>);
+  static_assert(!std::is_base_of_v<infkv::invalid_argument, infkv::engine_error>);
+  static_assert(!std::is_base_of_v<std::invalid_argument, infkv::error>);
 }
 
 TEST_CASE("bad budgets name the field and its value") {
@@ -61,7 +67,7 @@ TEST_CASE("bad budgets name the field and its value") {
   const score_matrix s(1, 10);
   const auto t = text_tokens(10);
   CHECK_ERROR((select_top(s, t, budget{.capacity = 3, .sinks = 2, .recent = 2})), "budget.capacity = 3");
-  CHECK_ERROR((select_top(s, t, snapkv{.window = 8}.protect(budget{.capacity = 6}))), "recent (8)");
+  CHECK_ERROR((select_top(s, t, protect(snapkv{.window = 8}, budget{.capacity = 6}))), "recent (8)");
 }
 
 TEST_CASE("bad scores and tokens for selection") {
@@ -157,9 +163,22 @@ TEST_CASE("bad paged tables") {
   std::vector<std::int32_t> indptr = {0, 2, 3}, indices = {3, 1, 0}, last = {2, 3};
   paged_view p;
   p.k = {store.data(), 3 * 2 * 4, 2 * 4, 4};
-  p.type = dtype::f32, p.n_heads = 2, p.head_dim = 4, p.page_size = 3, p.n_seqs = 2;
+  p.type = dtype::f32, p.n_heads = 2, p.head_dim = 4, p.page_size = 3, p.n_seqs = 2, p.n_pages = 4;
   p.indptr = indptr.data(), p.indices = indices.data(), p.last_page_len = last.data();
   CHECK_NOTHROW(validate(p, "paged"));
+  SUBCASE("a page id past the pool") {  // the pool has 4 pages: id 4 would read past the storage
+    indices[1] = 4;
+    CHECK_ERROR(validate(p, "paged"), "paged.indices[1] = 4: must be a page of the pool: in [0, n_pages = 4)");
+    CHECK_ERROR(key_rows(p, 0), "paged.indices[1] = 4");
+  }
+  SUBCASE("a negative page id") {
+    indices[2] = -1;
+    CHECK_ERROR(validate(p, "paged"), "paged.indices[2] = -1");
+  }
+  SUBCASE("no page count") {
+    p.n_pages = 0;
+    CHECK_ERROR(validate(p, "paged"), "paged.indices[0] = 3: must be a page of the pool: in [0, n_pages = 0)");
+  }
   CHECK(p.seq_len(0) == 5);
   SUBCASE("indptr[0] != 0") {
     indptr[0] = 1;

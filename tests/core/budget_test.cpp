@@ -55,23 +55,23 @@ TEST_CASE("validate accepts every well-formed budget") {
   CHECK_NOTHROW(budget{.ratio = 1e-9}.validate());
 }
 
-TEST_CASE("protect: snapkv keeps its observation window, other policies keep the budget as is") {
+TEST_CASE("protect: snapkv and inf_mllm keep their window, other policies keep the budget as is") {
   const budget b{.capacity = 64, .sinks = 4, .recent = 8};
-  const auto s = snapkv{.window = 32}.protect(b);
+  const auto s = protect(snapkv{.window = 32}, b);
   CHECK(s.recent == 32);
   CHECK(s.sinks == 4);
   CHECK(s.capacity == 64);
-  CHECK(snapkv{.window = 4}.protect(b).recent == 8);  // already wider
+  CHECK(protect(snapkv{.window = 4}, b).recent == 8);  // already wider
   const auto same = [&](const budget& x) {
     return x.capacity == b.capacity && x.ratio == b.ratio && x.sinks == b.sinks && x.recent == b.recent;
   };
-  CHECK(same(streaming_llm{}.protect(b)));
-  CHECK(same(tova{}.protect(b)));
-  CHECK(same(keydiff{}.protect(b)));
-  CHECK(same(inf_mllm{.window = 32}.protect(b)));
-  CHECK(same(h2o_state(h2o{}, 2).protect(b)));
+  CHECK(same(protect(streaming_llm{}, b)));
+  CHECK(same(protect(tova{}, b)));
+  CHECK(same(protect(keydiff{}, b)));
+  CHECK(protect(inf_mllm{.window = 32}, b).recent == 32);  // its retrieval window, as SnapKV's
+  CHECK(same(protect(h2o_state(h2o{}, 2), b)));
   // A window that no longer fits the capacity makes the protected budget invalid.
-  CHECK_THROWS_AS(snapkv{.window = 80}.protect(b).validate(), error);
+  CHECK_THROWS_AS(protect(snapkv{.window = 80}, b).validate(), error);
 }
 
 TEST_CASE("pyramidkv hands every layer a valid budget that adds up to the total") {

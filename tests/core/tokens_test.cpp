@@ -52,7 +52,7 @@ TEST_CASE("validate_tokens checks the count and the positions, naming the argume
   auto bad = t;
   bad[2].pos = -1;
   CHECK_THROWS_WITH_AS(validate_tokens(bad, 5), doctest::Contains("tokens[2].pos = -1"), error);
-  CHECK_THROWS_AS(validate_tokens(bad, 5), std::invalid_argument);
+  CHECK_THROWS_AS(validate_tokens(bad, 5), infkv::invalid_argument);
   bad[2].pos = 0;  // repeated positions are allowed (M-RoPE image tokens)
   CHECK_NOTHROW(validate_tokens(bad, 5));
 }

@@ -220,7 +220,7 @@ struct paged_case {
                                       : page_storage{k.data(), page_elems, std::int64_t(heads) * d, d};
     page_storage vs = ks;
     vs.data = v.data();
-    p = {ks, vs, type, heads, d, page_size, std::int32_t(lens.size()), indptr.data(), indices.data(), last.data()};
+    p = {ks, vs, type, heads, d, page_size, std::int32_t(lens.size()), n_pages, indptr.data(), indices.data(), last.data()};
   }
 
   /// Bytes of every (slot, head) row of sequence s, keys then values.

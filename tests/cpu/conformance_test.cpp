@@ -18,10 +18,6 @@ using namespace infkv_test;
 
 namespace {
 
-const char* to_string(granularity g) {
-  return g == granularity::per_head ? "per_head" : g == granularity::per_layer ? "per_layer" : "per_token";
-}
-
 std::string describe(const budget& b) {
   return (b.capacity ? "capacity " + std::to_string(b.capacity) : "ratio " + std::to_string(b.ratio)) + ", sinks " +
          std::to_string(b.sinks) + ", recent " + std::to_string(b.recent);
@@ -56,7 +52,7 @@ template <class P>
 void check_conformance(const P& pol, const budget& b, granularity g, const layer_inputs<>& in) {
   const auto keep = cpu::select(pol, b, in, g);
   const std::int64_t n = in.keys.n_slots;
-  const budget prot = pol.protect(b);
+  const budget prot = protect(pol, b);
   const std::int64_t cap = prot.keep_count(n);
   auto scores = cpu::layer_scores(pol, in);
   if (g != granularity::per_head && scores.rows > 1) scores = reduce_rows(scores, reduction::mean);

@@ -84,46 +84,50 @@ TEST_CASE("hand case: GQA averages the group's query heads") {
                    (0.1 + 1 / 6.) / 2, (0.1 + 1 / 6.) / 2});
 }
 
-TEST_CASE("hand case: snapkv pools along time and keeps its window") {
+TEST_CASE("hand case: snapkv pools along time before its window and keeps the window") {
   hand_cache c({3, 5});
   const snapkv avg{.window = 2, .kernel = 3, .pool = pooling::avg};
   const auto s = cpu::layer_scores(avg, c.inputs());
   const auto& m = mass0;
-  check_row(s, 0, {(m[0] + m[1]) / 3, (m[0] + m[1] + m[2]) / 3, (m[1] + m[2] + m[3]) / 3, (m[2] + m[3] + m[4]) / 3,
-                   (m[3] + m[4] + m[5]) / 3, (m[4] + m[5]) / 3});
+  // Positions 4 and 5 are the observation window: pooling covers 0..3 only (zero padding at
+  // both ends of the prefix), and the window gets the row's largest pooled score.
+  const double p2 = (m[1] + m[2] + m[3]) / 3;
+  check_row(s, 0, {(m[0] + m[1]) / 3, (m[0] + m[1] + m[2]) / 3, p2, (m[2] + m[3]) / 3, p2, p2});
   // Capacity 4 with window 2: positions 4 and 5 always, then the best two of 0..3 per head.
-  // Head 0 pooled: .225 .300 .525 .408; head 1: .370 .463 .278 .222.
+  // Head 0 pooled: .225 .300 .525 .375; head 1: .370 .463 .278 .185.
   const auto keep = cpu::select(avg, budget{.capacity = 4}, c.inputs(), granularity::per_head);
   REQUIRE(keep.n_units() == 2);
   CHECK(unit(keep, 0) == slots_at({2, 3, 4, 5}));
   CHECK(unit(keep, 1) == slots_at({0, 1, 4, 5}));
-  // Per layer (mean of the heads): .298 .381 .401 .315: positions 2 and 1.
+  // Per layer (mean of the heads): .298 .381 .401 .280: positions 2 and 1.
   const auto layer = cpu::select(avg, budget{.capacity = 4}, c.inputs(), granularity::per_layer);
   REQUIRE(layer.n_units() == 1);
   CHECK(unit(layer, 0) == slots_at({1, 2, 4, 5}));
 
-  const snapkv mx{.window = 1, .kernel = 3, .pool = pooling::max};  // last query only: [.1 .2 .1 .4 .1 .1]
-  check_row(cpu::layer_scores(mx, c.inputs()), 0, {0.2, 0.2, 0.4, 0.4, 0.4, 0.1});
+  // Last query only: [.1 .2 .1 .4 .1 .1]; position 5 is the window, max pooling over 0..4.
+  const snapkv mx{.window = 1, .kernel = 3, .pool = pooling::max};
+  check_row(cpu::layer_scores(mx, c.inputs()), 0, {0.2, 0.2, 0.4, 0.4, 0.4, 0.4});
 }
 
-TEST_CASE("hand case: inf_mllm sums locally, normalises by the mean and adds the recency bias") {
+TEST_CASE("hand case: inf_mllm sums locally before its window, normalises by the mean and adds the recency bias") {
   hand_cache c({3, 5});
   const auto& m = mass0;
-  const std::array<double, 6> sum = {m[0] + m[1], m[0] + m[1] + m[2], m[1] + m[2] + m[3],
-                                     m[2] + m[3] + m[4], m[3] + m[4] + m[5], m[4] + m[5]};
+  // The retrieval window (positions 4, 5) is left out of the local sum and gets the row's max.
+  const double top = m[1] + m[2] + m[3];
+  const std::array<double, 6> sum = {m[0] + m[1], m[0] + m[1] + m[2], top, m[2] + m[3], top, top};
   const double mean = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5]) / 6;
-  inf_mllm p{.window = 8, .kernel = 3, .pool = pooling::sum, .bias = {}};
+  inf_mllm p{.window = 2, .kernel = 3, .pool = pooling::sum, .bias = {}};
   check_row(cpu::layer_scores(p, c.inputs()), 0, sum);
-  const budget two{.capacity = 2};
-  // Without bias the largest local sums win: positions 2 (1.575) and 3 (1.225).
-  CHECK(unit(cpu::select(p, two, c.inputs()), 0) == slots_at({2, 3}));
+  const budget three{.capacity = 3};
+  // Without bias: the window (4, 5) and the largest local sum of 0..3: position 2 (1.575).
+  CHECK(unit(cpu::select(p, three, c.inputs()), 0) == slots_at({2, 4, 5}));
 
   p.bias = {.beta = 3.0, .shape = decay::linear};  // f = pos / 5
   std::array<double, 6> biased{};
   for (std::size_t i = 0; i < 6; ++i) biased[i] = sum[i] / mean + 3.0 * double(i) / 5;
   check_row(cpu::layer_scores(p, c.inputs()), 0, biased);
-  // 0.71 1.55 2.87 3.10 3.56 3.21: the choice moves to the newest positions 4 and 5.
-  CHECK(unit(cpu::select(p, two, c.inputs()), 0) == slots_at({4, 5}));
+  // 0.55 1.33 2.47 2.71 ...: the choice moves to the newer position 3.
+  CHECK(unit(cpu::select(p, three, c.inputs()), 0) == slots_at({3, 4, 5}));
 
   p.bias = {.beta = 0.5, .shape = decay::exponential, .unit = age_unit::segments, .rate = 4.0};
   const double mid = (std::exp(-2.0) - std::exp(-4.0)) / (1 - std::exp(-4.0));  // segment 1: age 1/2

@@ -147,7 +147,7 @@ inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t he
   fill_nan(s, t);
   infkv::paged_view& p = s.paged;
   p.k = {s.bytes.data(), page_stride, slot_stride, d};
-  p.type = t, p.n_heads = heads, p.head_dim = d, p.page_size = page, p.n_seqs = 2;
+  p.type = t, p.n_heads = heads, p.head_dim = d, p.page_size = page, p.n_seqs = 2, p.n_pages = total;
   p.indptr = s.indptr.data(), p.indices = s.indices.data(), p.last_page_len = s.last.data();
   const auto decoy = infkv::key_rows(p, 0);  // the decoy sequence holds large finite values
   std::vector<float> big(static_cast<std::size_t>(d), 1e3f);
@@ -207,23 +207,44 @@ inline ref_matrix ref_window_mass(const problem& p, std::int64_t first = 0) {
   return out;
 }
 
-/// 1-D pooling along time order, stride 1, zero padding: avg divides by the kernel.
-inline void ref_pool(ref_matrix& s, std::span<const token> tokens, std::int32_t kernel, infkv::pooling kind) {
-  if (kind == infkv::pooling::none) return;
-  const auto o = ref_time_order(tokens);
-  const auto n = std::int64_t(o.size());
-  for (auto& row : s) {
-    const auto in = row;
-    for (std::int64_t i = 0; i < n; ++i) {
-      double acc = kind == infkv::pooling::max ? -std::numeric_limits<double>::infinity() : 0.0;
-      for (std::int64_t j = i - kernel / 2; j <= i + kernel / 2; ++j) {
-        if (j < 0 || j >= n) continue;
-        const double v = in[std::size_t(o[std::size_t(j)])];
-        acc = kind == infkv::pooling::max ? std::max(acc, v) : acc + v;
-      }
-      row[std::size_t(o[std::size_t(i)])] = kind == infkv::pooling::avg ? acc / kernel : acc;
+/// SnapKV's scores as its reference code and kvpress's SnapKVPress compute them, for slots in
+/// any order: per query head, the attention mass the last `window` queries give each key; the keys
+/// of the observation window (the last `window` in time order) are cut off (`attn[..., :-window]`);
+/// the rest is pooled along time per query head (avg_pool1d: padding kernel / 2 zeros, counted;
+/// max_pool1d; or a plain local sum), then the G query heads of each KV head are averaged; the
+/// window's slots get the largest score of their row (kvpress pads them with the maximum).
+inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::int32_t kernel, infkv::pooling kind) {
+  const std::int32_t g = p.hq / p.hkv;
+  const std::int64_t first = std::max<std::int64_t>(0, p.nq - window);
+  const auto o = ref_time_order(p.tokens);
+  const auto n = std::int64_t(o.size()), prefix = n - std::min(window, n);
+  const bool pooled = kind != infkv::pooling::none && kernel > 1 && prefix > 0;
+  ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+  for (std::int32_t hq = 0; hq < p.hq; ++hq) {
+    std::vector<double> mass(std::size_t(p.n), 0.0);  // in time order
+    for (std::int64_t i = first; i < p.nq; ++i) {
+      const auto pr = ref_probs(p, i, hq);
+      for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] += pr[std::size_t(o[std::size_t(t)])];
     }
+    std::vector<double> head = mass;
+    if (pooled)
+      for (std::int64_t t = 0; t < prefix; ++t) {
+        double acc = kind == infkv::pooling::max ? -std::numeric_limits<double>::infinity() : 0.0;
+        for (std::int64_t u = t - kernel / 2; u <= t + kernel / 2; ++u) {
+          if (u < 0 || u >= prefix) continue;  // padding: a zero (avg, sum) or nothing (max)
+          acc = kind == infkv::pooling::max ? std::max(acc, mass[std::size_t(u)]) : acc + mass[std::size_t(u)];
+        }
+        head[std::size_t(t)] = kind == infkv::pooling::avg ? acc / kernel : acc;
+      }
+    for (std::int64_t t = 0; t < n; ++t) out[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])] += head[std::size_t(t)] / g;
   }
+  if (pooled)
+    for (auto& row : out) {
+      double top = -std::numeric_limits<double>::infinity();
+      for (std::int64_t t = 0; t < prefix; ++t) top = std::max(top, row[std::size_t(o[std::size_t(t)])]);
+      for (std::int64_t t = prefix; t < n; ++t) row[std::size_t(o[std::size_t(t)])] = top;
+    }
+  return out;
 }
 
 /// Attention bias: each row divided by its mean, plus beta * f(age), age over positions or
@@ -246,17 +267,13 @@ inline void ref_bias(ref_matrix& s, std::span<const token> tokens, const infkv::
   }
 }
 
-inline std::int64_t first_of_window(const problem& p, std::int64_t window) { return std::max<std::int64_t>(0, p.nq - window); }
 
 inline ref_matrix ref_snapkv(const problem& p, const infkv::snapkv& c) {
-  auto s = ref_window_mass(p, first_of_window(p, c.window));
-  ref_pool(s, p.tokens, c.kernel, c.pool);
-  return s;
+  return ref_window_pooled(p, c.window, c.kernel, c.pool);
 }
 
 inline ref_matrix ref_inf_mllm(const problem& p, const infkv::inf_mllm& c) {
-  auto s = ref_window_mass(p, first_of_window(p, c.window));
-  ref_pool(s, p.tokens, c.kernel, c.pool);
+  auto s = ref_window_pooled(p, c.window, c.kernel, c.pool);
   ref_bias(s, p.tokens, c.bias);
   return s;
 }

@@ -185,7 +185,7 @@ TEST_CASE("h2o accumulates the reference's running sum, with forgetting and life
             cpu::observe(two, in, cpu::executor{2});
           }
           const layer_inputs<std::decay_t<decltype(rows)>> last{rows, {}, {}, {}, steps[0].tokens, 0.f};
-          const auto got = cpu::score(one, last);
+          const auto got = cpu::layer_scores(one, last);
           check_close(got, ref_h2o(steps, cfg), rtol_stored, atol_stored, "h2o");
           CHECK(two.scores().data == got.data);
           return 0;

@@ -9,29 +9,32 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "../budget.hpp"
+#include "../error.hpp"
 #include "../scores.hpp"
 #include "../tokens.hpp"
 
 namespace infkv {
 
 namespace detail {
-/// Rounds non-negative shares to integers that add up to `total` (largest remainder).
-inline std::vector<std::int64_t> round_shares(std::span<const double> share, std::int64_t total) {
-  std::vector<std::int64_t> out(share.size());
-  std::vector<std::size_t> idx(share.size());
+/// Rounds non-negative shares to integers that add up to `total` (largest remainder, ties to the
+/// lower index). `idx` holds share.size() entries of scratch. Allocates nothing.
+inline void round_shares_into(std::span<const double> share, std::int64_t total, std::int64_t* out, std::int64_t* idx) {
+  const auto k = std::int64_t(share.size());
   std::int64_t sum = 0;
-  for (std::size_t i = 0; i < share.size(); ++i) sum += out[i] = std::int64_t(std::floor(share[i] + 1e-9));
-  std::iota(idx.begin(), idx.end(), std::size_t{0});
-  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
-    return share[a] - double(out[a]) > share[b] - double(out[b]);
-  });
-  for (std::size_t k = 0; sum < total && k < idx.size(); ++k, ++sum) ++out[idx[k]];
+  for (std::int64_t i = 0; i < k; ++i) sum += out[i] = std::int64_t(std::floor(share[std::size_t(i)] + 1e-9));
+  for (std::int64_t i = 0; i < k; ++i) idx[i] = i;
+  const auto rem = [&](std::int64_t i) { return share[std::size_t(i)] - double(out[i]); };
+  std::sort(idx, idx + k, [&](std::int64_t a, std::int64_t b) { return rem(a) != rem(b) ? rem(a) > rem(b) : a < b; });
+  for (std::int64_t j = 0; sum < total && j < k; ++j, ++sum) ++out[idx[j]];
+}
+inline std::vector<std::int64_t> round_shares(std::span<const double> share, std::int64_t total) {
+  std::vector<std::int64_t> out(share.size()), idx(share.size());
+  round_shares_into(share, total, out.data(), idx.data());
   return out;
 }
 }  // namespace detail
@@ -44,9 +47,9 @@ struct pyramidkv {
 
   std::vector<budget> allocate(std::int32_t n_layers, const budget& base) const {
     base.validate();
-    detail::require(base.capacity > 0, "budget.capacity", base.capacity, "PyramidKV needs an absolute capacity");
-    detail::require(n_layers >= 1, "n_layers", n_layers, "must be >= 1");
-    detail::require(std::isfinite(beta) && beta >= 1.0, "pyramidkv.beta", beta, "must be >= 1");
+    INFKV_REQUIRE(base.capacity > 0, "budget.capacity", base.capacity, "PyramidKV needs an absolute capacity");
+    INFKV_REQUIRE(n_layers >= 1, "n_layers", n_layers, "must be >= 1");
+    INFKV_REQUIRE(std::isfinite(beta) && beta >= 1.0, "pyramidkv.beta", beta, "must be >= 1");
     const double b = double(base.capacity - base.recent), lo = b / beta, hi = 2 * b - lo;
     std::vector<double> share(static_cast<std::size_t>(n_layers));
     for (std::int32_t l = 0; l < n_layers; ++l)
@@ -55,7 +58,7 @@ struct pyramidkv {
     std::vector<budget> out(static_cast<std::size_t>(n_layers), base);
     for (std::int32_t l = 0; l < n_layers; ++l) {
       out[std::size_t(l)].capacity = prefix[std::size_t(l)] + base.recent;
-      detail::require(out[std::size_t(l)].capacity >= base.sinks + base.recent, "budget.capacity", base.capacity,
+      INFKV_REQUIRE(out[std::size_t(l)].capacity >= base.sinks + base.recent, "budget.capacity", base.capacity,
                       "too small for PyramidKV: layer ", l, " would keep ", out[std::size_t(l)].capacity,
                       " < sinks + recent (", base.sinks + base.recent, ")");
     }
@@ -69,28 +72,49 @@ struct pyramidkv {
 struct adakv {
   double alpha = 0.2;
 
+  /// Scratch `allocate_into` needs for `rows` x `cols` scores, in int64 entries.
+  static std::int64_t scratch_size(std::int64_t rows, std::int64_t cols) { return rows * cols + 3 * rows; }
+
+  /// Capacities per row of `s` (KV heads) into `caps`, adding up to rows x `cap` (the budget's
+  /// keep count, below the slot count): each row keeps sinks + recent, the rest is shared.
+  /// `order` is the slots' time order; `scratch` holds scratch_size(rows, cols) int64. Allocates
+  /// nothing. The global top scores are ranked by score, ties to the lower row, then the newer slot.
+  void allocate_into(score_view s, std::span<const token> tokens, const std::int64_t* order, const budget& b,
+                     std::int64_t cap, std::span<std::int64_t> scratch, std::int64_t* caps) const {
+    INFKV_REQUIRE(std::isfinite(alpha) && alpha >= 0.0 && alpha <= 1.0, "adakv.alpha", alpha, "must be in [0, 1]");
+    const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
+    INFKV_REQUIRE(std::int64_t(scratch.size()) >= scratch_size(rows, n), "scratch.size()", scratch.size(), "must be >= ",
+                  scratch_size(rows, n));
+    std::int64_t* cand = scratch.data();  // r * n + time rank, unprotected slots only
+    std::int64_t nc = 0;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t i = b.sinks; i < n - b.recent; ++i) cand[nc++] = r * n + i;
+    const auto score = [&](std::int64_t c) { return s(c / n, order[c % n]); };
+    const std::int64_t total = rows * free_each;
+    std::nth_element(cand, cand + total, cand + nc, [&](std::int64_t x, std::int64_t y) {
+      const float sx = score(x), sy = score(y);
+      if (sx != sy) return sx > sy;
+      return x / n != y / n ? x / n < y / n : x % n > y % n;
+    });
+    auto* wins = reinterpret_cast<double*>(scratch.data() + rows * n);
+    std::fill(wins, wins + rows, 0.0);
+    for (std::int64_t i = 0; i < total; ++i) wins[cand[i] / n] += 1.0;
+    for (std::int64_t r = 0; r < rows; ++r) wins[r] = wins[r] * (1.0 - alpha) + alpha * double(free_each);
+    detail::round_shares_into({wins, std::size_t(rows)}, total, caps, scratch.data() + rows * n + rows);
+    for (std::int64_t r = 0; r < rows; ++r) caps[r] += prot;
+  }
+
   /// Capacities per row of `scores` (KV heads), adding up to rows x b.keep_count(cols).
   std::vector<std::int64_t> allocate(const score_matrix& scores, std::span<const token> tokens, const budget& b) const {
-    detail::require(std::isfinite(alpha) && alpha >= 0.0 && alpha <= 1.0, "adakv.alpha", alpha, "must be in [0, 1]");
+    INFKV_REQUIRE(std::isfinite(alpha) && alpha >= 0.0 && alpha <= 1.0, "adakv.alpha", alpha, "must be in [0, 1]");
     check_scores(scores);
     validate_tokens(tokens, scores.cols);
     const std::int64_t n = scores.cols, cap = b.keep_count(n), rows = scores.rows;
-    if (cap >= n) return std::vector<std::int64_t>(std::size_t(rows), n);
-    const std::int64_t prot = b.sinks + b.recent, free_each = cap - prot;
+    std::vector<std::int64_t> out(static_cast<std::size_t>(rows), n);
+    if (cap >= n) return out;
     const auto order = time_order(tokens);
-    std::vector<std::pair<float, std::int64_t>> cand;  // (score, row)
-    cand.reserve(std::size_t(rows * (n - prot)));
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t i = b.sinks; i < n - b.recent; ++i) cand.push_back({scores(r, order[std::size_t(i)]), r});
-    const std::int64_t total = rows * free_each;
-    std::nth_element(cand.begin(), cand.begin() + total, cand.end(), [](auto& x, auto& y) {
-      return x.first != y.first ? x.first > y.first : x.second < y.second;
-    });
-    std::vector<double> wins(static_cast<std::size_t>(rows), 0.0);
-    for (std::int64_t i = 0; i < total; ++i) wins[std::size_t(cand[std::size_t(i)].second)] += 1.0;
-    for (auto& w : wins) w = w * (1.0 - alpha) + alpha * double(free_each);
-    auto out = detail::round_shares(wins, total);
-    for (auto& c : out) c += prot;
+    std::vector<std::int64_t> scratch(static_cast<std::size_t>(scratch_size(rows, n)));
+    allocate_into(scores.view(), tokens, order.data(), b, cap, scratch, out.data());
     return out;
   }
 };

@@ -15,8 +15,6 @@ namespace infkv {
 
 struct inf_mllm {
   static constexpr std::string_view name = "inf_mllm";
-  static constexpr unsigned needs = needs_keys | needs_queries;
-  static constexpr granularity natural_granularity = granularity::per_head;
 
   std::int64_t window = 32;        ///< retrieval window: recent queries that score the cache
   std::int32_t kernel = 5;         ///< local-sum width (odd): saddles come with their neighbours
@@ -24,15 +22,17 @@ struct inf_mllm {
   attention_bias bias{};
 
   void validate() const {
-    detail::require(window >= 1, "inf_mllm.window", window, "must be >= 1");
-    detail::require(kernel >= 1 && kernel % 2 == 1, "inf_mllm.kernel", kernel, "must be odd and >= 1");
+    INFKV_REQUIRE(window >= 1, "inf_mllm.window", window, "must be >= 1");
+    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "inf_mllm.kernel", kernel, "must be odd and >= 1");
     bias.validate();
   }
-  void finish(score_matrix& s, std::span<const token> t) const {
-    pool_along_time(s, t, kernel, pool);
-    bias.apply(s, t);
+  /// As SnapKV: the local sum covers the slots before the retrieval window, which is always
+  /// kept; then the attention bias.
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::window_attention, .queries = window, .pool = pool,
+            .kernel = kernel, .pool_tail = window, .bias = bias, .protect_recent = window,
+            .natural = granularity::per_head};
   }
-  budget protect(budget b) const { return b; }
 };
 
 }  // namespace infkv

@@ -12,12 +12,9 @@ namespace infkv {
 
 struct keydiff {
   static constexpr std::string_view name = "keydiff";
-  static constexpr unsigned needs = needs_keys;
-  static constexpr granularity natural_granularity = granularity::per_head;
 
   void validate() const {}
-  void finish(score_matrix&, std::span<const token>) const {}
-  budget protect(budget b) const { return b; }
+  policy_spec spec() const { return {.name = name, .source = score_source::key_diversity, .natural = granularity::per_head}; }
 };
 
 }  // namespace infkv

@@ -42,8 +42,8 @@ struct block_prefill {
   bool first_block_fills_budget = true;  ///< the part that fits the budget runs as one forward
 
   void validate() const {
-    detail::require(block >= 1, "block_prefill.block", block, "must be >= 1");
-    detail::require(budget >= 1, "block_prefill.budget", budget, "must be >= 1");
+    INFKV_REQUIRE(block >= 1, "block_prefill.block", block, "must be >= 1");
+    INFKV_REQUIRE(budget >= 1, "block_prefill.budget", budget, "must be >= 1");
   }
   bool due(std::int64_t n_cached) const { return n_cached > budget; }
   std::int64_t target(std::int64_t) const { return budget; }

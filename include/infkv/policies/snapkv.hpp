@@ -13,22 +13,21 @@ namespace infkv {
 
 struct snapkv {
   static constexpr std::string_view name = "snapkv";
-  static constexpr unsigned needs = needs_keys | needs_queries;
-  static constexpr granularity natural_granularity = granularity::per_head;
 
   std::int64_t window = 32;         ///< observation window (queries); also kept as recent tokens
   std::int32_t kernel = 5;          ///< pooling width (odd)
   pooling pool = pooling::avg;      ///< avg (paper default) or max (LongBench config)
 
   void validate() const {
-    detail::require(window >= 1, "snapkv.window", window, "must be >= 1");
-    detail::require(kernel >= 1 && kernel % 2 == 1, "snapkv.kernel", kernel, "must be odd and >= 1");
+    INFKV_REQUIRE(window >= 1, "snapkv.window", window, "must be >= 1");
+    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "snapkv.kernel", kernel, "must be odd and >= 1");
   }
-  void finish(score_matrix& s, std::span<const token> t) const { pool_along_time(s, t, kernel, pool); }
-  /// The observation window is always kept: recent = max(budget.recent, window).
-  budget protect(budget b) const {
-    b.recent = std::max(b.recent, window);
-    return b;
+  /// Pooling covers the slots before the observation window (SnapKV's `attn[..., :-window]`);
+  /// the window is always kept: recent = max(budget.recent, window). Max pooling runs per query
+  /// head, then the G heads of a group are averaged.
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::window_attention, .queries = window, .pool = pool,
+            .kernel = kernel, .pool_tail = window, .protect_recent = window, .natural = granularity::per_head};
   }
 };
 

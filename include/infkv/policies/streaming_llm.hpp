@@ -13,12 +13,9 @@ namespace infkv {
 /// budget's capacity beyond its sinks goes to the newest tokens.
 struct streaming_llm {
   static constexpr std::string_view name = "streaming_llm";
-  static constexpr unsigned needs = needs_nothing;
-  static constexpr granularity natural_granularity = granularity::per_token;
 
   void validate() const {}
-  void finish(score_matrix&, std::span<const token>) const {}
-  budget protect(budget b) const { return b; }
+  policy_spec spec() const { return {.name = name, .source = score_source::recency, .natural = granularity::per_token}; }
 };
 
 /// Recency scores: rank of each slot in time order, one identical row per unit.

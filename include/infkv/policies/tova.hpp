@@ -11,12 +11,11 @@ namespace infkv {
 
 struct tova {
   static constexpr std::string_view name = "tova";
-  static constexpr unsigned needs = needs_keys | needs_queries;
-  static constexpr granularity natural_granularity = granularity::per_layer;
 
   void validate() const {}
-  void finish(score_matrix&, std::span<const token>) const {}
-  budget protect(budget b) const { return b; }
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::last_query, .queries = 1, .natural = granularity::per_layer};
+  }
 };
 
 }  // namespace infkv

@@ -4,6 +4,7 @@
 #include <infkv/infkv.hpp>
 
 #include "cpu/attention.hpp"
+#include "cpu/backend.hpp"
 #include "cpu/compact.hpp"
 #include "cpu/executor.hpp"
 #include "cpu/rope.hpp"

@@ -50,10 +50,10 @@ inline std::int32_t layer_of(const char* name, std::string_view prefix) {
 /// Appends the rows of a [head_dim, heads, n_tokens] f32 or f16 tensor to `out` as f32.
 inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vector<char>& scratch) {
   if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)
-    infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has type ", ggml_type_name(t->type),
+    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ", ggml_type_name(t->type),
                         ": only f32 and f16 query/key nodes can be observed");
   if (t->ne[3] != 1)
-    infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3], ": expected 1");
+    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3], ": expected 1");
   const char* base = nullptr;
   if (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
     base = static_cast<const char*>(t->data);
@@ -62,7 +62,7 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
     ggml_backend_tensor_get(t, scratch.data(), 0, scratch.size());
     base = scratch.data();
   }
-  if (base == nullptr) infkv::detail::fail("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
+  if (base == nullptr) infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
   const std::int64_t d = t->ne[0], heads = t->ne[1], n = t->ne[2];
   const std::size_t at = out.size();
   out.resize(at + std::size_t(d * heads * n));
@@ -90,7 +90,7 @@ class graph_observer {
   /// Observes `n_layers` layers; `values`: also copy the value rows (`Vcur-<layer>`).
   explicit graph_observer(std::int32_t n_layers, bool values = false)
       : layers_(std::size_t(n_layers > 0 ? n_layers : 0)), values_(values) {
-    infkv::detail::require(n_layers > 0, "n_layers", n_layers, "must be > 0");
+    INFKV_REQUIRE(n_layers > 0, "n_layers", n_layers, "must be > 0");
   }
   graph_observer(const graph_observer&) = delete;
   graph_observer& operator=(const graph_observer&) = delete;
@@ -159,12 +159,12 @@ class graph_observer {
     const int kind = match(t);
     if (kind == 0) return;
     const std::int32_t layer = detail::layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
-    infkv::detail::require(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
+    INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
                            ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
     layer_rows& l = layers_[std::size_t(layer)];
     const auto d = std::int32_t(t->ne[0]), heads = std::int32_t(t->ne[1]);
     if (l.head_dim == 0) l.head_dim = d;
-    infkv::detail::require(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
+    INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
                            l.head_dim);
     if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
       detail::append_rows(t, l.v, scratch_);
@@ -173,7 +173,7 @@ class graph_observer {
     }
     std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
     if (h == 0) h = heads;
-    infkv::detail::require(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
+    INFKV_REQUIRE(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
     detail::append_rows(t, kind == 1 ? l.q : l.k, scratch_);
     (kind == 1 ? l.n_q : l.n_k) += t->ne[2];
   }

@@ -43,7 +43,7 @@ inline model_ptr load_model(const std::string& path, const char* arg = "model") 
   auto mp = llama_model_default_params();
   mp.n_gpu_layers = 0;
   model_ptr m(llama_model_load_from_file(path.c_str(), mp));
-  if (!m) infkv::detail::fail("infkv: ", arg, " = ", path, ": llama.cpp cannot load it as a GGUF model");
+  if (!m) infkv::detail::raise<engine_error>("infkv: ", arg, " = ", path, ": llama.cpp cannot load it as a GGUF model");
   return m;
 }
 

@@ -108,30 +108,30 @@ inline std::int64_t pos_per_embd(const llama_model* m) {
 /// Checks one chunk against the model and the session's position mode.
 inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, position_mode mode) {
   const std::string at = "chunks[" + std::to_string(i) + "]";
-  infkv::detail::require(c.tokens.empty() || c.embd.empty(), at + ".embd.size()", c.embd.size(),
+  INFKV_REQUIRE(c.tokens.empty() || c.embd.empty(), at + ".embd.size()", c.embd.size(),
                          "a chunk holds token ids or embeddings, not both (tokens.size() = ", c.tokens.size(), ")");
-  infkv::detail::require(c.size() > 0, at + ".size()", c.size(), "a chunk needs at least one token or embedding row");
+  INFKV_REQUIRE(c.size() > 0, at + ".size()", c.size(), "a chunk needs at least one token or embedding row");
   if (c.is_embd()) {
     const std::int64_t n_embd = llama_model_n_embd_inp(m);
-    infkv::detail::require(std::int64_t(c.embd.size()) == c.n_tokens * n_embd, at + ".embd.size()", c.embd.size(),
+    INFKV_REQUIRE(std::int64_t(c.embd.size()) == c.n_tokens * n_embd, at + ".embd.size()", c.embd.size(),
                            "must be n_tokens (", c.n_tokens, ") * llama_model_n_embd_inp (", n_embd, ")");
   } else {
-    infkv::detail::require(c.n_tokens == 0 || c.n_tokens == c.size(), at + ".n_tokens", c.n_tokens,
+    INFKV_REQUIRE(c.n_tokens == 0 || c.n_tokens == c.size(), at + ".n_tokens", c.n_tokens,
                            "a text chunk takes its size from tokens.size() = ", c.tokens.size());
   }
   if (c.positions.empty()) {
-    infkv::detail::require(c.n_pos == 0, at + ".n_pos", c.n_pos, "applies to explicit positions only");
+    INFKV_REQUIRE(c.n_pos == 0, at + ".n_pos", c.n_pos, "applies to explicit positions only");
     return;
   }
-  infkv::detail::require(mode == position_mode::keep, at + ".positions.size()", c.positions.size(),
+  INFKV_REQUIRE(mode == position_mode::keep, at + ".positions.size()", c.positions.size(),
                          "explicit positions need the session in position_mode::keep (compaction renumbers them)");
   const std::int64_t per = c.is_embd() ? pos_per_embd(m) : 1;
-  infkv::detail::require(std::int64_t(c.positions.size()) == c.size() * per, at + ".positions.size()",
+  INFKV_REQUIRE(std::int64_t(c.positions.size()) == c.size() * per, at + ".positions.size()",
                          c.positions.size(), "must be ", per, " * ", c.size(), " (positions per token * tokens)");
   for (std::size_t k = 0; k < c.positions.size(); ++k)
-    infkv::detail::require(c.positions[k] >= 0, at + ".positions[" + std::to_string(k) + "]", c.positions[k],
+    INFKV_REQUIRE(c.positions[k] >= 0, at + ".positions[" + std::to_string(k) + "]", c.positions[k],
                            "must be >= 0");
-  infkv::detail::require(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
+  INFKV_REQUIRE(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
 }
 
 /// Restores causal attention when a non-causal chunk is done (or throws).
@@ -160,22 +160,22 @@ template <policy P>
 prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, const block_prefill& schedule,
                        const prefill_options& opt = {}) {
   llama_context* ctx = s.context();
-  infkv::detail::require(ctx != nullptr, "ctx", "null", "bind a context before prefilling");
+  INFKV_REQUIRE(ctx != nullptr, "ctx", "null", "bind a context before prefilling");
   const llama_model* m = llama_get_model(ctx);
   schedule.validate();
   p.validate();
   const budget b{.capacity = schedule.budget, .sinks = opt.sinks, .recent = opt.recent};
-  infkv::detail::require(opt.sinks >= 0, "prefill_options.sinks", opt.sinks, "must be >= 0");
-  infkv::detail::require(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
-  const budget pb = p.protect(b);
-  infkv::detail::require(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
-                         "cannot hold the protected tokens of ", P::name, ": sinks (", pb.sinks, ") + recent (",
+  INFKV_REQUIRE(opt.sinks >= 0, "prefill_options.sinks", opt.sinks, "must be >= 0");
+  INFKV_REQUIRE(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
+  const budget pb = protect(p, b);
+  INFKV_REQUIRE(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
+                         "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (",
                          pb.recent, ")");
   if constexpr (requires { p.window; })
-    infkv::detail::require(p.window <= s.options().window, std::string(P::name) + ".window", p.window,
+    INFKV_REQUIRE(p.window <= s.options().window, std::string(p.spec().name) + ".window", p.window,
                            "exceeds the queries the session keeps (session_options.window = ", s.options().window, ")");
   const std::int64_t n_ctx = llama_n_ctx(ctx);
-  infkv::detail::require(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx,
+  INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx,
                          "the context cannot hold block_prefill.budget (", schedule.budget, ") + block (",
                          schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
   for (std::size_t i = 0; i < chunks.size(); ++i) detail::validate_chunk(chunks[i], i, m, s.mode());
@@ -197,7 +197,7 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
     if (!chunks[c].non_causal) continue;
     const bool one_block = std::ranges::any_of(res.blocks, [&](const block_range& r) {
       return r.begin <= start[c] && start[c + 1] <= r.end; });
-    infkv::detail::require(one_block && chunks[c].size() <= std::min(n_ubatch, n_batch),
+    INFKV_REQUIRE(one_block && chunks[c].size() <= std::min(n_ubatch, n_batch),
                            "chunks[" + std::to_string(c) + "].size()", chunks[c].size(),
                            "a non-causal chunk must fit one block (block_prefill.block = ", schedule.block,
                            ") and one micro-batch (llama_n_ubatch = ", n_ubatch, ")");

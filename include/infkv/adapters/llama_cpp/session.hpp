@@ -65,10 +65,10 @@ class session {
  public:
   explicit session(const llama_model* model, session_options opt = {})
       : model_(model), opt_(opt), observer_(checked_layers(model)) {
-    infkv::detail::require(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
-    infkv::detail::require(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
+    INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
+    INFKV_REQUIRE(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
                            "must be f32 or f16");
-    infkv::detail::require(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
+    INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
     if (opt_.track_h2o) opt_.track_h2o->validate();
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
     rope_ = model_rope(model);
@@ -87,12 +87,12 @@ class session {
   /// Binds the context created from the attached parameters. The sequence must be empty.
   void bind(llama_context* ctx) {
     if (ctx == nullptr) infkv::detail::fail("infkv: ctx = null: a llama_context is required");
-    infkv::detail::require(attached_, "attached", "false", "call attach(params) before creating the context");
+    INFKV_REQUIRE(attached_, "attached", "false", "call attach(params) before creating the context");
     ctx_ = ctx;
     mem_ = llama_get_memory(ctx);
-    if (mem_ == nullptr) infkv::detail::fail("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    if (mem_ == nullptr) infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
     const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
-    infkv::detail::require(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
+    INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
     shift_ = opt_.positions == position_mode::compact && llama_memory_can_shift(mem_) &&
              (rope_.supported || !rope_.has_rope);
   }
@@ -112,14 +112,14 @@ class session {
 
   /// The inputs a policy scores for one layer: keys, window queries and their positions, tokens.
   layer_inputs<tensor_view> inputs(std::int32_t layer) {
-    infkv::detail::require(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
+    INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
     return {l.keys(), {}, l.queries(), l.query_pos(), tokens_, opt_.scale};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const h2o_state& h2o_scores(std::int32_t layer) const {
     require_h2o();
-    infkv::detail::require(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
+    INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
                            "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
     return h2o_[std::size_t(layer)];
   }
@@ -127,7 +127,7 @@ class session {
   /// Decodes `tokens` at positions next_pos(), next_pos() + 1, ...; logits for the last token
   /// (or all when `all_logits`). Returns llama_decode's status; bookkeeping grows only on 0.
   std::int32_t decode(std::span<const llama_token> tokens, token_meta meta = {}, bool all_logits = false) {
-    infkv::detail::require(!tokens.empty(), "tokens.size()", 0, "decode needs at least one token");
+    INFKV_REQUIRE(!tokens.empty(), "tokens.size()", 0, "decode needs at least one token");
     llama_batch b = llama_batch_init(std::int32_t(tokens.size()), 0, 1);
     const std::int64_t p0 = next_pos();
     for (std::size_t i = 0; i < tokens.size(); ++i) {
@@ -146,13 +146,13 @@ class session {
   /// carry its position. Returns llama_decode's status; bookkeeping grows only on 0; after a
   /// failure any partly processed micro-batches are removed again so the memory matches it.
   std::int32_t decode(const llama_batch& batch, token_meta meta = {}) {
-    infkv::detail::require(ctx_ != nullptr, "ctx", "null", "bind a context before decoding");
-    infkv::detail::require(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
-    infkv::detail::require(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
-    infkv::detail::require(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before decoding");
+    INFKV_REQUIRE(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
+    INFKV_REQUIRE(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
+    INFKV_REQUIRE(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
                            "the session needs explicit sequence ids");
     for (std::int32_t i = 0; i < batch.n_tokens; ++i)
-      infkv::detail::require(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
+      INFKV_REQUIRE(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
                              "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
                              "every entry must belong to the session's sequence ", opt_.seq, " only");
     observer_.begin();
@@ -170,7 +170,7 @@ class session {
       }
     if (rc != 0 || !why.empty()) {
       rollback();
-      if (!why.empty()) throw error(why);
+      if (!why.empty()) throw engine_error(why);
       return rc;
     }
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
@@ -183,38 +183,38 @@ class session {
     return 0;
   }
 
-  /// Evicts down to `b` (after `p.protect(b)`): scores every layer with `p`, combines heads and
+  /// Evicts down to `b` (after the policy's protection): scores every layer with `p`, combines heads and
   /// layers with the session's reduction, keeps the top tokens, removes the others' position
   /// runs from the llama memory, then compacts positions in compact mode.
   template <policy P>
   eviction_result evict(const P& p, const budget& b) {
     if constexpr (requires { p.window; })
-      infkv::detail::require(p.window <= opt_.window, std::string(P::name) + ".window", p.window,
+      INFKV_REQUIRE(p.window <= opt_.window, std::string(p.spec().name) + ".window", p.window,
                              "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
-    return score_and_apply(p, b, [&](std::int32_t, const layer_inputs<tensor_view>& in) {
-      return cpu::layer_scores(p, in, opt_.executor);
-    });
+    return run_pipeline(p, b, [&](std::int32_t l) { return inputs(l); });
   }
 
   /// H2O eviction from the scores accumulated at every decode (session_options.track_h2o).
   eviction_result evict(const h2o& config, const budget& b) {
     require_h2o();
-    infkv::detail::require(config.forgetting == opt_.track_h2o->forgetting &&
+    INFKV_REQUIRE(config.forgetting == opt_.track_h2o->forgetting &&
                                config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
                            "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
                            opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
     if (h2o_.empty()) return {0, size(), {}, false};
-    return score_and_apply(h2o_.front(), b, [&](std::int32_t l, const layer_inputs<tensor_view>& in) {
-      return cpu::layer_scores(h2o_[std::size_t(l)], in, opt_.executor);
+    return run_pipeline(h2o_.front(), b, [&](std::int32_t l) {
+      auto in = inputs(l);
+      in.accumulated = h2o_[std::size_t(l)].scores().view();
+      return in;
     });
   }
 
   /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
   /// positions in compact mode: for callers that select themselves.
   eviction_result apply(const keep_set& keep) {
-    infkv::detail::require(ctx_ != nullptr, "ctx", "null", "bind a context before evicting");
-    infkv::detail::require(keep.n_units() == 1, "keep.n_units()", keep.n_units(), "llama.cpp frees per token: one unit");
-    infkv::detail::require(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before evicting");
+    INFKV_REQUIRE(keep.n_units() == 1, "keep.n_units()", keep.n_units(), "llama.cpp frees per token: one unit");
+    INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens_);
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
@@ -230,7 +230,7 @@ class session {
         partial.add_unit(left);
         drop(partial);
         verify();
-        infkv::detail::fail("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
+        infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
                             ") = false: the memory cannot remove part of the sequence; ", i, " of ",
                             res.removed.size(), " runs were removed and the bookkeeping follows them");
       }
@@ -248,29 +248,35 @@ class session {
     if (mem_ == nullptr) return;
     const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
     const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
-    infkv::detail::require(lo == want_lo, "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
+    INFKV_REQUIRE(lo == want_lo, "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
                            "the session's bookkeeping says ", want_lo);
-    infkv::detail::require(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
+    INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
                            "the session's bookkeeping says ", want_hi);
   }
 
  private:
-  /// Scores every layer with `score(layer, inputs)`, combines the rows with the session's
-  /// reduction, selects with the policy's protected budget and applies the result.
-  template <policy P, class Score>
-  eviction_result score_and_apply(const P& p, const budget& b, Score&& score) {
+  /// Runs the pipeline over every layer (inputs_of(layer)) for one per-token decision, heads
+  /// and layers combined by the session's reduction, and applies the keep set.
+  template <policy P, class Inputs>
+  eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
     p.validate();
-    const budget pb = p.protect(b);
-    if (pb.keep_count(size()) >= size()) return {0, size(), {}, false};
-    score_reducer red(opt_.reduce);
+    const policy_spec spec = p.spec();
+    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) {
-      const auto in = inputs(l);
-      if constexpr ((P::needs & needs_queries) != 0)
-        infkv::detail::require(in.queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
-                               "decode at least one token after the last eviction before scoring with ", P::name);
-      red.add(score(l, in));
+      layers_in_.push_back(inputs_of(l));
+      if (spec.needs() & needs_queries)
+        INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
+                      "decode at least one token after the last eviction before scoring with ", spec.name);
     }
-    return apply(select_top(red.result(), tokens_, pb));
+    const cpu::backend be{opt_.executor};
+    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
+                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
+    if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
+    std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
+    const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
+    run(pl, be, std::span<const layer_inputs<tensor_view>>(layers_in_), workspace_->span(), out);
+    return apply(keep_set::from_view(out));
   }
 
   static std::int32_t checked_layers(const llama_model* model) {
@@ -278,7 +284,7 @@ class session {
     return llama_model_n_layer(model);
   }
   void require_h2o() const {
-    infkv::detail::require(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
+    INFKV_REQUIRE(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
                            "H2O needs the attention of every decode: set it when creating the session");
   }
   std::int64_t min_pos() const {
@@ -366,6 +372,8 @@ class session {
   std::vector<layer_cache> layers_;
   std::vector<h2o_state> h2o_;
   std::int64_t stream_next_ = 0;
+  std::vector<layer_inputs<tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;            // grown on demand, reused across evictions
 };
 
 }  // namespace infkv::llama_cpp

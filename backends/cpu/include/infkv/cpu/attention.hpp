@@ -33,23 +33,43 @@ namespace detail {
 /// tiles beyond it are recomputed, so memory stays bounded for any number of slots.
 inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
 
-/// Splits `buf` into 64-byte-aligned blocks of the given float counts (uninitialised), so vector
-/// loads in the GEMM never straddle cache lines; returns their addresses.
-template <std::size_t N>
-std::array<float*, N> carve(std::unique_ptr<float[]>& buf, const std::array<std::int64_t, N>& sizes) {
-  const auto round = [](std::int64_t n) { return std::size_t((n + 15) / 16 * 16); };
-  std::size_t total = 16;
-  for (auto n : sizes) total += round(n);
-  buf.reset(new float[total]);
-  void* start = buf.get();
-  std::size_t space = total * sizeof(float);
-  auto* p = static_cast<float*>(std::align(64, (total - 16) * sizeof(float), start, space));
-  std::array<float*, N> out{};
-  for (std::size_t i = 0; i < N; ++i) {
-    out[i] = p;
-    p += round(sizes[i]);
+/// Rounds a float count up to whole 64-byte lines.
+inline std::int64_t lines(std::int64_t floats) { return (floats + 15) / 16 * 16; }
+
+/// The blocks one worker's softmax over `rows` query rows, head_dim d and n keys uses.
+struct softmax_layout {
+  std::int64_t rows, padded, n_tiles, tile_floats, cached, d;
+  softmax_layout(std::int64_t rows_, std::int64_t d_, std::int64_t n)
+      : rows(rows_), padded((rows_ + kernel_rows - 1) / kernel_rows * kernel_rows), n_tiles((n + key_tile - 1) / key_tile),
+        tile_floats(padded * key_tile),
+        cached(std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))))), d(d_) {}
+  /// Floats of scratch: queries, transposed key tile, 8 converted rows, kept tiles, one more
+  /// tile, per-tile maxima and sums, and two throwaway rows.
+  std::int64_t floats() const {
+    return lines(padded * d) + lines(d * key_tile) + lines(8 * d) + lines(cached * tile_floats) + lines(tile_floats) +
+           2 * lines(n_tiles * rows) + lines(2 * rows);
   }
-  return out;
+};
+
+/// Floats of scratch each worker of window_attention_into needs, rounded to 64-byte lines.
+template <row_source R>
+std::int64_t window_scratch_floats(const layer_inputs<R>& in) {
+  const std::int32_t group = in.queries.n_heads / in.keys.n_heads;
+  return lines(softmax_layout(group * in.queries.n_slots, in.keys.head_dim, in.keys.n_slots).floats());
+}
+
+/// Throws naming the first non-finite element of `t`'s rows [first, first + count) of `head`.
+template <row_source R>
+[[noreturn]] void fail_not_finite(const R& t, const char* name, std::int64_t first, std::int64_t count, std::int32_t head) {
+  std::vector<float> x(static_cast<std::size_t>(t.head_dim));
+  for (std::int64_t j = first; j < first + count; ++j) {
+    to_f32(t.type, t.row(j, head), x.data(), t.head_dim);
+    for (std::int32_t e = 0; e < t.head_dim; ++e)
+      if (!std::isfinite(x[std::size_t(e)]))
+        infkv::detail::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ", name,
+                            " must be finite (a NaN or Inf would silently distort every score of the layer)");
+  }
+  infkv::detail::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ", head);
 }
 
 /// Checks the queries/keys/tokens of `in` against each other.
@@ -58,14 +78,14 @@ void check_attention_inputs(const layer_inputs<R>& in) {
   validate(in.keys, "keys");
   validate(in.queries, "queries");
   validate_tokens(in.tokens, in.keys.n_slots);
-  infkv::detail::require(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
                          "must equal keys.head_dim (", in.keys.head_dim, ")");
-  infkv::detail::require(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
+  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
                          "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  infkv::detail::require(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()",
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()",
                          in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, ")");
-  infkv::detail::require(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
-  infkv::detail::require(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
+  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
 
 /// Keys [t0, t0 + tn) of `head` (tn <= key_tile) as f32, transposed: kt[e * key_tile + j].
@@ -92,6 +112,9 @@ void load_key_tile(const R& keys, std::int32_t head, std::int64_t t0, std::int64
     to_f32(keys.type, keys.row(t0 + j, head), rows, d);
     for (std::int64_t e = 0; e < d; ++e) kt[e * key_tile + j] = rows[e];
   }
+  bool finite = true;  // one NaN or Inf key would zero or poison the whole tile's softmax
+  for (std::int64_t e = 0; e < d; ++e) finite &= all_finite(kt + e * key_tile, tn);
+  if (!finite) [[unlikely]] fail_not_finite(keys, "keys", t0, tn, head);
 }
 
 /// Logits out[r * key_tile + j] (r < rows, j < tn rounded up to kernel_keys) of f32 query rows
@@ -103,14 +126,16 @@ inline void tile_logits(const float* q, std::int64_t rows, std::int64_t d, const
       dot_block(q + r0 * d, d, kt + c0, scale, out + r0 * key_tile + c0, key_tile);
 }
 
-/// Queries of KV head `h`'s group as f32 [G * n_q][d], query-major within each head.
-inline std::vector<float> group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group) {
+/// Queries of KV head `h`'s group as f32 [G * n_q][d] into `out`, query-major within each head;
+/// a NaN or Inf raises naming the query and head.
+inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group, float* out) {
   const std::int64_t d = q.head_dim, n_q = q.n_slots;
-  std::vector<float> out(static_cast<std::size_t>(group * n_q * d));
   for (std::int32_t g = 0; g < group; ++g)
-    for (std::int64_t i = 0; i < n_q; ++i)
-      to_f32(q.type, q.row(i, kv_head * group + g), out.data() + (g * n_q + i) * d, d);
-  return out;
+    for (std::int64_t i = 0; i < n_q; ++i) {
+      float* row = out + (g * n_q + i) * d;
+      to_f32(q.type, q.row(i, kv_head * group + g), row, d);
+      if (!all_finite(row, d)) [[unlikely]] fail_not_finite(q, "queries", i, 1, kv_head * group + g);
+    }
 }
 
 inline float effective_scale(float scale, std::int32_t head_dim) {
@@ -160,71 +185,100 @@ struct tile_softmax {
 /// c[r] * e[r * key_tile + j] (rows that see no key have c[r] = 0). Two passes over the tiles: the
 /// first finds each row's max and normaliser, the second hands out the tiles, kept from the first
 /// pass up to prob_cache_bytes and recomputed beyond, so memory stays bounded for any length.
+/// `work` is 64-byte aligned and holds softmax_layout(group * n_q, d, n).floats() floats.
 template <row_source R, class F>
-void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, F&& use) {
+void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, float* work, F&& use) {
   const std::int64_t d = in.keys.head_dim, n = in.keys.n_slots, rows = group * in.queries.n_slots;
-  const std::int64_t padded = (rows + kernel_rows - 1) / kernel_rows * kernel_rows;
-  const std::int64_t n_tiles = (n + key_tile - 1) / key_tile, tile_floats = padded * key_tile;
-  const std::int64_t cached = std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))));
-  std::unique_ptr<float[]> work;
-  const auto buf = carve<5>(work, {padded * d, d * key_tile, 8 * d, cached * tile_floats, tile_floats});
-  const auto qg = group_queries(in.queries, h, group);
-  std::fill(std::copy(qg.begin(), qg.end(), buf[0]), buf[0] + padded * d, 0.f);  // padding rows: 0
-  std::fill(buf[1], buf[1] + d * key_tile, 0.f);  // key columns past a short last tile stay 0
-  const tile_softmax<R> tile{in, h, rows, padded, scale, buf[0], buf[1], buf[2]};
-  float *const cache = buf[3], *const scratch = buf[4];
-  std::vector<float> tmax(static_cast<std::size_t>(n_tiles * rows)), tsum(tmax.size());
+  const softmax_layout lay(rows, d, n);
+  const std::int64_t padded = lay.padded, n_tiles = lay.n_tiles, tile_floats = lay.tile_floats, cached = lay.cached;
+  float* next = work;
+  const auto take = [&](std::int64_t floats) { float* p = next; next += lines(floats); return p; };
+  float *const qbuf = take(padded * d), *const kt = take(d * key_tile), *const rows8 = take(8 * d);
+  float *const cache = take(cached * tile_floats), *const scratch = take(tile_floats);
+  float *const tmax = take(n_tiles * rows), *const tsum = take(n_tiles * rows), *const unused = take(2 * rows);
+  group_queries(in.queries, h, group, qbuf);
+  std::fill(qbuf + rows * d, qbuf + padded * d, 0.f);  // padding rows: 0
+  std::fill(kt, kt + d * key_tile, 0.f);              // key columns past a short last tile stay 0
+  const tile_softmax<R> tile{in, h, rows, padded, scale, qbuf, kt, rows8};
   for (std::int64_t t = 0; t < n_tiles; ++t)
     tile(t * key_tile, std::min(key_tile, n - t * key_tile), t < cached ? cache + t * tile_floats : scratch,
-         tmax.data() + t * rows, tsum.data() + t * rows);
+         tmax + t * rows, tsum + t * rows);
   // Row max and normaliser over all tiles; tmax becomes each tile's row coefficients.
   for (std::int64_t r = 0; r < rows; ++r) {
     float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (std::int64_t t = 0; t < n_tiles; ++t) mx = std::max(mx, tmax[std::size_t(t * rows + r)]);
+    for (std::int64_t t = 0; t < n_tiles; ++t) mx = std::max(mx, tmax[t * rows + r]);
     for (std::int64_t t = 0; t < n_tiles; ++t) {
-      const auto i = std::size_t(t * rows + r);
+      const std::int64_t i = t * rows + r;
       if (tsum[i] > 0.f) sum += tsum[i] * std::exp(tmax[i] - mx);
     }
     for (std::int64_t t = 0; t < n_tiles; ++t) {
-      const auto i = std::size_t(t * rows + r);
+      const std::int64_t i = t * rows + r;
       tmax[i] = tsum[i] > 0.f ? std::exp(tmax[i] - mx) / sum : 0.f;
     }
   }
-  std::vector<float> unused(static_cast<std::size_t>(2 * rows));
   for (std::int64_t t = 0; t < n_tiles; ++t) {
     const std::int64_t t0 = t * key_tile, tn = std::min(key_tile, n - t0);
     float* e = t < cached ? cache + t * tile_floats : scratch;
-    if (t >= cached) tile(t0, tn, e, unused.data(), unused.data() + rows);
-    use(t0, tn, static_cast<const float*>(e), static_cast<const float*>(tmax.data() + t * rows));
+    if (t >= cached) tile(t0, tn, e, unused, unused + rows);
+    use(t0, tn, static_cast<const float*>(e), static_cast<const float*>(tmax + t * rows));
   }
 }
 
+/// 64-byte-aligned scratch owned by a convenience call.
+struct aligned_floats {
+  std::vector<float> buf;
+  explicit aligned_floats(std::int64_t floats) : buf(static_cast<std::size_t>(floats + 16)) {}
+  float* get() {
+    const auto a = reinterpret_cast<std::uintptr_t>(buf.data());
+    return buf.data() + (64 - a % 64) % 64 / sizeof(float);
+  }
+};
+
 }  // namespace detail
 
-/// Attention mass each cached key receives from the window: per KV head h and slot j, the sum
-/// over queries of softmax probability (visible keys only), averaged over the G query heads of
-/// h. Result [Hkv][n_slots]. Cost O(Hq * n_q * n * d); parallel over KV heads.
+/// Attention mass each cached key receives from the window, into `out`: per KV head h (or per
+/// query head, with `per_query_head`) and slot j, the sum over queries of the softmax probability
+/// (visible keys only); per KV head, averaged over the G query heads of h. `scratch` holds
+/// ex.threads x window_scratch_floats(in) floats, 64-byte aligned. Allocates nothing with one
+/// thread. NaN or Inf in the keys or queries raise, naming slot and head. Cost O(Hq n_q n d);
+/// parallel over KV heads; results do not depend on the thread count.
 template <row_source R>
-score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}) {
+void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_query_head, float* scratch,
+                           const executor& ex = {}) {
   detail::check_attention_inputs(in);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv;
+  INFKV_REQUIRE(out.rows == (per_query_head ? in.queries.n_heads : hkv) && out.cols == in.keys.n_slots, "out.rows",
+                out.rows, "must be ", per_query_head ? in.queries.n_heads : hkv, " x ", in.keys.n_slots,
+                "; out.cols = ", out.cols);
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
-  score_matrix out(hkv, in.keys.n_slots);
-  parallel_for(ex, hkv, [&](std::int64_t h) {
-    const auto row = out.row(h);
-    const std::int64_t rows = group * in.queries.n_slots;
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, [&](std::int64_t t0, std::int64_t tn, const float* e,
-                                                                 const float* c) {
-      float* col = row.data() + t0;
-      for (std::int64_t r = 0; r < rows; ++r) {
+  const std::int64_t per_worker = detail::window_scratch_floats(in), n_q = in.queries.n_slots;
+  parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
+    const std::int64_t first = per_query_head ? h * group : h, count = per_query_head ? group : 1;
+    for (std::int64_t r = 0; r < count; ++r) std::fill(out.row(first + r), out.row(first + r) + out.cols, 0.f);
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, scratch + w * per_worker,
+                          [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
+      for (std::int64_t r = 0; r < group * n_q; ++r) {
         const float cr = c[r];  // a local, so the loop below vectorises
         if (cr == 0.f) continue;
+        float* col = out.row(per_query_head ? first + r / n_q : first) + t0;
         const float* x = e + r * detail::key_tile;
         for (std::int64_t j = 0; j < tn; ++j) col[j] = detail::fmadd(cr, x[j], col[j]);
       }
     });
-    for (auto& v : row) v /= float(group);
+    if (!per_query_head)
+      for (std::int64_t j = 0; j < out.cols; ++j) out(first, j) /= float(group);
   });
+}
+
+/// Attention mass each cached key receives from the window, averaged over the G query heads of
+/// each KV head: [Hkv][n_slots] (see window_attention_into).
+template <row_source R>
+score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}) {
+  detail::check_attention_inputs(in);
+  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
+  score_matrix out(in.keys.n_heads, in.keys.n_slots);
+  detail::aligned_floats work(std::min<std::int64_t>(ex.threads, in.keys.n_heads) * detail::window_scratch_floats(in));
+  window_attention_into(in, out.view(), false, work.get(), ex);
   return out;
 }
 
@@ -241,16 +295,19 @@ template <row_source R>
 std::vector<float> attention_output(const layer_inputs<R>& in, const executor& ex = {}) {
   detail::check_attention_inputs(in);
   validate(in.values, "values");
-  infkv::detail::require(in.values.n_slots == in.keys.n_slots && in.values.n_heads == in.keys.n_heads,
+  INFKV_REQUIRE(in.values.n_slots == in.keys.n_slots && in.values.n_heads == in.keys.n_heads,
                          "values.n_slots", in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ",
                          in.keys.n_heads, " heads); values.n_heads = ", in.values.n_heads);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv, dv = in.values.head_dim;
   const std::int64_t n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
   std::vector<float> out(static_cast<std::size_t>(n_q * in.queries.n_heads * dv), 0.f);
-  parallel_for(ex, hkv, [&](std::int64_t h) {
+  const std::int64_t per_worker = detail::window_scratch_floats(in);
+  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
+  detail::aligned_floats work(std::min<std::int64_t>(ex.threads, hkv) * per_worker);
+  parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, [&](std::int64_t t0, std::int64_t tn, const float* e,
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, work.get() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
                                                                  const float* c) {
       for (std::int64_t j = 0; j < tn; ++j)
         to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);

@@ -81,6 +81,19 @@ inline float sum_of(const float* a, const float* b, std::int64_t n) {
   return s[0];
 }
 
+/// True when every x[0, n) is finite: x * 0 is 0 for finite x and NaN for inf or NaN (eight
+/// partial sums, so the loop vectorises).
+inline bool all_finite(const float* x, std::int64_t n) {
+  float z[8] = {};
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) z[l] += x[j + l] * 0.f;
+  for (; j < n; ++j) z[0] += x[j] * 0.f;
+  float t = 0.f;
+  for (int l = 0; l < 8; ++l) t += z[l];
+  return t == 0.f;
+}
+
 /// Dot product of a[0, n) and b[0, n).
 inline float dot_of(const float* a, const float* b, std::int64_t n) { return sum_of(a, b, n); }
 

@@ -1,0 +1,195 @@
+// infkv CPU backend: the pipeline's primitives on the host (pipeline.hpp runs them): time
+// order, the five score sources (recency, key diversity, window attention, last-query
+// attention, accumulated attention), pooling, GQA group mean, bias, reduction, AdaKV allocation
+// and top-k selection. Everything runs in the caller's workspace; with one thread nothing is
+// allocated.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <span>
+
+#include <infkv/pipeline.hpp>
+#include <infkv/select.hpp>
+
+#include "attention.hpp"
+#include "executor.hpp"
+#include "kernels.hpp"
+
+namespace infkv::cpu {
+
+namespace detail {
+
+/// The last `count` queries of `in` (all of them when fewer are given).
+template <row_source R>
+layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
+  const std::int64_t n_q = in.queries.n_slots, drop = std::max<std::int64_t>(0, n_q - count);
+  if (drop == 0) return in;
+  in.queries.data = in.queries.row(drop, 0);
+  in.queries.n_slots = n_q - drop;
+  in.query_pos = in.query_pos.subspan(std::size_t(drop));
+  return in;
+}
+
+}  // namespace detail
+
+/// -cos(k_j, anchor) per KV head into `out` [Hkv][n_slots], anchor = mean of the unit-length
+/// keys. `scratch` holds ex.threads x keydiff_scratch_floats(keys) floats. Two passes over the
+/// keys; a NaN or Inf key raises naming slot and head. Cost O(Hkv * n * d).
+template <row_source R>
+std::int64_t keydiff_scratch_floats(const R& keys) {
+  return detail::lines(2 * std::int64_t(keys.head_dim));
+}
+template <row_source R>
+void keydiff_into(const R& keys, score_view out, float* scratch, const executor& ex = {}) {
+  validate(keys, "keys");
+  INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == keys.n_slots, "out.rows", out.rows, "must be ", keys.n_heads,
+                " x ", keys.n_slots, "; out.cols = ", out.cols);
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, per_worker = keydiff_scratch_floats(keys);
+  parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
+    float* k = scratch + w * per_worker;
+    float* anchor = k + d;
+    std::fill(anchor, anchor + d, 0.f);
+    float* row = out.row(h);  // 1 / |k_j| between the passes
+    for (std::int64_t j = 0; j < n; ++j) {
+      to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
+      if (!detail::all_finite(k, d)) [[unlikely]] detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
+      const float norm = detail::dot_of(k, k, d);
+      const float inv = norm > 0.f ? 1.f / std::sqrt(norm) : 0.f;
+      row[j] = inv;
+      for (std::int64_t e = 0; e < d; ++e) anchor[e] = detail::fmadd(k[e], inv, anchor[e]);
+    }
+    const float an = detail::dot_of(anchor, anchor, d);
+    const float inv_an = an > 0.f ? 1.f / std::sqrt(an) : 0.f;
+    for (std::int64_t j = 0; j < n; ++j) {  // keys converted again: memory stays O(d) for any n
+      to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
+      row[j] = -detail::dot_of(k, anchor, d) * row[j] * inv_an;
+    }
+  });
+}
+
+/// The CPU backend of the pipeline: its primitives run on `ex.threads` threads.
+struct backend {
+  executor ex{};
+
+  /// Scratch the score source needs for layers of `shape`, in bytes.
+  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape) const {
+    INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
+    const std::int64_t workers = std::min<std::int64_t>(ex.threads, shape.kv_heads), n = shape.n_slots;
+    std::int64_t floats = 0;
+    switch (spec.source) {
+      case score_source::key_diversity: floats = workers * detail::lines(2 * std::int64_t(shape.head_dim)); break;
+      case score_source::window_attention: case score_source::last_query: {
+        const std::int64_t n_q = std::min(spec.source == score_source::last_query ? 1 : spec.queries, shape.n_queries);
+        const std::int64_t group = shape.q_heads / shape.kv_heads;
+        floats = workers * detail::lines(detail::softmax_layout(group * n_q, shape.head_dim, n).floats());
+        if (spec.source == score_source::last_query) floats += detail::lines(std::int64_t(shape.kv_heads) * n);
+        break;
+      }
+      case score_source::recency: case score_source::accumulated: break;
+    }
+    return std::size_t(floats) * sizeof(float);
+  }
+
+  void time_order(std::span<const token> tokens, std::int64_t* order) const {
+    validate_tokens(tokens, std::int64_t(tokens.size()));
+    time_order_into(tokens, order);
+  }
+
+  template <row_source R>
+  void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
+             std::span<std::byte> scratch) const {
+    auto* f = reinterpret_cast<float*>(scratch.data());
+    const std::int64_t n = out.cols;
+    switch (spec.source) {
+      case score_source::recency:
+        for (std::int64_t i = 0; i < n; ++i) out(0, order[i]) = float(i);
+        return;
+      case score_source::key_diversity: keydiff_into(in.keys, out, f, ex); return;
+      case score_source::window_attention:
+        window_attention_into(detail::last_queries(in, spec.queries), out, spec.pools_per_query_head(), f, ex);
+        return;
+      case score_source::last_query: {  // every KV head's mass, then the mean over all heads
+        const score_view heads{f, in.keys.n_heads, n, n};
+        window_attention_into(detail::last_queries(in, 1), heads, false, f + detail::lines(in.keys.n_heads * n), ex);
+        reduce(out, heads, reduction::mean, true);
+        finish_reduction(out, reduction::mean, heads.rows);
+        return;
+      }
+      case score_source::accumulated:
+        for (std::int64_t r = 0; r < out.rows; ++r)
+          std::copy(in.accumulated.row(r), in.accumulated.row(r) + n, out.row(r));
+        return;
+    }
+  }
+
+  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, float* tmp) const {
+    for (std::int64_t r = 0; r < s.rows; ++r) pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
+  }
+
+  void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail) const {
+    for (std::int64_t r = 0; r < s.rows; ++r) infkv::fill_tail(s.row(r), order, s.cols, tail);
+  }
+
+  /// out[h] = mean of in's rows [h * G, (h + 1) * G), G = in.rows / out.rows.
+  void group_mean(score_view in, score_view out) const {
+    const std::int64_t g = in.rows / out.rows;
+    for (std::int64_t h = 0; h < out.rows; ++h) {
+      reduce(out.rows_from(h, 1), in.rows_from(h * g, g), reduction::sum, true);
+      finish_reduction(out.rows_from(h, 1), reduction::mean, g);
+    }
+  }
+
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+            double* when) const {
+    spec.bias.apply(s, tokens, order, when);
+  }
+
+  void reduce(score_view acc, score_view s, reduction r, bool first) const { reduce_into(acc, s, r, first); }
+  void finish_reduction(score_view acc, reduction r, std::int64_t rows) const { infkv::finish_reduction(acc, r, rows); }
+
+  void allocate(const adakv& a, score_view s, std::span<const token> tokens, const std::int64_t* order,
+                const budget& b, std::int64_t cap, std::span<std::int64_t> scratch, std::int64_t* caps) const {
+    check_scores(s);
+    a.allocate_into(s, tokens, order, b, cap, scratch, caps);
+  }
+
+  /// Per unit u (row u of s), keeps caps[u] slots (or `cap` when caps is null); s.data null
+  /// keeps every slot. NaN scores raise.
+  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+              std::int64_t cap, const budget& keep, std::int64_t* cand, keep_view out) const {
+    out.offsets[0] = 0;
+    for (std::int64_t u = 0; u < out.n_units; ++u) {
+      std::int64_t* dst = out.slots + out.offsets[u];
+      std::int64_t m = out.n_slots;
+      if (s.data == nullptr) {
+        for (std::int64_t i = 0; i < m; ++i) dst[i] = i;
+      } else {
+        check_scores(s.rows_from(u, 1));
+        m = select_row_into(s.row(u), tokens, order, caps ? caps[u] : cap, keep.sinks, keep.recent, cand, dst);
+      }
+      out.offsets[u + 1] = out.offsets[u] + m;
+    }
+  }
+};
+
+static_assert(infkv::backend<backend>);
+
+/// A 64-byte-aligned workspace of `bytes` bytes, for the convenience calls.
+class workspace {
+ public:
+  explicit workspace(std::size_t bytes)
+      : bytes_(bytes), p_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(64)))) {}
+  ~workspace() { ::operator delete(p_, std::align_val_t(64)); }
+  workspace(const workspace&) = delete;
+  workspace& operator=(const workspace&) = delete;
+  std::span<std::byte> span() const { return {p_, bytes_}; }
+
+ private:
+  std::size_t bytes_;
+  std::byte* p_;
+};
+
+}  // namespace infkv::cpu

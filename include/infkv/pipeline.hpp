@@ -1,0 +1,289 @@
+// infkv: the one policy pipeline every backend and engine adapter runs:
+//
+//   tokens -> time order
+//   per layer: score (the spec's source) -> pool along time, observation window left out (per
+//              query head for max, then the GQA group mean) -> window gets the row's maximum ->
+//              attention bias -> fold into the reduction (per layer / token)
+//   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
+//
+// CUB's two-phase convention: `make_plan` sizes every output and the caller's workspace (the
+// backend adds its own scratch), `run` uses only that workspace and the backend's executor (a
+// thread count on the CPU, a stream on a GPU) and allocates nothing. Output sizes are known at
+// plan time, so a device run needs no device-to-host copy before the caller can size its buffers.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "budget.hpp"
+#include "error.hpp"
+#include "keep_set.hpp"
+#include "policies/allocation.hpp"
+#include "policy.hpp"
+#include "scores.hpp"
+#include "tokens.hpp"
+
+namespace infkv {
+
+/// The shape of one layer as the pipeline sees it.
+struct layer_shape {
+  std::int64_t n_slots = 0;
+  std::int32_t kv_heads = 1;
+  std::int32_t q_heads = 0;    ///< query heads (0 when the source reads no queries)
+  std::int32_t head_dim = 0;
+  std::int64_t n_queries = 0;  ///< queries offered (the source reads the last spec.queries of them)
+};
+
+/// The shape of a layer's inputs.
+template <row_source R>
+layer_shape shape_of(const layer_inputs<R>& in) {
+  return {in.keys.n_slots, in.keys.n_heads, in.queries.n_heads, in.keys.head_dim, in.queries.n_slots};
+}
+
+/// What a plan decides besides the policy and budget.
+struct plan_options {
+  granularity g = granularity::per_head;  ///< what one decision covers
+  reduction r = reduction::mean;          ///< how rows (heads, layers) combine below per_head
+  std::int32_t n_layers = 1;              ///< layers combined into one per-token decision
+  double adakv_alpha = -1;                ///< >= 0: AdaKV per-head capacities (per_head only)
+};
+
+/// A sized pipeline run: output sizes and workspace layout (bytes from the workspace's start).
+struct plan {
+  policy_spec spec;
+  budget keep;               ///< the budget after the policy's protection
+  plan_options opt;
+  layer_shape shape;
+  std::int64_t source_rows = 0;    ///< rows the source writes
+  std::int64_t finished_rows = 0;  ///< rows after pooling, group mean and bias
+  std::int64_t units = 0;          ///< decision units of the keep set
+  std::int64_t keep_per_unit = 0;  ///< slots each unit keeps (AdaKV: on average)
+  std::int64_t kept_total = 0;     ///< slots the keep set holds in all
+  std::size_t order = 0, scores = 0, finished = 0, acc = 0, tmp = 0, when = 0, cand = 0, caps = 0, pairs = 0,
+              backend = 0;
+  std::size_t workspace_bytes = 0;
+
+  /// True when the run evicts anything (otherwise every slot is kept).
+  bool evicts() const { return keep_per_unit < shape.n_slots; }
+  /// The keep view's offsets array needs units + 1 entries, its slots array kept_total.
+  std::int64_t offsets_size() const { return units + 1; }
+};
+
+/// A backend: the primitives the pipeline calls, each implemented once per backend. Spans and
+/// views point to memory the backend can address (host memory for the CPU, device memory for a
+/// GPU); `scratch` is the backend's part of the workspace.
+template <class B, class R = tensor_view>
+concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const layer_inputs<R>& in,
+                           std::span<const token> tokens, std::int64_t* order, const std::int64_t* corder,
+                           score_view s, std::span<std::byte> scratch, float* tmp, double* when,
+                           std::int64_t* cand, std::int64_t* caps, keep_view out, reduction r, const adakv& a,
+                           const budget& bud) {
+  { b.scratch_bytes(spec, shape) } -> std::convertible_to<std::size_t>;
+  b.time_order(tokens, order);
+  b.score(spec, in, corder, s, scratch);
+  b.pool(s, corder, spec, tmp);
+  b.group_mean(s, s);
+  b.fill_tail(s, corder, std::int64_t{0});
+  b.bias(s, tokens, corder, spec, when);
+  b.reduce(s, s, r, true);
+  b.finish_reduction(s, r, std::int64_t{1});
+  b.allocate(a, s, tokens, corder, bud, std::int64_t{0}, std::span<std::int64_t>(cand, 1), caps);
+  b.select(s, tokens, corder, caps, std::int64_t{0}, bud, cand, out);
+};
+
+namespace detail {
+inline std::size_t carve(std::size_t& at, std::size_t bytes) {
+  const std::size_t start = (at + 63) / 64 * 64;
+  at = start + bytes;
+  return start;
+}
+}  // namespace detail
+
+/// Plans a run of policy spec `spec` with budget `b` over layers of shape `shape` on backend `be`.
+/// Checks every parameter against the shape (no data is read).
+template <class B>
+plan make_plan(const B& be, const policy_spec& spec, const budget& b, const layer_shape& shape, plan_options opt = {}) {
+  plan p;
+  p.spec = spec, p.opt = opt, p.shape = shape;
+  p.keep = spec.protect(b);
+  p.keep.validate();
+  INFKV_REQUIRE(shape.n_slots >= 0, "shape.n_slots", shape.n_slots, "must be >= 0");
+  INFKV_REQUIRE(shape.kv_heads >= 1, "shape.kv_heads", shape.kv_heads, "must be >= 1");
+  INFKV_REQUIRE(opt.n_layers >= 1, "plan_options.n_layers", opt.n_layers, "must be >= 1");
+  INFKV_REQUIRE(opt.n_layers == 1 || opt.g == granularity::per_token, "plan_options.n_layers", opt.n_layers,
+                "several layers combine only into a per_token decision; granularity = ", to_string(opt.g));
+  INFKV_REQUIRE(spec.kernel >= 1 && spec.kernel % 2 == 1, std::string(spec.name) + ".kernel", spec.kernel,
+                "must be odd and >= 1");
+  INFKV_REQUIRE(spec.pool_tail >= 0, std::string(spec.name) + ".pool_tail", spec.pool_tail, "must be >= 0");
+  spec.bias.validate();
+  if (spec.needs() & needs_queries) {
+    INFKV_REQUIRE(spec.queries >= 1, std::string(spec.name) + ".window", spec.queries, "must be >= 1");
+    INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, spec.name, " needs at least one query");
+    INFKV_REQUIRE(shape.q_heads >= 1 && shape.q_heads % shape.kv_heads == 0, "queries.n_heads", shape.q_heads,
+                  "must be a positive multiple of keys.n_heads (", shape.kv_heads, ")");
+  }
+  const std::int64_t n = shape.n_slots;
+  const bool one_row = spec.source == score_source::recency || spec.source == score_source::last_query;
+  p.source_rows = one_row ? 1 : spec.pools_per_query_head() ? shape.q_heads : shape.kv_heads;
+  p.finished_rows = one_row ? 1 : shape.kv_heads;
+  const bool per_head = opt.g == granularity::per_head;
+  p.units = per_head ? p.finished_rows : 1;
+  p.keep_per_unit = p.keep.keep_count(n);
+  p.kept_total = p.units * p.keep_per_unit;
+  if (opt.adakv_alpha >= 0) {
+    INFKV_REQUIRE(opt.adakv_alpha <= 1.0, "adakv.alpha", opt.adakv_alpha, "must be in [0, 1]");
+    INFKV_REQUIRE(per_head && p.units > 1, "plan_options.adakv_alpha", opt.adakv_alpha,
+                  "AdaKV shares a layer's budget between heads: it needs per_head granularity and a per-head score "
+                  "(", spec.name, " at ", to_string(opt.g), " has ", p.units, " unit)");
+  }
+  std::size_t at = 0;
+  const auto f = sizeof(float), i64 = sizeof(std::int64_t);
+  p.order = detail::carve(at, std::size_t(n) * i64);
+  p.scores = detail::carve(at, std::size_t(p.source_rows * n) * f);
+  p.finished = spec.pools_per_query_head() ? detail::carve(at, std::size_t(p.finished_rows * n) * f) : p.scores;
+  p.acc = detail::carve(at, per_head ? 0 : std::size_t(n) * f);
+  p.tmp = detail::carve(at, std::size_t(n) * f);
+  p.when = detail::carve(at, spec.bias.beta > 0 ? std::size_t(n) * sizeof(double) : 0);
+  p.cand = detail::carve(at, std::size_t(n) * i64);
+  p.caps = detail::carve(at, std::size_t(p.units) * i64);
+  p.pairs = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(adakv::scratch_size(p.units, n)) * i64 : 0);
+  p.backend = detail::carve(at, std::size_t(be.scratch_bytes(spec, shape)));
+  p.workspace_bytes = (at + 63) / 64 * 64;
+  return p;
+}
+
+/// As above for a policy value.
+template <class B, policy P>
+plan make_plan(const B& be, const P& policy, const budget& b, const layer_shape& shape, plan_options opt = {}) {
+  policy.validate();
+  return make_plan(be, policy.spec(), b, shape, opt);
+}
+
+namespace detail {
+
+template <class T>
+T* at(std::span<std::byte> ws, std::size_t offset) {
+  return reinterpret_cast<T*>(ws.data() + offset);
+}
+
+template <row_source R>
+void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
+  const layer_shape s = shape_of(in);
+  INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, "layers[" + std::to_string(l) + "].keys.n_slots",
+                s.n_slots, "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads,
+                " KV heads; keys.n_heads = ", s.kv_heads);
+  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == p.shape.n_slots, "layers[" + std::to_string(l) + "].tokens.size()",
+                in.tokens.size(), "must equal the planned slots (", p.shape.n_slots, ")");
+  if (p.spec.needs() & needs_queries)
+    INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, "layers[" + std::to_string(l) + "].queries.n_heads",
+                  s.q_heads, "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
+  if (p.spec.source == score_source::accumulated)
+    INFKV_REQUIRE(in.accumulated.data != nullptr && in.accumulated.rows == p.shape.kv_heads &&
+                      in.accumulated.cols == p.shape.n_slots,
+                  "layers[" + std::to_string(l) + "].accumulated.rows", in.accumulated.rows, "must be ",
+                  p.shape.kv_heads, " x ", p.shape.n_slots, " accumulated scores; cols = ", in.accumulated.cols);
+}
+
+inline void check_workspace(const plan& p, std::span<std::byte> ws) {
+  INFKV_REQUIRE(ws.size() >= p.workspace_bytes, "workspace.size()", ws.size(), "the plan needs ", p.workspace_bytes,
+                " bytes");
+  INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(ws.data()) % 64 == 0, "workspace.data()", "misaligned",
+                "must be 64-byte aligned");
+}
+
+/// The time order of the tokens shared by every layer (written once).
+template <class B, row_source R>
+const std::int64_t* order_of(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
+                             std::span<std::byte> ws) {
+  INFKV_REQUIRE(!layers.empty() && std::int64_t(layers.size()) == p.opt.n_layers, "layers.size()", layers.size(),
+                "must equal plan_options.n_layers (", p.opt.n_layers, ")");
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    check_layer(p, layers[l], std::int32_t(l));
+    INFKV_REQUIRE(layers[l].tokens.data() == layers[0].tokens.data(), "layers[" + std::to_string(l) + "].tokens",
+                  "another list", "every layer of one decision must share the tokens of layer 0");
+  }
+  auto* order = at<std::int64_t>(ws, p.order);
+  be.time_order(layers[0].tokens, order);
+  return order;
+}
+
+}  // namespace detail
+
+/// Scores of one layer after the finish (pooling, group mean, bias), in the workspace: a
+/// [finished_rows][n_slots] view. `order` is the tokens' time order (see `run`).
+template <class B, row_source R>
+score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, const std::int64_t* order,
+                        std::span<std::byte> ws) {
+  const std::int64_t n = p.shape.n_slots;
+  const score_view src{detail::at<float>(ws, p.scores), p.source_rows, n, n};
+  be.score(p.spec, in, order, src, ws.subspan(p.backend, ws.size() - p.backend));
+  score_view out = src;
+  if (p.spec.pools_per_query_head()) {  // pool each query head, then average the group
+    be.pool(src, order, p.spec, detail::at<float>(ws, p.tmp));
+    out = {detail::at<float>(ws, p.finished), p.finished_rows, n, n};
+    be.group_mean(src, out);
+  } else {
+    be.pool(out, order, p.spec, detail::at<float>(ws, p.tmp));
+  }
+  if (p.spec.pools()) be.fill_tail(out, order, p.spec.pool_tail);
+  be.bias(out, in.tokens, order, p.spec, detail::at<double>(ws, p.when));
+  return out;
+}
+
+/// Scores of one layer after the finish, written to `out` ([finished_rows][n_slots]).
+template <class B, row_source R>
+void run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std::span<std::byte> ws, score_view out) {
+  detail::check_workspace(p, ws);
+  INFKV_REQUIRE(out.rows == p.finished_rows && out.cols == p.shape.n_slots, "out.rows", out.rows, "must be ",
+                p.finished_rows, " x ", p.shape.n_slots, "; out.cols = ", out.cols);
+  const auto order = detail::order_of(p, be, std::span<const layer_inputs<R>>(&in, 1), ws);
+  const score_view s = finish_layer(p, be, in, order, ws);
+  for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r));
+}
+
+/// Runs the plan over `layers` (one, or n_layers for a per-token decision over several layers,
+/// all sharing one token list) and writes the keep set to `out` (offsets: units + 1 entries,
+/// slots: kept_total). Uses only `ws` (plan.workspace_bytes, 64-byte aligned) and allocates
+/// nothing.
+template <class B, row_source R>
+void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, std::span<std::byte> ws,
+         keep_view out) {
+  detail::check_workspace(p, ws);
+  INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units, "the plan writes ",
+                p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
+  const auto order = detail::order_of(p, be, layers, ws);
+  const std::int64_t n = p.shape.n_slots;
+  const auto tokens = layers[0].tokens;
+  if (!p.evicts()) {  // everything stays: no scoring needed
+    be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, nullptr, out);
+    return;
+  }
+  score_view final_scores;
+  std::int64_t folded = 0;
+  const score_view acc{detail::at<float>(ws, p.acc), 1, n, n};
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const score_view s = finish_layer(p, be, layers[l], order, ws);
+    if (p.opt.g == granularity::per_head) {
+      final_scores = s;
+    } else {
+      be.reduce(acc, s, p.opt.r, l == 0);
+      folded += s.rows;
+      final_scores = acc;
+    }
+  }
+  if (p.opt.g != granularity::per_head) be.finish_reduction(acc, p.opt.r, folded);
+  std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
+  if (p.opt.adakv_alpha >= 0) {
+    caps = detail::at<std::int64_t>(ws, p.caps);
+    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, tokens, order, p.keep, p.keep_per_unit,
+                {detail::at<std::int64_t>(ws, p.pairs), std::size_t(adakv::scratch_size(p.units, n))}, caps);
+  }
+  be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, detail::at<std::int64_t>(ws, p.cand), out);
+}
+
+}  // namespace infkv
