@@ -40,9 +40,14 @@ struct layer_shape {
 };
 
 /// The shape of a layer's inputs.
+/// The shape of a layer's inputs: slots from the tokens, KV heads from the keys (or from the
+/// accumulated scores, or 1 when neither is given).
 template <row_source R>
 layer_shape shape_of(const layer_inputs<R>& in) {
-  return {in.keys.n_slots, in.keys.n_heads, in.queries.n_heads, in.keys.head_dim, in.queries.n_slots};
+  const std::int32_t heads = !in.keys.empty() ? in.keys.n_heads
+                             : in.accumulated.data != nullptr ? std::int32_t(in.accumulated.rows)
+                                                              : 1;
+  return {std::int64_t(in.tokens.size()), heads, in.queries.n_heads, in.keys.head_dim, in.queries.n_slots};
 }
 
 /// What a plan decides besides the policy and budget.
@@ -92,7 +97,7 @@ concept backend = requires(const B& b, const policy_spec& spec, const layer_shap
   b.bias(s, tokens, corder, spec, when);
   b.reduce(s, s, r, true);
   b.finish_reduction(s, r, std::int64_t{1});
-  b.allocate(a, s, tokens, corder, bud, std::int64_t{0}, std::span<std::int64_t>(cand, 1), caps);
+  b.allocate(a, s, corder, bud, std::int64_t{0}, std::span<std::int64_t>(cand, 1), caps);
   b.select(s, tokens, corder, caps, std::int64_t{0}, bud, cand, out);
 };
 
@@ -174,19 +179,26 @@ T* at(std::span<std::byte> ws, std::size_t offset) {
 template <row_source R>
 void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   const layer_shape s = shape_of(in);
-  INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, "layers[" + std::to_string(l) + "].keys.n_slots",
-                s.n_slots, "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads,
-                " KV heads; keys.n_heads = ", s.kv_heads);
-  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == p.shape.n_slots, "layers[" + std::to_string(l) + "].tokens.size()",
-                in.tokens.size(), "must equal the planned slots (", p.shape.n_slots, ")");
+  const auto at = [&](const char* what) { return "layers[" + std::to_string(l) + "]." + what; };
+  INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, at("tokens.size()"), s.n_slots,
+                "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads, " KV heads; this layer has ",
+                s.kv_heads);
+  if (p.spec.needs() & needs_keys)
+  {
+    INFKV_REQUIRE(!in.keys.empty(), at("keys.data"), "null", p.spec.name, " reads the keys");
+    INFKV_REQUIRE(in.keys.n_slots == s.n_slots, at("tokens.size()"), s.n_slots, "must equal keys.n_slots (",
+                  in.keys.n_slots, ")");
+    INFKV_REQUIRE(s.head_dim == p.shape.head_dim, at("keys.head_dim"), s.head_dim, "the plan was made for ",
+                  p.shape.head_dim);
+  }
   if (p.spec.needs() & needs_queries)
-    INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, "layers[" + std::to_string(l) + "].queries.n_heads",
-                  s.q_heads, "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
+    INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, at("queries.n_heads"), s.q_heads,
+                  "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
   if (p.spec.source == score_source::accumulated)
     INFKV_REQUIRE(in.accumulated.data != nullptr && in.accumulated.rows == p.shape.kv_heads &&
                       in.accumulated.cols == p.shape.n_slots,
-                  "layers[" + std::to_string(l) + "].accumulated.rows", in.accumulated.rows, "must be ",
-                  p.shape.kv_heads, " x ", p.shape.n_slots, " accumulated scores; cols = ", in.accumulated.cols);
+                  at("accumulated.rows"), in.accumulated.rows, "must be ", p.shape.kv_heads, " x ", p.shape.n_slots,
+                  " accumulated scores; cols = ", in.accumulated.cols);
 }
 
 inline void check_workspace(const plan& p, std::span<std::byte> ws) {
@@ -280,7 +292,7 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
   if (p.opt.adakv_alpha >= 0) {
     caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, tokens, order, p.keep, p.keep_per_unit,
+    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, order, p.keep, p.keep_per_unit,
                 {detail::at<std::int64_t>(ws, p.pairs), std::size_t(adakv::scratch_size(p.units, n))}, caps);
   }
   be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, detail::at<std::int64_t>(ws, p.cand), out);

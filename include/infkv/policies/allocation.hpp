@@ -79,7 +79,7 @@ struct adakv {
   /// keep count, below the slot count): each row keeps sinks + recent, the rest is shared.
   /// `order` is the slots' time order; `scratch` holds scratch_size(rows, cols) int64. Allocates
   /// nothing. The global top scores are ranked by score, ties to the lower row, then the newer slot.
-  void allocate_into(score_view s, std::span<const token> tokens, const std::int64_t* order, const budget& b,
+  void allocate_into(score_view s, const std::int64_t* order, const budget& b,
                      std::int64_t cap, std::span<std::int64_t> scratch, std::int64_t* caps) const {
     INFKV_REQUIRE(std::isfinite(alpha) && alpha >= 0.0 && alpha <= 1.0, "adakv.alpha", alpha, "must be in [0, 1]");
     const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
@@ -114,7 +114,7 @@ struct adakv {
     if (cap >= n) return out;
     const auto order = time_order(tokens);
     std::vector<std::int64_t> scratch(static_cast<std::size_t>(scratch_size(rows, n)));
-    allocate_into(scores.view(), tokens, order.data(), b, cap, scratch, out.data());
+    allocate_into(scores.view(), order.data(), b, cap, scratch, out.data());
     return out;
   }
 };

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../keep_set.hpp"
 #include "../policy.hpp"
 
 namespace infkv {

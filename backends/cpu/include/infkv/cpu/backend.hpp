@@ -150,10 +150,10 @@ struct backend {
   void reduce(score_view acc, score_view s, reduction r, bool first) const { reduce_into(acc, s, r, first); }
   void finish_reduction(score_view acc, reduction r, std::int64_t rows) const { infkv::finish_reduction(acc, r, rows); }
 
-  void allocate(const adakv& a, score_view s, std::span<const token> tokens, const std::int64_t* order,
-                const budget& b, std::int64_t cap, std::span<std::int64_t> scratch, std::int64_t* caps) const {
+  void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+                std::span<std::int64_t> scratch, std::int64_t* caps) const {
     check_scores(s);
-    a.allocate_into(s, tokens, order, b, cap, scratch, caps);
+    a.allocate_into(s, order, b, cap, scratch, caps);
   }
 
   /// Per unit u (row u of s), keeps caps[u] slots (or `cap` when caps is null); s.data null
