@@ -12,6 +12,7 @@
 #include <infkv/cpu.hpp>
 
 #include "cpu/reference_helpers.hpp"
+#include "policy_registry.hpp"
 
 using namespace infkv;
 using namespace infkv_test;
@@ -107,61 +108,13 @@ TEST_CASE("conformance: every policy x budget x granularity on shuffled random c
     const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
     const stored queries = store_queries(p);
     const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
-    auto last_two = in;
-    last_two.queries.data = queries.tensor.row(p.nq - 2, 0);
-    last_two.queries.n_slots = 2;
-    last_two.query_pos = std::span<const std::int64_t>(p.qpos).last(2);
-    h2o_state heavy(h2o{}, p.hkv), normed(h2o{.normalize_lifetime = true, .forgetting = 0.8}, p.hkv);
-    for (auto* st : {&heavy, &normed}) {
-      st->append(p.n);
-      cpu::observe(*st, in);
-      cpu::observe(*st, last_two);
-    }
     for (const budget& b : budgets)
       for (granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token}) {
         INFO(describe(b), " / ", to_string(g));
-        {
-          INFO("streaming_llm");
-          check_conformance(streaming_llm{}, b, g, in);
-        }
-        {
-          INFO("h2o");
-          check_conformance(heavy, b, g, in);
-        }
-        {
-          INFO("h2o lifetime + forgetting");
-          check_conformance(normed, b, g, in);
-        }
-        {
-          INFO("tova");
-          check_conformance(tova{}, b, g, in);
-        }
-        {
-          INFO("snapkv avg");
-          check_conformance(snapkv{.window = 4, .kernel = 3, .pool = pooling::avg}, b, g, in);
-        }
-        {
-          INFO("snapkv max");
-          check_conformance(snapkv{.window = 3, .kernel = 5, .pool = pooling::max}, b, g, in);
-        }
-        {
-          INFO("keydiff");
-          check_conformance(keydiff{}, b, g, in);
-        }
-        {
-          INFO("inf_mllm, bias off");
-          check_conformance(inf_mllm{.window = 4, .kernel = 3}, b, g, in);
-        }
-        {
-          INFO("inf_mllm, bias on");
-          check_conformance(inf_mllm{.window = 4, .kernel = 3, .bias = {.beta = 0.5}}, b, g, in);
-        }
-        {
-          INFO("inf_mllm, segment bias");
-          check_conformance(
-              inf_mllm{.window = 4, .kernel = 5, .bias = {.beta = 1.0, .shape = decay::exponential, .unit = age_unit::segments}},
-              b, g, in);
-        }
+        for_each_policy(in, [&](const std::string& name, const auto& pol) {
+          INFO(name);
+          check_conformance(pol, b, g, in);
+        });
       }
   }
 }

@@ -127,14 +127,21 @@ inline void tile_logits(const float* q, std::int64_t rows, std::int64_t d, const
 }
 
 /// Queries of KV head `h`'s group as f32 [G * n_q][d] into `out`, query-major within each head;
-/// a NaN or Inf raises naming the query and head.
-inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group, float* out) {
+/// a NaN or Inf raises naming the query (counted from `first`, the queries dropped before the
+/// view) and head.
+inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group, std::int64_t first,
+                          float* out) {
   const std::int64_t d = q.head_dim, n_q = q.n_slots;
   for (std::int32_t g = 0; g < group; ++g)
     for (std::int64_t i = 0; i < n_q; ++i) {
       float* row = out + (g * n_q + i) * d;
       to_f32(q.type, q.row(i, kv_head * group + g), row, d);
-      if (!all_finite(row, d)) [[unlikely]] fail_not_finite(q, "queries", i, 1, kv_head * group + g);
+      if (!all_finite(row, d)) [[unlikely]] {
+        tensor_view all = q;  // name the query as the caller counts it
+        all.data = q.row(-first, 0);
+        all.n_slots += first;
+        fail_not_finite(all, "queries", first + i, 1, kv_head * group + g);
+      }
     }
 }
 
@@ -187,7 +194,8 @@ struct tile_softmax {
 /// pass up to prob_cache_bytes and recomputed beyond, so memory stays bounded for any length.
 /// `work` is 64-byte aligned and holds softmax_layout(group * n_q, d, n).floats() floats.
 template <row_source R, class F>
-void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, float* work, F&& use) {
+void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, std::int64_t first_query,
+                   float* work, F&& use) {
   const std::int64_t d = in.keys.head_dim, n = in.keys.n_slots, rows = group * in.queries.n_slots;
   const softmax_layout lay(rows, d, n);
   const std::int64_t padded = lay.padded, n_tiles = lay.n_tiles, tile_floats = lay.tile_floats, cached = lay.cached;
@@ -196,7 +204,7 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   float *const qbuf = take(padded * d), *const kt = take(d * key_tile), *const rows8 = take(8 * d);
   float *const cache = take(cached * tile_floats), *const scratch = take(tile_floats);
   float *const tmax = take(n_tiles * rows), *const tsum = take(n_tiles * rows), *const unused = take(2 * rows);
-  group_queries(in.queries, h, group, qbuf);
+  group_queries(in.queries, h, group, first_query, qbuf);
   std::fill(qbuf + rows * d, qbuf + padded * d, 0.f);  // padding rows: 0
   std::fill(kt, kt + d * key_tile, 0.f);              // key columns past a short last tile stay 0
   const tile_softmax<R> tile{in, h, rows, padded, scale, qbuf, kt, rows8};
@@ -240,11 +248,12 @@ struct aligned_floats {
 /// query head, with `per_query_head`) and slot j, the sum over queries of the softmax probability
 /// (visible keys only); per KV head, averaged over the G query heads of h. `scratch` holds
 /// ex.threads x window_scratch_floats(in) floats, 64-byte aligned. Allocates nothing with one
-/// thread. NaN or Inf in the keys or queries raise, naming slot and head. Cost O(Hq n_q n d);
-/// parallel over KV heads; results do not depend on the thread count.
+/// thread. NaN or Inf in the keys or queries raise, naming slot and head (queries counted from
+/// `first_query`, for a window cut from a longer query view). Cost O(Hq n_q n d); parallel over
+/// KV heads; results do not depend on the thread count.
 template <row_source R>
 void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_query_head, float* scratch,
-                           const executor& ex = {}) {
+                           const executor& ex = {}, std::int64_t first_query = 0) {
   detail::check_attention_inputs(in);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv;
   INFKV_REQUIRE(out.rows == (per_query_head ? in.queries.n_heads : hkv) && out.cols == in.keys.n_slots, "out.rows",
@@ -255,7 +264,7 @@ void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_q
   parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     const std::int64_t first = per_query_head ? h * group : h, count = per_query_head ? group : 1;
     for (std::int64_t r = 0; r < count; ++r) std::fill(out.row(first + r), out.row(first + r) + out.cols, 0.f);
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, scratch + w * per_worker,
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, first_query, scratch + w * per_worker,
                           [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
       for (std::int64_t r = 0; r < group * n_q; ++r) {
         const float cr = c[r];  // a local, so the loop below vectorises
@@ -307,7 +316,7 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
   detail::aligned_floats work(std::min<std::int64_t>(ex.threads, hkv) * per_worker);
   parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, work.get() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.get() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
                                                                  const float* c) {
       for (std::int64_t j = 0; j < tn; ++j)
         to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);

@@ -108,12 +108,15 @@ struct backend {
         for (std::int64_t i = 0; i < n; ++i) out(0, order[i]) = float(i);
         return;
       case score_source::key_diversity: keydiff_into(in.keys, out, f, ex); return;
-      case score_source::window_attention:
-        window_attention_into(detail::last_queries(in, spec.queries), out, spec.pools_per_query_head(), f, ex);
+      case score_source::window_attention: {
+        const auto window = detail::last_queries(in, spec.queries);
+        window_attention_into(window, out, spec.pools_per_query_head(), f, ex, in.queries.n_slots - window.queries.n_slots);
         return;
+      }
       case score_source::last_query: {  // every KV head's mass, then the mean over all heads
         const score_view heads{f, in.keys.n_heads, n, n};
-        window_attention_into(detail::last_queries(in, 1), heads, false, f + detail::lines(in.keys.n_heads * n), ex);
+        window_attention_into(detail::last_queries(in, 1), heads, false, f + detail::lines(in.keys.n_heads * n), ex,
+                              in.queries.n_slots - 1);
         reduce(out, heads, reduction::mean, true);
         finish_reduction(out, reduction::mean, heads.rows);
         return;

@@ -1,0 +1,36 @@
+// Every policy configuration the suite runs, one line each. The conformance, allocation,
+// bad-input and semantics tests iterate over this list (and the CUDA parity tests will), so a
+// new policy or parameter set is tested everywhere by adding one line here.
+#pragma once
+
+#include <string>
+
+#include <infkv/cpu.hpp>
+
+namespace infkv_test {
+
+/// Calls f(label, policy) for every registered configuration. H2O states are fed the attention of
+/// `observed` (one step) first, so their scores are not all zero.
+template <class F>
+void for_each_policy(const infkv::layer_inputs<>& observed, F&& f) {
+  using namespace infkv;
+  f("streaming_llm", streaming_llm{});
+  f("tova", tova{});
+  f("keydiff", keydiff{});
+  f("snapkv avg", snapkv{.window = 4, .kernel = 3, .pool = pooling::avg});
+  f("snapkv max", snapkv{.window = 3, .kernel = 5, .pool = pooling::max});
+  f("snapkv no pooling", snapkv{.window = 2, .kernel = 1});
+  f("inf_mllm", inf_mllm{.window = 4, .kernel = 3});
+  f("inf_mllm bias", inf_mllm{.window = 4, .kernel = 3, .bias = {.beta = 0.5}});
+  f("inf_mllm segment bias",
+    inf_mllm{.window = 4, .kernel = 5, .bias = {.beta = 1.0, .shape = decay::exponential, .unit = age_unit::segments}});
+  f("inf_mllm rank bias", inf_mllm{.window = 3, .kernel = 3, .bias = {.beta = 8.0, .unit = age_unit::ranks}});
+  for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
+    h2o_state st(cfg, observed.keys.n_heads);
+    st.append(observed.keys.n_slots);
+    cpu::observe(st, observed);
+    f(cfg.normalize_lifetime ? "h2o lifetime + forgetting" : "h2o", st);
+  }
+}
+
+}  // namespace infkv_test
