@@ -1,12 +1,16 @@
-# infkv_header_check(NAME <test> TARGET <lib> HEADERS <paths relative to include/>...)
+# infkv_header_check(NAME <test> TARGET <lib> [CUDA] HEADERS <paths relative to include/>...)
 # Adds an object library that compiles each header alone (twice, for include guards) against
-# <lib>, and a test <test> that builds it.
+# <lib>, with g++ or, given CUDA, with nvcc (as .cu files), and a test <test> that builds it.
 function(infkv_header_check)
-  cmake_parse_arguments(arg "" "NAME;TARGET" "HEADERS" ${ARGN})
+  cmake_parse_arguments(arg "CUDA" "NAME;TARGET" "HEADERS" ${ARGN})
+  set(ext cpp)
+  if(arg_CUDA)
+    set(ext cu)
+  endif()
   set(sources "")
   foreach(h IN LISTS arg_HEADERS)
     string(MAKE_C_IDENTIFIER ${h} id)
-    set(src ${CMAKE_CURRENT_BINARY_DIR}/header_check/${id}.cpp)
+    set(src ${CMAKE_CURRENT_BINARY_DIR}/${arg_NAME}/${id}.${ext})
     file(CONFIGURE OUTPUT ${src} CONTENT "#include <${h}>\n#include <${h}>\nint ${id}_marker = 0;\n")
     list(APPEND sources ${src})
   endforeach()
