@@ -2,7 +2,7 @@
 //
 //   tokens -> time order
 //   per layer: score (the spec's source) -> pool along time, observation window left out (per
-//              query head for max, then the GQA group mean) -> window gets the row's maximum ->
+//              query head for max, then the GQA group mean) -> window gets the row's mean ->
 //              attention bias -> fold into the reduction (per layer / token)
 //   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
 //

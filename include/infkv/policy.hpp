@@ -79,7 +79,7 @@ struct policy_spec {
   constexpr bool pools_per_query_head() const {
     return pool == pooling::max && kernel > 1 && source == score_source::window_attention;
   }
-  /// True when pooling changes anything (and the observation window then gets the row's maximum).
+  /// True when pooling changes anything (and the observation window then gets the row's mean).
   constexpr bool pools() const { return pool != pooling::none && kernel > 1; }
 };
 

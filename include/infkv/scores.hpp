@@ -158,19 +158,21 @@ inline void pool_row(float* row, const std::int64_t* order, std::int64_t n, std:
   }
 }
 
-/// Gives the last `tail` slots of a pooled row (in time order) the largest score of the rest, as
-/// kvpress pads the observation window with the maximum: the window is kept anyway, and its raw
-/// mass, unpooled, would not be comparable. No-op when nothing is pooled or no prefix remains.
+/// Gives the last `tail` slots of a pooled row (in time order) the mean score of the rest. The
+/// window is protected, so its scores never decide what is kept; its raw mass, unpooled, would
+/// not be comparable with pooled scores, and the mean leaves the row's mean (which the attention
+/// bias divides by) that of the pooled slots. No-op when no prefix remains or nothing is left out.
 inline void fill_tail(float* row, const std::int64_t* order, std::int64_t n, std::int64_t tail) {
   const std::int64_t len = n - std::min(tail, n);
   if (len == 0 || len == n) return;
-  float top = -std::numeric_limits<float>::infinity();
-  for (std::int64_t i = 0; i < len; ++i) top = std::max(top, row[order[i]]);
-  for (std::int64_t i = len; i < n; ++i) row[order[i]] = top;
+  double sum = 0;
+  for (std::int64_t i = 0; i < len; ++i) sum += row[order[i]];
+  const auto mean = float(sum / double(len));
+  for (std::int64_t i = len; i < n; ++i) row[order[i]] = mean;
 }
 
 /// Pools every row of `s` along time order (see `pool_row`); `tail` slots at the end of time
-/// order are the observation window, left out of the pooling and then given the row's largest
+/// order are the observation window, left out of the pooling and then given the row's mean
 /// pooled score (`fill_tail`). O(rows * cols * kernel).
 inline void pool_along_time(score_matrix& s, std::span<const token> tokens, std::int32_t kernel, pooling kind,
                             std::int64_t tail = 0) {

@@ -90,9 +90,11 @@ TEST_CASE("hand case: snapkv pools along time before its window and keeps the wi
   const auto s = cpu::layer_scores(avg, c.inputs());
   const auto& m = mass0;
   // Positions 4 and 5 are the observation window: pooling covers 0..3 only (zero padding at
-  // both ends of the prefix), and the window gets the row's largest pooled score.
-  const double p2 = (m[1] + m[2] + m[3]) / 3;
-  check_row(s, 0, {(m[0] + m[1]) / 3, (m[0] + m[1] + m[2]) / 3, p2, (m[2] + m[3]) / 3, p2, p2});
+  // both ends of the prefix), and the window gets the mean pooled score of the rest.
+  const std::array<double, 4> pooled = {(m[0] + m[1]) / 3, (m[0] + m[1] + m[2]) / 3, (m[1] + m[2] + m[3]) / 3,
+                                        (m[2] + m[3]) / 3};
+  const double w = (pooled[0] + pooled[1] + pooled[2] + pooled[3]) / 4;
+  check_row(s, 0, {pooled[0], pooled[1], pooled[2], pooled[3], w, w});
   // Capacity 4 with window 2: positions 4 and 5 always, then the best two of 0..3 per head.
   // Head 0 pooled: .225 .300 .525 .375; head 1: .370 .463 .278 .185.
   const auto keep = cpu::select(avg, budget{.capacity = 4}, c.inputs(), granularity::per_head);
@@ -106,15 +108,16 @@ TEST_CASE("hand case: snapkv pools along time before its window and keeps the wi
 
   // Last query only: [.1 .2 .1 .4 .1 .1]; position 5 is the window, max pooling over 0..4.
   const snapkv mx{.window = 1, .kernel = 3, .pool = pooling::max};
-  check_row(cpu::layer_scores(mx, c.inputs()), 0, {0.2, 0.2, 0.4, 0.4, 0.4, 0.4});
+  check_row(cpu::layer_scores(mx, c.inputs()), 0, {0.2, 0.2, 0.4, 0.4, 0.4, (0.2 + 0.2 + 0.4 + 0.4 + 0.4) / 5});
 }
 
 TEST_CASE("hand case: inf_mllm sums locally before its window, normalises by the mean and adds the recency bias") {
   hand_cache c({3, 5});
   const auto& m = mass0;
-  // The retrieval window (positions 4, 5) is left out of the local sum and gets the row's max.
-  const double top = m[1] + m[2] + m[3];
-  const std::array<double, 6> sum = {m[0] + m[1], m[0] + m[1] + m[2], top, m[2] + m[3], top, top};
+  // The retrieval window (positions 4, 5) is left out of the local sum and gets the others' mean.
+  const std::array<double, 4> local = {m[0] + m[1], m[0] + m[1] + m[2], m[1] + m[2] + m[3], m[2] + m[3]};
+  const double w = (local[0] + local[1] + local[2] + local[3]) / 4;
+  const std::array<double, 6> sum = {local[0], local[1], local[2], local[3], w, w};
   const double mean = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5]) / 6;
   inf_mllm p{.window = 2, .kernel = 3, .pool = pooling::sum, .bias = {}};
   check_row(cpu::layer_scores(p, c.inputs()), 0, sum);
@@ -126,7 +129,7 @@ TEST_CASE("hand case: inf_mllm sums locally before its window, normalises by the
   std::array<double, 6> biased{};
   for (std::size_t i = 0; i < 6; ++i) biased[i] = sum[i] / mean + 3.0 * double(i) / 5;
   check_row(cpu::layer_scores(p, c.inputs()), 0, biased);
-  // 0.55 1.33 2.47 2.71 ...: the choice moves to the newer position 3.
+  // 0.63 1.44 2.67 2.85 ...: the choice moves to the newer position 3.
   CHECK(unit(cpu::select(p, three, c.inputs()), 0) == slots_at({3, 4, 5}));
 
   p.bias = {.beta = 0.5, .shape = decay::exponential, .unit = age_unit::segments, .rate = 4.0};

@@ -212,7 +212,9 @@ inline ref_matrix ref_window_mass(const problem& p, std::int64_t first = 0) {
 /// of the observation window (the last `window` in time order) are cut off (`attn[..., :-window]`);
 /// the rest is pooled along time per query head (avg_pool1d: padding kernel / 2 zeros, counted;
 /// max_pool1d; or a plain local sum), then the G query heads of each KV head are averaged; the
-/// window's slots get the largest score of their row (kvpress pads them with the maximum).
+/// window's slots, protected anyway, get the mean score of the rest of their row (kvpress pads
+/// them with the maximum, to protect them; infkv protects them by position and keeps the row's
+/// mean, which the attention bias divides by, that of the pooled slots).
 inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::int32_t kernel, infkv::pooling kind) {
   const std::int32_t g = p.hq / p.hkv;
   const std::int64_t first = std::max<std::int64_t>(0, p.nq - window);
@@ -240,9 +242,9 @@ inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::
   }
   if (pooled)
     for (auto& row : out) {
-      double top = -std::numeric_limits<double>::infinity();
-      for (std::int64_t t = 0; t < prefix; ++t) top = std::max(top, row[std::size_t(o[std::size_t(t)])]);
-      for (std::int64_t t = prefix; t < n; ++t) row[std::size_t(o[std::size_t(t)])] = top;
+      double sum = 0;
+      for (std::int64_t t = 0; t < prefix; ++t) sum += row[std::size_t(o[std::size_t(t)])];
+      for (std::int64_t t = prefix; t < n; ++t) row[std::size_t(o[std::size_t(t)])] = sum / double(prefix);
     }
   return out;
 }
