@@ -72,10 +72,10 @@ struct output_capture {
 
   static bool callback(ggml_tensor* t, bool ask, void* user) {
     auto& self = *static_cast<output_capture*>(user);
-    const std::int32_t l = infkv::llama_cpp::detail::layer_of(ggml_get_name(t), "kqv_out");
+    const std::int32_t l = infkv::llama_cpp::layer_of(ggml_get_name(t), "kqv_out");
     const auto it = std::find(self.layers.begin(), self.layers.end(), l);
     if (l < 0 || it == self.layers.end()) return ask ? false : true;
-    if (!ask) infkv::llama_cpp::detail::append_rows(t, self.rows[std::size_t(it - self.layers.begin())], self.scratch);
+    if (!ask) infkv::llama_cpp::append_rows(t, self.rows[std::size_t(it - self.layers.begin())], self.scratch);
     return true;
   }
 };

@@ -33,8 +33,6 @@ struct layer_rows {
   std::vector<float> v;  ///< [n_v][n_head_kv][head_dim] when values are captured
 };
 
-namespace detail {
-
 /// Layer index of a node named "<prefix>-<layer>", or -1 when the name is anything else.
 inline std::int32_t layer_of(const char* name, std::string_view prefix) {
   const std::string_view n(name);
@@ -80,7 +78,6 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
     }
 }
 
-}  // namespace detail
 
 /// Collects post-RoPE Q and K of every layer while active. Install it into the context
 /// parameters before the context is created; it keeps and forwards any callback already set.
@@ -147,18 +144,18 @@ class graph_observer {
   int match(const ggml_tensor* t) const {
     const char* name = ggml_get_name(t);
     if (values_ && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' &&
-        detail::layer_of(name, "Vcur") >= 0)
+        layer_of(name, "Vcur") >= 0)
       return 3;
     if (t->op != GGML_OP_ROPE) return 0;
-    if (name[0] == 'Q' && detail::layer_of(name, "Qcur") >= 0) return 1;
-    if (name[0] == 'K' && detail::layer_of(name, "Kcur") >= 0) return 2;
+    if (name[0] == 'Q' && layer_of(name, "Qcur") >= 0) return 1;
+    if (name[0] == 'K' && layer_of(name, "Kcur") >= 0) return 2;
     return 0;
   }
 
   void observe(const ggml_tensor* t) {
     const int kind = match(t);
     if (kind == 0) return;
-    const std::int32_t layer = detail::layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
+    const std::int32_t layer = layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
     INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
                            ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
     layer_rows& l = layers_[std::size_t(layer)];
@@ -167,14 +164,14 @@ class graph_observer {
     INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
                            l.head_dim);
     if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
-      detail::append_rows(t, l.v, scratch_);
+      append_rows(t, l.v, scratch_);
       l.n_v += t->ne[2];
       return;
     }
     std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
     if (h == 0) h = heads;
     INFKV_REQUIRE(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
-    detail::append_rows(t, kind == 1 ? l.q : l.k, scratch_);
+    append_rows(t, kind == 1 ? l.q : l.k, scratch_);
     (kind == 1 ? l.n_q : l.n_k) += t->ne[2];
   }
 
