@@ -16,9 +16,11 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/core.h>
 
 #include <infkv/adapters/llama_cpp.hpp>
 
+#include "errors.hpp"
 #include "stream_text/llama_util.hpp"
 #include "trace_io.hpp"
 
@@ -172,7 +174,7 @@ int main(int argc, char** argv) {
     infkv::llama_cpp::graph_observer obs(n_layer, true);
     obs.install(cp);  // keeps calling the output capture
     stream::context_ptr ctx(llama_init_from_model(model.get(), cp));
-    if (!ctx) infkv::detail::raise<infkv::engine_error>("infkv-capture: llama_init_from_model failed (n_ctx ", cp.n_ctx, ")");
+    if (!ctx) infkv_examples::engine_fail("infkv-capture: llama_init_from_model failed (n_ctx {})", cp.n_ctx);
 
     // Every layer is kept for --survey, only the chosen ones otherwise.
     std::vector<infkv::llama_cpp::layer_rows> rows(static_cast<std::size_t>(n_layer));
@@ -191,14 +193,14 @@ int main(int argc, char** argv) {
       const std::int32_t rc = llama_decode(ctx.get(), b);
       obs.end();
       llama_batch_free(b);
-      if (!obs.error().empty()) infkv::detail::fail(obs.error());
-      if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-capture: llama_decode = ", rc, " at token ", at);
+      if (!obs.error().empty()) infkv_examples::fail("{}", obs.error());
+      if (rc != 0) infkv_examples::engine_fail("infkv-capture: llama_decode = {} at token {}", rc, at);
       for (std::int32_t l = 0; l < n_layer; ++l) {
         const auto& r = obs.layers()[std::size_t(l)];
         if (r.n_q != len || r.n_k != len || r.n_v != len || std::int64_t(r.v.size()) != r.n_k * r.n_head_kv * r.head_dim)
-          infkv::detail::fail("infkv-capture: layer ", l, ": cb_eval saw ", r.n_q, " query, ", r.n_k, " key and ",
-                              r.n_v, " value rows (", r.v.size(), " values) for ", len,
-                              " tokens; does this model name its nodes Qcur/Kcur/Vcur-<layer>?");
+          infkv_examples::fail("infkv-capture: layer {}: cb_eval saw {} query, {} key and {} value rows ({} values) "
+                               "for {} tokens; does this model name its nodes Qcur/Kcur/Vcur-<layer>?",
+                               l, r.n_q, r.n_k, r.n_v, r.v.size(), len);
         if (!keep(l)) continue;
         auto& o = rows[std::size_t(l)];
         o.n_head = r.n_head, o.n_head_kv = r.n_head_kv, o.head_dim = r.head_dim;
@@ -214,21 +216,21 @@ int main(int argc, char** argv) {
                              : 1.0 / std::sqrt(double(head_dim));
 
     if (do_survey) {
-      std::printf("layer   sink   local     far  keys for 90%%   (queries in the second half; sink: first 4 "
-                  "tokens, local: last 64)\n");
+      fmt::print("layer   sink   local     far  keys for 90%   (queries in the second half; sink: first 4 "
+                 "tokens, local: last 64)\n");
       for (std::int32_t l = 0; l < n_layer; ++l) {
         const auto s = survey(rows[std::size_t(l)], scale);
-        std::printf("%5d  %5.3f   %5.3f   %5.3f  %8.1f\n", l, s.sink, s.local, s.far, s.keys90);
+        fmt::print("{:5}  {:5.3f}   {:5.3f}   {:5.3f}  {:8.1f}\n", l, s.sink, s.local, s.far, s.keys90);
       }
     }
     if (do_check)
       for (std::size_t i = 0; i < layers.size(); ++i) {
         const auto& r = rows[std::size_t(layers[i])];
         if (std::int64_t(outputs.rows[i].size()) != tokens * r.n_head * r.head_dim)
-          infkv::detail::fail("infkv-capture: --check: layer ", layers[i], ": kqv_out gave ", outputs.rows[i].size(),
-                              " values, expected ", tokens * r.n_head * r.head_dim);
-        std::printf("layer %d: attention output from the recorded Q, K, V vs llama.cpp's kqv_out: relative L2 "
-                    "error %.2e\n", layers[i], check_layer(r, outputs.rows[i], scale));
+          infkv_examples::fail("infkv-capture: --check: layer {}: kqv_out gave {} values, expected {}", layers[i],
+                               outputs.rows[i].size(), tokens * r.n_head * r.head_dim);
+        fmt::print("layer {}: attention output from the recorded Q, K, V vs llama.cpp's kqv_out: relative L2 "
+                   "error {:.2e}\n", layers[i], check_layer(r, outputs.rows[i], scale));
       }
     if (out_path.empty()) return 0;
 
@@ -271,8 +273,8 @@ int main(int argc, char** argv) {
     };
     const auto bytes = trace_io::to_safetensors(t);
     trace_io::write_file(out_path, bytes);
-    std::printf("infkv-capture: wrote %s: %lld tokens, layers %s, %zu bytes\n", out_path.c_str(), (long long)tokens,
-                trace_io::layer_list(t).c_str(), bytes.size());
+    fmt::print("infkv-capture: wrote {}: {} tokens, layers {}, {} bytes\n", out_path, tokens, trace_io::layer_list(t),
+               bytes.size());
   } catch (const std::exception& e) {
     std::cerr << "infkv-capture: error: " << e.what() << '\n';
     return 2;

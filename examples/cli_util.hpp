@@ -1,4 +1,5 @@
-// Shared by infkv's example programs: command-line checks.
+// Shared by infkv's example programs: command-line checks (and, through errors.hpp, the errors
+// the programs throw).
 #pragma once
 
 #include <cmath>
@@ -6,6 +7,9 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "errors.hpp"
 
 namespace infkv_examples {
 
@@ -17,11 +21,7 @@ inline CLI::Validator at_least(double min, bool integer = true) {
         double x = 0;
         if (!(is >> x) || !is.eof() || (integer && x != std::floor(x)))
           return "value " + v + " is not " + (integer ? "an integer" : "a number");
-        if (x < min) {
-          std::ostringstream m;
-          m << "value " << v << " must be >= " << min;
-          return m.str();
-        }
+        if (x < min) return fmt::format("value {} must be >= {}", v, min);
         return {};
       },
       integer && min >= 1 ? "POSITIVE" : "NONNEGATIVE");

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -64,14 +64,7 @@ void dynamic_for(int threads, std::int64_t n, F&& f) {
   });
 }
 
-std::string fixed(double v, int width, int digits) {
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(digits);
-  os.width(width);
-  os << v;
-  return os.str();
-}
+std::string fixed(double v, int width, int digits) { return fmt::format("{:{}.{}f}", v, width, digits); }
 
 void print_table(const std::vector<record>& recs, const std::vector<std::string>& names,
                  const std::vector<std::int64_t>& budgets) {
@@ -227,7 +220,7 @@ int main(int argc, char** argv) {
 
   if (list) {
     for (const auto& p : infkv_examples::policy_catalog)
-      if (compare::compared(p.k)) std::printf("%-15s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+      if (compare::compared(p.k)) fmt::print("{:<15} {}\n", p.name, p.about);
     return 0;
   }
   // Policies in the table's order, each once.

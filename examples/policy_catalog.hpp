@@ -9,6 +9,8 @@
 
 #include <infkv/infkv.hpp>
 
+#include "errors.hpp"
+
 namespace infkv_examples {
 
 /// The policies the example programs know (infkv-compare runs all but `recompute`).
@@ -84,7 +86,7 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
       return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
     case policy_kind::full: case policy_kind::recompute: break;
   }
-  infkv::detail::fail("policy ", int(k), ": full and recompute have no policy object (they never evict)");
+  fail("policy {}: full and recompute have no policy object (they never evict)", int(k));
 }
 
 }  // namespace infkv_examples

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -122,8 +123,8 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
     usage_error("--skip = " + std::to_string(o.skip) + ": the text has " + std::to_string(toks.size()) +
                 " tokens, fewer than 2 remain");
   toks.erase(toks.begin(), toks.begin() + o.skip);
-  std::fprintf(stderr, "infkv-stream: %zu tokens of %s after %lld skipped; budget %lld, block %lld, %d threads; load average %.2f\n",
-               toks.size(), o.text.c_str(), (long long)o.skip, (long long)o.s.budget, (long long)o.s.block, o.s.threads, load0);
+  fmt::print(stderr, "infkv-stream: {} tokens of {} after {} skipped; budget {}, block {}, {} threads; load average {:.2f}\n",
+             toks.size(), o.text, o.skip, o.s.budget, o.s.block, o.s.threads, load0);
   const stream::model_shape sh(m);
   std::vector<stream::stream_run> runs;
   for (const auto& p : chosen) {
@@ -137,17 +138,16 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
     const std::int64_t n_blocks = (std::int64_t(part.size()) + o.s.block - 1) / o.s.block;
     auto progress = [&](const stream::block_record& b) {
       if (o.progress == 0 || ((b.index + 1) % o.progress != 0 && b.index + 1 != n_blocks)) return;
-      std::fprintf(stderr, "[%s] block %lld/%lld tokens %lld ppl %.3f running %.3f slots %lld kv %.2f MiB rss %.0f MiB %.0f tok/s\n",
-                   std::string(p.name).c_str(), (long long)b.index + 1, (long long)n_blocks, (long long)b.tokens,
-                   b.block_ppl, b.running_ppl, (long long)b.slots_peak, double(b.kv_state_bytes) / 1048576.0,
-                   double(b.rss_bytes) / 1048576.0, b.tok_per_s);
+      fmt::print(stderr, "[{}] block {}/{} tokens {} ppl {:.3f} running {:.3f} slots {} kv {:.2f} MiB rss {:.0f} MiB {:.0f} tok/s\n",
+                 p.name, b.index + 1, n_blocks, b.tokens, b.block_ppl, b.running_ppl, b.slots_peak,
+                 double(b.kv_state_bytes) / 1048576.0, double(b.rss_bytes) / 1048576.0, b.tok_per_s);
     };
     runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.skip, o.s, o.smooth, progress));
     runs.back().note = note;
   }
   const double load1 = load_average();
   stream::print_stream_table(runs, o.s);
-  std::printf("load average: %.2f at start, %.2f at end (tokens/s are shared-machine figures)\n", load0, load1);
+  fmt::print("load average: {:.2f} at start, {:.2f} at end (tokens/s are shared-machine figures)\n", load0, load1);
   if (!o.json.empty()) {
     auto j = stream::stream_json(head(o, m, load0), runs, o.s);
     j["tokens"] = toks.size();
@@ -179,9 +179,8 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
   for (const auto& p : prompts)
     shortest = std::min(shortest, p.context.size() + p.question.size()),
     longest = std::max(longest, p.context.size() + p.question.size());
-  std::fprintf(stderr, "infkv-stream: passkey, distance %lld, %lld trials, prompts of %zu..%zu tokens; budget %lld, "
-               "block %lld; load average %.2f\n", (long long)o.passkey, (long long)o.trials, shortest, longest,
-               (long long)o.s.budget, (long long)o.s.block, load0);
+  fmt::print(stderr, "infkv-stream: passkey, distance {}, {} trials, prompts of {}..{} tokens; budget {}, block {}; "
+             "load average {:.2f}\n", o.passkey, o.trials, shortest, longest, o.s.budget, o.s.block, load0);
   std::vector<stream::passkey_run> runs;
   for (const auto& p : chosen) {
     stream::passkey_run run;
@@ -197,10 +196,9 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
       run.trials.push_back(stream::run_passkey(m, p.k, o.s, pr, t, o.gen));
       const auto& tr = run.trials.back();
       if (o.progress > 0)
-        std::fprintf(stderr, "[%s] trial %lld: key %s at token %lld, distance %lld, %lld/%lld key tokens cached: "
-                     "\"%s\" %s (%.1f s)\n", std::string(p.name).c_str(), (long long)t, pr.number.c_str(),
-                     (long long)pr.key_at, (long long)pr.distance, (long long)tr.key_kept,
-                     (long long)pr.key_tokens(), tr.answer.c_str(), tr.success ? "ok" : "miss", tr.seconds);
+        fmt::print(stderr, "[{}] trial {}: key {} at token {}, distance {}, {}/{} key tokens cached: \"{}\" {} ({:.1f} s)\n",
+                   p.name, t, pr.number, pr.key_at, pr.distance, tr.key_kept, pr.key_tokens(), tr.answer,
+                   tr.success ? "ok" : "miss", tr.seconds);
     }
     runs.push_back(std::move(run));
   }
@@ -228,7 +226,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.list) {
     for (const auto& p : infkv_examples::policy_catalog)
-      std::printf("%-14s %s\n", std::string(p.name).c_str(), std::string(p.about).c_str());
+      fmt::print("{:<14} {}\n", p.name, p.about);
     return 0;
   }
   const auto chosen = check(o);

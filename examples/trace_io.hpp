@@ -19,6 +19,8 @@
 #include <infkv/dtype.hpp>
 #include <infkv/error.hpp>
 
+#include "errors.hpp"
+
 namespace trace_io {
 
 /// One tensor entry of a safetensors header.
@@ -38,7 +40,7 @@ struct safetensors {
   /// The entry of tensor `name`; throws infkv::error when it is missing.
   const tensor_info& at(const std::string& name) const {
     const auto it = tensors.find(name);
-    if (it == tensors.end()) infkv::detail::fail("infkv: ", what, ": tensor ", name, " is missing");
+    if (it == tensors.end()) infkv_examples::fail("infkv: {}: tensor {} is missing", what, name);
     return it->second;
   }
   /// Tensor `name` (F32, F16 or BF16) converted to f32.
@@ -84,7 +86,7 @@ inline safetensors parse_safetensors(const std::string& bytes, const std::string
   try {
     h = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(n));
   } catch (const nlohmann::json::exception& e) {
-    infkv::detail::fail("infkv: ", what, ": header is not valid JSON: ", e.what());
+    infkv_examples::fail("infkv: {}: header is not valid JSON: {}", what, e.what());
   }
   INFKV_REQUIRE(h.is_object(), what + ": header", h.type_name(), "must be a JSON object");
   f.data = bytes.substr(8 + n);
@@ -132,7 +134,7 @@ inline safetensors parse_safetensors(const std::string& bytes, const std::string
 /// Reads and parses a safetensors file.
 inline safetensors read_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) infkv::detail::fail("infkv: trace = ", path, ": cannot open the file");
+  if (!in) infkv_examples::fail("infkv: trace = {}: cannot open the file", path);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return parse_safetensors(bytes, path);
 }
@@ -181,7 +183,7 @@ inline std::string to_safetensors(const std::map<std::string, std::string>& meta
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);
   out.write(bytes.data(), std::streamsize(bytes.size()));
-  if (!out.flush()) infkv::detail::fail("infkv: out = ", path, ": cannot write the file");
+  if (!out.flush()) infkv_examples::fail("infkv: out = {}: cannot write the file", path);
 }
 
 /// Q, K and V of one layer: [n_tokens][heads][head_dim], f32.
@@ -207,7 +209,7 @@ struct trace {
       if (!have.empty()) have += ',';
       have += std::to_string(x.layer);
     }
-    infkv::detail::fail("infkv: layer = ", l, ": not in the trace (layers ", have, ")");
+    infkv_examples::fail("infkv: layer = {}: not in the trace (layers {})", l, have);
   }
 };
 
@@ -245,7 +247,7 @@ inline trace to_trace(const safetensors& f) {
   const std::string& w = f.what;
   const auto meta = [&](const std::string& k) -> const std::string& {
     const auto it = f.metadata.find(k);
-    if (it == f.metadata.end()) infkv::detail::fail("infkv: ", w, ": __metadata__.", k, " is missing");
+    if (it == f.metadata.end()) infkv_examples::fail("infkv: {}: __metadata__.{} is missing", w, k);
     return it->second;
   };
   trace t;

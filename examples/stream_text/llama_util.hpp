@@ -19,6 +19,8 @@
 #include <infkv/adapters/llama_cpp/handles.hpp>
 #include <infkv/error.hpp>
 
+#include "../errors.hpp"
+
 namespace stream {
 
 using infkv::llama_cpp::context_ptr;
@@ -67,7 +69,7 @@ inline std::vector<llama_token> tokenize(const llama_model* m, const std::string
     n = llama_tokenize(v, text.data(), std::int32_t(text.size()), out.data(), std::int32_t(out.size()), add_special,
                        false);
   }
-  if (n < 0) infkv::detail::fail("infkv-stream: llama_tokenize failed on ", text.size(), " bytes of text");
+  if (n < 0) infkv_examples::fail("infkv-stream: llama_tokenize failed on {} bytes of text", text.size());
   out.resize(std::size_t(n));
   return out;
 }
@@ -76,9 +78,9 @@ inline std::vector<llama_token> tokenize(const llama_model* m, const std::string
 /// prefix, cut at a line end, so that a short run does not tokenize a whole book.
 inline std::vector<llama_token> tokenize_file(const llama_model* m, const std::string& path, std::int64_t limit) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) infkv::detail::fail("--text = ", path, ": cannot open the file");
+  if (!f) infkv_examples::fail("--text = {}: cannot open the file", path);
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (text.empty()) infkv::detail::fail("--text = ", path, ": the file is empty");
+  if (text.empty()) infkv_examples::fail("--text = {}: the file is empty", path);
   for (std::size_t bytes = limit > 0 ? std::size_t(limit) * 6 + 4096 : text.size();; bytes *= 2) {
     std::size_t cut = std::min(bytes, text.size());
     if (cut < text.size()) cut = text.rfind('\n', cut) == std::string::npos ? cut : text.rfind('\n', cut) + 1;

@@ -3,8 +3,8 @@
 #pragma once
 
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include "../errors.hpp"
 
 #include "infkv_stream_plot.hpp"
 #include "passkey.hpp"
@@ -23,17 +26,19 @@ namespace stream {
 /// JSON number, or null for NaN / infinity.
 inline nlohmann::json num(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
-inline std::string fmt(double v, int width, int digits) {
-  char buf[64];
-  if (!std::isfinite(v)) std::snprintf(buf, sizeof buf, "%*s", width, "-");
-  else std::snprintf(buf, sizeof buf, "%*.*f", width, digits, v);
-  return buf;
+/// A table cell: `v` fixed with `digits` decimals, right-aligned in `width`; "-" when not finite.
+inline std::string cell(double v, int width, int digits) {
+  if (!std::isfinite(v)) return fmt::format("{:>{}}", "-", width);
+  return fmt::format("{:{}.{}f}", v, width, digits);
 }
+
+/// "  (note)", or nothing for an empty note.
+inline std::string note_suffix(const std::string& note) { return note.empty() ? std::string() : "  (" + note + ")"; }
 
 /// Writes `text` to `path`; throws infkv::error naming `flag` when it cannot.
 inline void write_file(const std::string& flag, const std::string& path, const std::string& text) {
   std::ofstream f(path);
-  if (!(f << text)) infkv::detail::fail(flag, " = ", path, ": cannot write the file");
+  if (!(f << text)) infkv_examples::fail("{} = {}: cannot write the file", flag, path);
 }
 
 inline const char* csv_header =
@@ -43,15 +48,15 @@ inline const char* csv_header =
 inline std::string to_csv(const std::vector<stream_run>& runs) {
   std::ostringstream os;
   os << csv_header;
-  char line[512];
+  fmt::memory_buffer line;
   for (const auto& r : runs)
     for (const auto& b : r.blocks) {
-      std::snprintf(line, sizeof line, "%s,%lld,%lld,%lld,%.6g,%.6g,%.6g,%lld,%lld,%lld,%lld,%lld,%lld,%lld,%.6f,%.3f\n",
-                    r.policy.c_str(), (long long)b.index, (long long)b.tokens, (long long)b.scored, b.block_ppl,
-                    b.running_ppl, b.window_ppl, (long long)b.slots_peak, (long long)b.slots, (long long)b.evicted,
-                    (long long)b.kv_alloc_bytes, (long long)b.kv_state_bytes, (long long)b.host_bytes,
-                    (long long)b.rss_bytes, b.seconds, b.tok_per_s);
-      os << line;
+      line.clear();
+      fmt::format_to(std::back_inserter(line), "{},{},{},{},{:.6g},{:.6g},{:.6g},{},{},{},{},{},{},{},{:.6f},{:.3f}\n",
+                     r.policy, b.index, b.tokens, b.scored, b.block_ppl, b.running_ppl, b.window_ppl, b.slots_peak,
+                     b.slots, b.evicted, b.kv_alloc_bytes, b.kv_state_bytes, b.host_bytes, b.rss_bytes, b.seconds,
+                     b.tok_per_s);
+      os.write(line.data(), std::streamsize(line.size()));
     }
   return os.str();
 }
@@ -93,19 +98,18 @@ inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<
 }
 
 inline void print_stream_table(const std::vector<stream_run>& runs, const settings& s) {
-  std::printf("%-14s %7s %6s %9s %9s %9s %7s %6s %8s %8s %8s\n", "policy", "tokens", "blocks", "ppl", "ppl_early",
-              "ppl_late", "tok/s", "slots", "kv_MiB", "rss_MiB", "evicts");
+  fmt::print("{:<14} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>8}\n", "policy", "tokens", "blocks", "ppl",
+             "ppl_early", "ppl_late", "tok/s", "slots", "kv_MiB", "rss_MiB", "evicts");
   for (const auto& r : runs) {
     const auto m = summarise(r, s);
-    std::printf("%-14s %7lld %6zu %s %s %s %s %6lld %s %s %8lld%s\n", r.policy.c_str(), (long long)r.tokens,
-                r.blocks.size(), fmt(m.ppl, 9, 3).c_str(), fmt(m.early_ppl, 9, 3).c_str(), fmt(m.late_ppl, 9, 3).c_str(),
-                fmt(m.tok_per_s, 7, 1).c_str(), (long long)m.max_slots, fmt(double(m.kv_alloc_bytes) / 1048576.0, 8, 2).c_str(),
-                fmt(double(m.peak_rss) / 1048576.0, 8, 1).c_str(), (long long)m.evictions,
-                r.note.empty() ? "" : ("  (" + r.note + ")").c_str());
+    fmt::print("{:<14} {:7} {:6} {} {} {} {} {:6} {} {} {:8}{}\n", r.policy, r.tokens, r.blocks.size(),
+               cell(m.ppl, 9, 3), cell(m.early_ppl, 9, 3), cell(m.late_ppl, 9, 3), cell(m.tok_per_s, 7, 1),
+               m.max_slots, cell(double(m.kv_alloc_bytes) / 1048576.0, 8, 2),
+               cell(double(m.peak_rss) / 1048576.0, 8, 1), m.evictions, note_suffix(r.note));
   }
-  std::printf("ppl_early / ppl_late: first / last 10%% of the blocks after warm-up (tokens > budget + block = %lld); "
-              "slots: peak cached tokens; kv_MiB: llama.cpp K/V buffers (computed from n_ctx)\n",
-              (long long)(s.budget + s.block));
+  fmt::print("ppl_early / ppl_late: first / last 10% of the blocks after warm-up (tokens > budget + block = {}); "
+             "slots: peak cached tokens; kv_MiB: llama.cpp K/V buffers (computed from n_ctx)\n",
+             s.budget + s.block);
 }
 
 inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector<passkey_run>& runs) {
@@ -142,14 +146,13 @@ inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
 }
 
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
-  std::printf("%-14s %7s %8s %9s %9s\n", "policy", "trials", "success", "key_kept", "s/trial");
+  fmt::print("{:<14} {:>7} {:>8} {:>9} {:>9}\n", "policy", "trials", "success", "key_kept", "s/trial");
   for (const auto& r : runs) {
     double sec = 0, kept = 0;
     for (const auto& t : r.trials) sec += t.seconds, kept += double(t.key_kept) / double(t.prompt.key_tokens());
     const double n = r.trials.empty() ? NAN : double(r.trials.size());
-    std::printf("%-14s %7zu %7.0f%% %8.0f%% %s%s\n", r.policy.c_str(), r.trials.size(), 100.0 * r.rate(),
-                100.0 * kept / n, fmt(sec / n, 9, 2).c_str(),
-                r.note.empty() ? "" : ("  (" + r.note + ")").c_str());
+    fmt::print("{:<14} {:7} {:7.0f}% {:8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
+               cell(sec / n, 9, 2), note_suffix(r.note));
   }
 }
 
@@ -176,8 +179,8 @@ inline void plot(const std::string& csv, const std::string& png, const std::vect
   const int rc = std::system(cmd.c_str());
   std::filesystem::remove(script);
   if (rc != 0)
-    infkv::detail::fail("--plot = ", png, ": gnuplot failed (status ", rc,
-                        "); install gnuplot (Debian: gnuplot-nox, scripts/kjv.sh does) or leave out --plot");
+    infkv_examples::fail("--plot = {}: gnuplot failed (status {}); install gnuplot (Debian: gnuplot-nox, "
+                         "scripts/kjv.sh does) or leave out --plot", png, rc);
 }
 
 }  // namespace stream

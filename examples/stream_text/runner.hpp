@@ -13,6 +13,7 @@
 
 #include <infkv/adapters/llama_cpp.hpp>
 
+#include "../errors.hpp"
 #include "../policy_catalog.hpp"
 
 #include "llama_util.hpp"
@@ -66,7 +67,7 @@ class runner {
   /// Logits of the i-th token of the last feed.
   std::span<const float> logits(std::int64_t i) const {
     const float* l = llama_get_logits_ith(ctx_.get(), std::int32_t(first_out_ + i));
-    if (l == nullptr) infkv::detail::fail("infkv-stream: no logits for output ", i, " of the last decode");
+    if (l == nullptr) infkv_examples::fail("infkv-stream: no logits for output {} of the last decode", i);
     return {l, std::size_t(shape_.vocab)};
   }
   llama_context* context() const { return ctx_.get(); }
@@ -90,7 +91,7 @@ class runner {
     b.n_tokens = std::int32_t(toks.size());
     const std::int32_t rc = llama_decode(ctx_.get(), b);
     llama_batch_free(b);
-    if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    if (rc != 0) infkv_examples::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = out_from;
   }
 
@@ -116,13 +117,13 @@ class session_runner final : public runner {
     auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
     session_.attach(p);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", cap_, " cells");
+    if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", cap_);
     session_.bind(ctx_.get());
   }
 
   void feed(std::span<const llama_token> toks, bool) override {
     const std::int32_t rc = session_.decode(toks, {}, true);
-    if (rc != 0) infkv::detail::raise<infkv::engine_error>("infkv-stream: llama_decode of ", toks.size(), " tokens returned ", rc);
+    if (rc != 0) infkv_examples::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = 0;
     note_fed(toks.size());
     INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(),
@@ -183,7 +184,7 @@ class full_runner final : public runner {
   full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
     auto p = context_params(std::uint32_t(total), std::uint32_t(max_feed), s.threads);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", total, " cells");
+    if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", total);
   }
   void feed(std::span<const llama_token> toks, bool) override {
     plain_decode(toks, n_, 0);
@@ -205,7 +206,7 @@ class recompute_runner final : public runner {
   recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
     auto p = context_params(std::uint32_t(s.budget + max_feed), std::uint32_t(s.budget + max_feed), s.threads);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv::detail::raise<infkv::engine_error>("infkv-stream: cannot create a context of ", s.budget + max_feed, " cells");
+    if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", s.budget + max_feed);
   }
   void feed(std::span<const llama_token> toks, bool extend) override {
     if (extend && n_ > 0) {

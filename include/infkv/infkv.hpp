@@ -10,6 +10,7 @@
 #include "kv_view.hpp"
 #include "pipeline.hpp"
 #include "policy.hpp"
+#include "rope.hpp"
 #include "policies/allocation.hpp"
 #include "policies/attention_bias.hpp"
 #include "policies/h2o.hpp"

@@ -1,6 +1,6 @@
 // infkv CPU backend: RoPE re-rotation of cached (post-RoPE) keys by a position delta, for the
-// compact position mode: rotating by delta moves a key from position p to p + delta.
-// Normal layout (GPT-J / llama.cpp "norm"): pairs (2i, 2i+1); NeoX layout: pairs (i, i + dims/2).
+// compact position mode: rotating by delta moves a key from position p to p + delta. The RoPE
+// parameters and the position compaction are the core's (infkv/rope.hpp).
 // Cost: O(n * heads * d) plus one sin/cos pair per distinct delta and frequency.
 #pragma once
 
@@ -10,22 +10,17 @@
 #include <vector>
 
 #include <infkv/kv_view.hpp>
+#include <infkv/rope.hpp>
 #include <infkv/tokens.hpp>
 
 #include "executor.hpp"
 
 namespace infkv::cpu {
 
-enum class rope_style : std::uint8_t { normal, neox };
-
-/// RoPE parameters: frequency of pair i is freq_scale * theta^(-2i / dims); `dims` rotary
-/// dimensions (0 = head_dim), the rest pass through.
-struct rope {
-  double theta = 10000.0;
-  std::int32_t dims = 0;
-  rope_style style = rope_style::normal;
-  double freq_scale = 1.0;
-};
+// The core's RoPE parameters and position compaction, also reachable as cpu::rope etc.
+using infkv::compact_positions;
+using infkv::rope;
+using infkv::rope_style;
 
 /// Rotates every head of slot j by delta[j] positions (keys only), in place.
 template <row_source R>
@@ -62,22 +57,6 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
       from_f32(keys.type, x.data(), row, keys.head_dim);
     }
   });
-}
-
-/// Compact position mode: gives the slots positions first, first + 1, ... in time order and
-/// returns each slot's delta (new - old) for `rerotate`. Slots sharing a position keep sharing it.
-inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std::int64_t first = 0) {
-  std::vector<std::int64_t> delta(tokens.size(), 0);
-  const auto order = time_order(tokens);
-  std::int64_t next = first - 1, last_old = -1;
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    token& t = tokens[std::size_t(order[i])];
-    if (i == 0 || t.pos != last_old) ++next;
-    last_old = t.pos;
-    delta[std::size_t(order[i])] = next - t.pos;
-    t.pos = next;
-  }
-  return delta;
 }
 
 }  // namespace infkv::cpu

@@ -1,0 +1,43 @@
+// infkv: RoPE parameters and the compact position mode, backend-neutral: after an eviction the
+// kept slots get positions first, first + 1, ... in time order, and every backend re-rotates
+// its post-RoPE keys by the returned deltas (rotating by delta moves a key from p to p + delta).
+// Normal layout (GPT-J / llama.cpp "norm"): pairs (2i, 2i+1); NeoX layout: pairs (i, i + dims/2).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tokens.hpp"
+
+namespace infkv {
+
+/// Which dimensions a rotation pairs: normal (2i, 2i+1) or NeoX (i, i + dims/2).
+enum class rope_style : std::uint8_t { normal, neox };
+
+/// RoPE parameters: frequency of pair i is freq_scale * theta^(-2i / dims); `dims` rotary
+/// dimensions (0 = head_dim), the rest pass through.
+struct rope {
+  double theta = 10000.0;
+  std::int32_t dims = 0;
+  rope_style style = rope_style::normal;
+  double freq_scale = 1.0;
+};
+
+/// Compact position mode: gives the slots positions first, first + 1, ... in time order and
+/// returns each slot's delta (new - old) for `rerotate`. Slots sharing a position keep sharing it.
+inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std::int64_t first = 0) {
+  std::vector<std::int64_t> delta(tokens.size(), 0);
+  const auto order = time_order(tokens);
+  std::int64_t next = first - 1, last_old = -1;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    token& t = tokens[std::size_t(order[i])];
+    if (i == 0 || t.pos != last_old) ++next;
+    last_old = t.pos;
+    delta[std::size_t(order[i])] = next - t.pos;
+    t.pos = next;
+  }
+  return delta;
+}
+
+}  // namespace infkv

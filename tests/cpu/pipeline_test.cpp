@@ -1,0 +1,137 @@
+// The pipeline's plan / run contract for every registered policy: planned sizes match what run
+// writes, several layers fold into one per-token decision, AdaKV capacities add up, and every
+// misuse (workspace too small or misaligned, a layer of another shape, a keep view of other
+// units, several layers at per-head granularity) raises naming the argument.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+
+#include "cpu/reference_helpers.hpp"
+#include "policy_registry.hpp"
+
+using namespace infkv;
+using namespace infkv_test;
+
+#define CHECK_ERROR(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), infkv::invalid_argument)
+
+namespace {
+
+template <class P>
+layer_inputs<> with_accumulated(const P& p, layer_inputs<> in) {
+  if constexpr (std::same_as<P, h2o_state>) in.accumulated = p.scores().view();
+  return in;
+}
+
+struct buffers {
+  cpu::workspace ws;
+  std::vector<std::int64_t> offsets, slots;
+  keep_view out;
+  explicit buffers(const plan& p)
+      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size())), slots(std::size_t(p.kept_total)),
+        out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
+};
+
+}  // namespace
+
+TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into one decision") {
+  const problem p = make_problem(5, 120, 2, 2, 8, 6);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const problem p2 = make_problem(6, 120, 2, 2, 8, 6);  // a second layer: other keys and queries
+  const stored keys2 = store(p2.k, p2.n, p2.hkv, p2.d, p2.type, layout::nhd);
+  const stored queries = store_queries(p), queries2 = store_queries(p2);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const cpu::backend be{};
+  const budget b{.capacity = 40, .sinks = 2, .recent = 6};
+  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+    INFO(name);
+    const auto l0 = with_accumulated(pol, in);
+    auto l1 = with_accumulated(pol, layer_inputs<>{keys2.tensor, {}, queries2.tensor, p.qpos, p.tokens, 0.f});
+    const plan pl = make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
+    CHECK(pl.units == 1);
+    CHECK(pl.kept_total == protect(pol, b).keep_count(p.n));
+    buffers buf(pl);
+    const std::vector<layer_inputs<>> layers{l0, l1};
+    run(pl, be, std::span<const layer_inputs<>>(layers), buf.ws.span(), buf.out);
+    CHECK(buf.offsets[1] == pl.kept_total);
+    // The decision is select_top over the sum of both layers' finished scores.
+    const auto s0 = cpu::layer_scores(pol, l0), s1 = cpu::layer_scores(pol, l1);
+    const std::vector<score_matrix> both{s0, s1};
+    CHECK(keep_set::from_view(buf.out) == cpu::select_tokens(both, p.tokens, protect(pol, b), reduction::sum));
+  });
+}
+
+TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the protected tokens") {
+  const problem p = make_problem(7, 150, 4, 2, 8, 6);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const cpu::backend be{};
+  const budget b{.capacity = 50, .sinks = 3, .recent = 5};
+  for (const double alpha : {0.0, 0.2, 1.0}) {
+    CAPTURE(alpha);
+    const snapkv pol{.window = 5, .kernel = 3};
+    const plan pl = make_plan(be, pol, b, shape_of(in), {.g = granularity::per_head, .adakv_alpha = alpha});
+    buffers buf(pl);
+    run(pl, be, std::span<const layer_inputs<>>(&in, 1), buf.ws.span(), buf.out);
+    const auto keep = keep_set::from_view(buf.out);
+    // The same capacities as adakv::allocate on the same scores, and the same selection.
+    const auto scores = cpu::layer_scores(pol, in);
+    const auto caps = adakv{.alpha = alpha}.allocate(scores, p.tokens, protect(pol, b));
+    CHECK(keep == select_top(scores, p.tokens, caps, 3, 5));
+    std::int64_t total = 0;
+    for (std::int64_t u = 0; u < keep.n_units(); ++u) total += keep.size(u);
+    CHECK(total == pl.kept_total);
+    if (alpha == 1.0)
+      for (std::int64_t u = 0; u < keep.n_units(); ++u) CHECK(keep.size(u) == 50);
+  }
+}
+
+TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
+  const problem p = make_problem(8, 64, 2, 2, 8, 4);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const problem q = make_problem(9, 50, 2, 2, 8, 4);
+  const stored keys_q = store(q.k, q.n, q.hkv, q.d, q.type, layout::nhd);
+  const cpu::backend be{};
+  const budget b{.capacity = 20, .sinks = 1, .recent = 4};
+  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+    INFO(name);
+    const auto l0 = with_accumulated(pol, in);
+    const plan pl = make_plan(be, pol, b, shape_of(l0));
+    buffers buf(pl);
+    const auto one = std::span<const layer_inputs<>>(&l0, 1);
+    CHECK_ERROR(run(pl, be, one, buf.ws.span().first(pl.workspace_bytes - 1), buf.out), "workspace.size()");
+    cpu::workspace roomy(pl.workspace_bytes + 64);
+    CHECK_ERROR(run(pl, be, one, roomy.span().subspan(8, pl.workspace_bytes), buf.out),
+                "workspace.data() = misaligned: must be 64-byte aligned");
+    keep_view wrong = buf.out;
+    wrong.n_units += 1;
+    CHECK_ERROR(run(pl, be, one, buf.ws.span(), wrong), "out.n_units");
+    auto other = with_accumulated(pol, layer_inputs<>{keys_q.tensor, {}, queries.tensor, q.qpos, q.tokens, 0.f});
+    CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(&other, 1), buf.ws.span(), buf.out), "layers[0]");
+    const std::vector<layer_inputs<>> two{l0, l0};
+    CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(two), buf.ws.span(), buf.out), "layers.size() = 2");
+    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_head, .n_layers = 2}),
+                "plan_options.n_layers = 2");
+    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_layer, .adakv_alpha = 0.5}),
+                "plan_options.adakv_alpha");
+    CHECK_ERROR(make_plan(be, pol, budget{.capacity = 3, .sinks = 2, .recent = 2}, shape_of(l0)), "budget.capacity = 3");
+    run(pl, be, one, buf.ws.span(), buf.out);  // the buffers still work after the refusals
+    CHECK(keep_set::from_view(buf.out) == cpu::select(pol, b, in));
+  });
+}
+
+TEST_CASE("pipeline: a source that reads queries refuses a layer without any") {
+  const problem p = make_problem(10, 40, 2, 2, 8, 4);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const layer_inputs<> no_queries{keys.tensor, {}, {}, {}, p.tokens, 0.f};
+  CHECK_ERROR(make_plan(cpu::backend{}, snapkv{}, budget{.capacity = 36}, shape_of(no_queries)), "queries.n_slots = 0");
+  CHECK_ERROR(make_plan(cpu::backend{}, tova{}, budget{.capacity = 8}, shape_of(no_queries)), "queries.n_slots = 0");
+  CHECK_NOTHROW(make_plan(cpu::backend{}, keydiff{}, budget{.capacity = 8}, shape_of(no_queries)));
+  const layer_inputs<> no_keys{{}, {}, {}, {}, p.tokens, 0.f};
+  CHECK_ERROR(cpu::select(keydiff{}, budget{.capacity = 8}, no_keys), "layers[0].keys.data = null");
+}
