@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
                  "tokens, local: last 64)\n");
       for (std::int32_t l = 0; l < n_layer; ++l) {
         const auto s = survey(rows[std::size_t(l)], scale);
-        fmt::print("{:5}  {:5.3f}   {:5.3f}   {:5.3f}  {:8.1f}\n", l, s.sink, s.local, s.far, s.keys90);
+        fmt::print("{:5}  {:>5.3f}   {:>5.3f}   {:>5.3f}  {:>8.1f}\n", l, s.sink, s.local, s.far, s.keys90);
       }
     }
     if (do_check)

@@ -64,7 +64,7 @@ void dynamic_for(int threads, std::int64_t n, F&& f) {
   });
 }
 
-std::string fixed(double v, int width, int digits) { return fmt::format("{:{}.{}f}", v, width, digits); }
+std::string fixed(double v, int width, int digits) { return fmt::format("{:>{}.{}f}", v, width, digits); }
 
 void print_table(const std::vector<record>& recs, const std::vector<std::string>& names,
                  const std::vector<std::int64_t>& budgets) {

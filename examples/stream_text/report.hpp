@@ -29,7 +29,7 @@ inline nlohmann::json num(double v) { return std::isfinite(v) ? nlohmann::json(v
 /// A table cell: `v` fixed with `digits` decimals, right-aligned in `width`; "-" when not finite.
 inline std::string cell(double v, int width, int digits) {
   if (!std::isfinite(v)) return fmt::format("{:>{}}", "-", width);
-  return fmt::format("{:{}.{}f}", v, width, digits);
+  return fmt::format("{:>{}.{}f}", v, width, digits);
 }
 
 /// "  (note)", or nothing for an empty note.
@@ -151,7 +151,7 @@ inline void print_passkey_table(const std::vector<passkey_run>& runs) {
     double sec = 0, kept = 0;
     for (const auto& t : r.trials) sec += t.seconds, kept += double(t.key_kept) / double(t.prompt.key_tokens());
     const double n = r.trials.empty() ? NAN : double(r.trials.size());
-    fmt::print("{:<14} {:7} {:7.0f}% {:8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
+    fmt::print("{:<14} {:7} {:>7.0f}% {:>8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
                cell(sec / n, 9, 2), note_suffix(r.note));
   }
 }
