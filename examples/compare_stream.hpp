@@ -204,7 +204,7 @@ class policy_run {
   std::vector<float> k_, v_;
   std::vector<std::vector<infkv::token>> tokens_;  // per KV head, slot order
   std::optional<infkv::budget> budget_;
-  std::vector<infkv::h2o_state> h2o_;
+  std::vector<infkv::cpu::h2o_state> h2o_;
   std::vector<sample> samples_;
   std::int64_t evictions_ = 0;
   double seconds_ = 0.0;

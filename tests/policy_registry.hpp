@@ -26,7 +26,7 @@ void for_each_policy(const infkv::layer_inputs<>& observed, F&& f) {
     inf_mllm{.window = 4, .kernel = 5, .bias = {.beta = 1.0, .shape = decay::exponential, .unit = age_unit::segments}});
   f("inf_mllm rank bias", inf_mllm{.window = 3, .kernel = 3, .bias = {.beta = 8.0, .unit = age_unit::ranks}});
   for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
-    h2o_state st(cfg, observed.keys.n_heads);
+    cpu::h2o_state st(cfg, observed.keys.n_heads);
     st.append(observed.keys.n_slots);
     cpu::observe(st, observed);
     f(cfg.normalize_lifetime ? "h2o lifetime + forgetting" : "h2o", st);

@@ -244,16 +244,16 @@ TEST_CASE("bad policy parameters") {
   CHECK_ERROR((attention_bias{.beta = 1.0, .rate = 0.0}.validate()), "bias.rate = 0");
   score_matrix s(1, 6);
   CHECK_ERROR(pool_along_time(s, L.tokens, 6, pooling::avg), "kernel = 6");
-  CHECK_ERROR((h2o_state(h2o{.forgetting = 0.0}, 2)), "h2o.forgetting = 0");
-  CHECK_ERROR((h2o_state(h2o{.forgetting = 1.5}, 2)), "h2o.forgetting = 1.5");
-  CHECK_ERROR((h2o_state(h2o{.forgetting = -0.5}, 2)), "h2o.forgetting = -0.5");
-  CHECK_ERROR((h2o_state(h2o{.forgetting = nan_v}, 2)), "h2o.forgetting = nan");
-  CHECK_ERROR((h2o_state(h2o{}, 0)), "n_kv_heads = 0");
+  CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = 0.0}, 2)), "h2o.forgetting = 0");
+  CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = 1.5}, 2)), "h2o.forgetting = 1.5");
+  CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = -0.5}, 2)), "h2o.forgetting = -0.5");
+  CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = nan_v}, 2)), "h2o.forgetting = nan");
+  CHECK_ERROR((cpu::h2o_state(h2o{}, 0)), "n_kv_heads = 0");
 }
 
 TEST_CASE("bad h2o state events") {
   small_layer L;
-  h2o_state st(h2o{}, 2);
+  cpu::h2o_state st(h2o{}, 2);
   st.append(5);
   CHECK_ERROR(cpu::observe(st, L.in()), "probs.cols = 6");  // state not mirroring the cache
   CHECK_ERROR(st.append(-1), "n = -1");

@@ -63,7 +63,7 @@ std::size_t allocations_in(F&& f) {
 /// The policy's inputs, with H2O's accumulated scores attached.
 template <class P, class R>
 layer_inputs<R> inputs_for(const P& p, layer_inputs<R> in) {
-  if constexpr (std::same_as<P, h2o_state>) in.accumulated = p.scores().view();
+  if constexpr (std::same_as<P, cpu::h2o_state>) in.accumulated = p.scores().view();
   return in;
 }
 

@@ -145,7 +145,7 @@ TEST_CASE("conformance: explicit ties keep the newest positions, then the lowest
   for (std::size_t i = 0; i < k.size(); i += 4) k[i] = 1.f;  // identical keys: every score ties
   const std::vector<std::int64_t> qpos = {9, 9};
   const layer_inputs<> in{nhd(k.data(), dtype::f32, 10, 2, 4), {}, nhd(q.data(), dtype::f32, 2, 4, 4), qpos, tokens, 0.f};
-  h2o_state fresh(h2o{}, 2);
+  cpu::h2o_state fresh(h2o{}, 2);
   fresh.append(10);  // all zero
   const budget b{.capacity = 4, .sinks = 1};
   // Sink: position 0 (slot 9); then positions 9, 8, 7 (slots 0, 1, 2).

@@ -21,7 +21,7 @@ namespace {
 
 template <class P>
 layer_inputs<> with_accumulated(const P& p, layer_inputs<> in) {
-  if constexpr (std::same_as<P, h2o_state>) in.accumulated = p.scores().view();
+  if constexpr (std::same_as<P, cpu::h2o_state>) in.accumulated = p.scores().view();
   return in;
 }
 

@@ -176,7 +176,7 @@ TEST_CASE("hand case: h2o sums steps, forgets old mass and normalises by lifetim
   hand_cache step1({3}), step2({5});
   const std::array<double, 6> p1 = {0.125, 0.25, 0.125, 0.5, 0, 0}, p2 = {0.1, 0.2, 0.1, 0.4, 0.1, 0.1};
   SUBCASE("plain running sum, then heavy hitters + recent") {
-    h2o_state st(h2o{}, 2);
+    cpu::h2o_state st(h2o{}, 2);
     st.append(6);
     cpu::observe(st, step1.inputs());
     cpu::observe(st, step2.inputs());
@@ -190,7 +190,7 @@ TEST_CASE("hand case: h2o sums steps, forgets old mass and normalises by lifetim
     CHECK(unit(keep, 1) == slots_at({0, 3, 5}));
   }
   SUBCASE("forgetting factor 0.5") {
-    h2o_state st(h2o{.forgetting = 0.5}, 2);
+    cpu::h2o_state st(h2o{.forgetting = 0.5}, 2);
     st.append(6);
     cpu::observe(st, step1.inputs());
     cpu::observe(st, step2.inputs());
@@ -199,7 +199,7 @@ TEST_CASE("hand case: h2o sums steps, forgets old mass and normalises by lifetim
     check_row(st.scores(), 0, want);
   }
   SUBCASE("lifetime: positions 4 and 5 were seen by one query, the rest by two") {
-    h2o_state st(h2o{.normalize_lifetime = true}, 2);
+    cpu::h2o_state st(h2o{.normalize_lifetime = true}, 2);
     st.append(6);
     cpu::observe(st, step1.inputs());
     cpu::observe(st, step2.inputs());

@@ -174,7 +174,7 @@ TEST_CASE("h2o accumulates the reference's running sum, with forgetting and life
           steps.push_back(std::move(st));
         }
         const stored keys = store(steps[0].k, steps[0].n, steps[0].hkv, steps[0].d, t, l);
-        h2o_state one(cfg, 2), two(cfg, 2);
+        cpu::h2o_state one(cfg, 2), two(cfg, 2);
         one.append(steps[0].n);
         two.append(steps[0].n);
         keys.visit([&](const auto& rows) {
@@ -199,7 +199,7 @@ TEST_CASE("h2o state follows eviction: kept slots keep their accumulated scores,
   const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
   const stored queries = store_queries(p);
   const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
-  h2o_state st(h2o{}, 2);
+  cpu::h2o_state st(h2o{}, 2);
   st.append(p.n);
   cpu::observe(st, in);
   const auto before = st.scores();

@@ -1,6 +1,6 @@
 // infkv CPU backend: convenience calls over the pipeline (pipeline.hpp) that own their
-// workspace and results: a layer's finished scores, a layer's keep set, KeyDiff scores, and the
-// H2O observation hook. Callers that must not allocate use make_plan / run with cpu::backend.
+// workspace and results: a layer's finished scores, a layer's keep set, KeyDiff scores.
+// Callers that must not allocate use make_plan / run with cpu::backend.
 #pragma once
 
 #include <cmath>
@@ -14,6 +14,7 @@
 #include "attention.hpp"
 #include "backend.hpp"
 #include "executor.hpp"
+#include "h2o.hpp"
 
 namespace infkv::cpu {
 
@@ -79,13 +80,6 @@ inline keep_set select_tokens(std::span<const score_matrix> layers, std::span<co
   score_reducer red(r);
   for (const auto& s : layers) red.add(s);
   return select_top(red.result(), tokens, b);
-}
-
-/// H2O hook: accumulates the attention the queries of `in` (one decode step or a prefill chunk)
-/// give to the cached keys. The state must already mirror the cache (append first).
-template <row_source R>
-void observe(h2o_state& s, const layer_inputs<R>& in, const executor& ex = {}) {
-  s.accumulate(window_attention(in, ex), visible_counts(in.query_pos, in.tokens));
 }
 
 }  // namespace infkv::cpu

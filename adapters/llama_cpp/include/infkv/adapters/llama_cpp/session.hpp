@@ -117,7 +117,7 @@ class session {
     return {l.keys(), {}, l.queries(), l.query_pos(), tokens_, opt_.scale};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
-  const h2o_state& h2o_scores(std::int32_t layer) const {
+  const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
     require_h2o();
     INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
                            "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
@@ -370,7 +370,7 @@ class session {
   bool shift_ = false;
   std::vector<token> tokens_;
   std::vector<layer_cache> layers_;
-  std::vector<h2o_state> h2o_;
+  std::vector<cpu::h2o_state> h2o_;
   std::int64_t stream_next_ = 0;
   std::vector<layer_inputs<tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;            // grown on demand, reused across evictions
