@@ -135,3 +135,24 @@ TEST_CASE("pipeline: a source that reads queries refuses a layer without any") {
   const layer_inputs<> no_keys{{}, {}, {}, {}, p.tokens, 0.f};
   CHECK_ERROR(cpu::select(keydiff{}, budget{.capacity = 8}, no_keys), "layers[0].keys.data = null");
 }
+
+TEST_CASE("pipeline: PyramidKV's layer budgets are plain budgets, one plan per layer") {
+  const problem p = make_problem(11, 200, 2, 2, 8, 6);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const cpu::backend be{};
+  const auto budgets = pyramidkv{.beta = 4}.allocate(4, budget{.capacity = 60, .sinks = 2, .recent = 8});
+  std::int64_t total = 0;
+  for (std::size_t l = 0; l < budgets.size(); ++l) {
+    CAPTURE(l);
+    const plan pl = make_plan(be, inf_mllm{.window = 6}, budgets[l], shape_of(in), {.g = granularity::per_layer});
+    CHECK(pl.kept_total == budgets[l].capacity);
+    buffers buf(pl);
+    run(pl, be, std::span<const layer_inputs<>>(&in, 1), buf.ws.span(), buf.out);
+    CHECK(keep_set::from_view(buf.out) == cpu::select(inf_mllm{.window = 6}, budgets[l], in, granularity::per_layer));
+    if (l) CHECK(budgets[l].capacity <= budgets[l - 1].capacity);  // the pyramid narrows with depth
+    total += pl.kept_total;
+  }
+  CHECK(total == 4 * 60);
+}
