@@ -197,26 +197,36 @@ BENCHMARK(BM_select_top)->ArgName("n")->Arg(4096)->Arg(16384)->Arg(65536)->UseRe
 
 /// One layer's whole selection through the convenience call (score, pool, bias, top-k; Hkv 4,
 /// G 4, window 32, d 128, f16 keys, capacity n / 4): items/s counts slots.
+struct policy_layer {
+  static constexpr std::int32_t hkv = 4, group = 4, d = 128, window = 32;
+  std::int64_t n;
+  nhd_buffer keys, queries;
+  std::vector<token> tokens;
+  std::vector<std::int64_t> qpos;
+  layer_inputs<> in;
+  budget b;
+
+  explicit policy_layer(std::int64_t n_slots)
+      : n(n_slots), keys(random_nhd(dtype::f16, n, hkv, d, 10)), queries(random_nhd(dtype::f32, window, hkv * group, d, 11)),
+        tokens(text_tokens(n)) {
+    for (std::int32_t i = 0; i < window; ++i) qpos.push_back(n - window + i);
+    in.keys = keys.view;
+    in.queries = queries.view;
+    in.query_pos = qpos;
+    in.tokens = tokens;
+    b.capacity = n / 4;
+    b.sinks = 4;
+    b.recent = 32;
+  }
+  policy_layer(const policy_layer&) = delete;
+};
+
 template <class P>
 void policy_select(benchmark::State& state, const P& policy) {
   const std::int64_t n = state.range(0);
-  constexpr std::int32_t hkv = 4, group = 4, d = 128, window = 32;
-  const auto keys = random_nhd(dtype::f16, n, hkv, d, 10);
-  const auto queries = random_nhd(dtype::f32, window, hkv * group, d, 11);
-  const auto tokens = text_tokens(n);
-  std::vector<std::int64_t> qpos(window);
-  for (std::int32_t i = 0; i < window; ++i) qpos[std::size_t(i)] = n - window + i;
-  layer_inputs<> in;
-  in.keys = keys.view;
-  in.queries = queries.view;
-  in.query_pos = qpos;
-  in.tokens = tokens;
-  budget b;
-  b.capacity = n / 4;
-  b.sinks = 4;
-  b.recent = 32;
+  const policy_layer l(n);
   for (auto _ : state) {
-    auto keep = cpu::select(policy, b, in, granularity::per_head);
+    auto keep = cpu::select(policy, l.b, l.in, granularity::per_head);
     benchmark::DoNotOptimize(keep.n_units());
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * n);
@@ -232,25 +242,14 @@ BENCHMARK(BM_select_keydiff)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealTime()
 /// (what an engine's decode loop does): the difference is the convenience call's allocations.
 void BM_pipeline_run_snapkv(benchmark::State& state) {
   const std::int64_t n = state.range(0);
-  constexpr std::int32_t hkv = 4, group = 4, d = 128, window = 32;
-  const auto keys = random_nhd(dtype::f16, n, hkv, d, 10);
-  const auto queries = random_nhd(dtype::f32, window, hkv * group, d, 11);
-  const auto tokens = text_tokens(n);
-  std::vector<std::int64_t> qpos(window);
-  for (std::int32_t i = 0; i < window; ++i) qpos[std::size_t(i)] = n - window + i;
-  layer_inputs<> in;
-  in.keys = keys.view;
-  in.queries = queries.view;
-  in.query_pos = qpos;
-  in.tokens = tokens;
+  const policy_layer l(n);
   const cpu::backend be{};
-  const plan pl = make_plan(be, snapkv{.window = 32, .kernel = 7, .pool = pooling::max},
-                            budget{.capacity = n / 4, .sinks = 4, .recent = 32}, shape_of(in));
+  const plan pl = make_plan(be, snapkv{.window = 32, .kernel = 7, .pool = pooling::max}, l.b, shape_of(l.in));
   cpu::workspace ws(pl.workspace_bytes);
   std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
   const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
   for (auto _ : state) {
-    run(pl, be, std::span<const layer_inputs<>>(&in, 1), ws.span(), out);
+    run(pl, be, std::span<const layer_inputs<>>(&l.in, 1), ws.span(), out);
     benchmark::DoNotOptimize(slots.data());
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * n);

@@ -37,18 +37,15 @@ struct buffers {
 }  // namespace
 
 TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into one decision") {
-  const problem p = make_problem(5, 120, 2, 2, 8, 6);
-  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
-  const problem p2 = make_problem(6, 120, 2, 2, 8, 6);  // a second layer: other keys and queries
-  const stored keys2 = store(p2.k, p2.n, p2.hkv, p2.d, p2.type, layout::nhd);
-  const stored queries = store_queries(p), queries2 = store_queries(p2);
-  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const layer ly(make_problem(5, 120, 2, 2, 8, 6)), ly2(make_problem(6, 120, 2, 2, 8, 6));  // two layers
+  const problem& p = ly.p;
+  const layer_inputs<> in = ly.in();
   const cpu::backend be{};
   const budget b{.capacity = 40, .sinks = 2, .recent = 6};
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
     const auto l0 = with_accumulated(pol, in);
-    auto l1 = with_accumulated(pol, layer_inputs<>{keys2.tensor, {}, queries2.tensor, p.qpos, p.tokens, 0.f});
+    auto l1 = with_accumulated(pol, layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
     const plan pl = make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
     CHECK(pl.units == 1);
     CHECK(pl.kept_total == protect(pol, b).keep_count(p.n));
@@ -64,10 +61,9 @@ TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into
 }
 
 TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the protected tokens") {
-  const problem p = make_problem(7, 150, 4, 2, 8, 6);
-  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
-  const stored queries = store_queries(p);
-  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const layer ly(make_problem(7, 150, 4, 2, 8, 6));
+  const problem& p = ly.p;
+  const layer_inputs<> in = ly.in();
   const cpu::backend be{};
   const budget b{.capacity = 50, .sinks = 3, .recent = 5};
   for (const double alpha : {0.0, 0.2, 1.0}) {
@@ -90,10 +86,8 @@ TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the prote
 }
 
 TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
-  const problem p = make_problem(8, 64, 2, 2, 8, 4);
-  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
-  const stored queries = store_queries(p);
-  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const layer ly(make_problem(8, 64, 2, 2, 8, 4));
+  const layer_inputs<> in = ly.in();
   const problem q = make_problem(9, 50, 2, 2, 8, 4);
   const stored keys_q = store(q.k, q.n, q.hkv, q.d, q.type, layout::nhd);
   const cpu::backend be{};
@@ -111,7 +105,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     keep_view wrong = buf.out;
     wrong.n_units += 1;
     CHECK_ERROR(run(pl, be, one, buf.ws.span(), wrong), "out.n_units");
-    auto other = with_accumulated(pol, layer_inputs<>{keys_q.tensor, {}, queries.tensor, q.qpos, q.tokens, 0.f});
+    auto other = with_accumulated(pol, layer_inputs<>{keys_q.tensor, {}, ly.queries.tensor, q.qpos, q.tokens, 0.f});
     CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(&other, 1), buf.ws.span(), buf.out), "layers[0]");
     const std::vector<layer_inputs<>> two{l0, l0};
     CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(two), buf.ws.span(), buf.out), "layers.size() = 2");
@@ -137,10 +131,8 @@ TEST_CASE("pipeline: a source that reads queries refuses a layer without any") {
 }
 
 TEST_CASE("pipeline: PyramidKV's layer budgets are plain budgets, one plan per layer") {
-  const problem p = make_problem(11, 200, 2, 2, 8, 6);
-  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
-  const stored queries = store_queries(p);
-  const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const layer ly(make_problem(11, 200, 2, 2, 8, 6));
+  const layer_inputs<> in = ly.in();
   const cpu::backend be{};
   const auto budgets = pyramidkv{.beta = 4}.allocate(4, budget{.capacity = 60, .sinks = 2, .recent = 8});
   std::int64_t total = 0;

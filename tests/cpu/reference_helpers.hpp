@@ -162,6 +162,15 @@ inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t he
 /// Queries of a problem stored NHD in its type.
 inline stored store_queries(const problem& p) { return store(p.q, p.nq, p.hq, p.d, p.type, layout::nhd); }
 
+/// One problem's layer: keys stored NHD, queries NHD, both in the problem's type.
+struct layer {
+  problem p;
+  stored keys, queries;
+  explicit layer(problem q)
+      : p(std::move(q)), keys(store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd)), queries(store_queries(p)) {}
+  infkv::layer_inputs<> in() const { return {keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f}; }
+};
+
 /// Slots in time order: by position, then slot.
 inline std::vector<std::int64_t> ref_time_order(std::span<const token> tokens) {
   std::vector<std::int64_t> o(tokens.size());

@@ -50,15 +50,6 @@ std::vector<std::int64_t> ref_keep(const std::vector<double>& score, std::span<c
 
 std::vector<std::int64_t> unit_of(const keep_set& k, std::int64_t u = 0) { return {k.unit(u).begin(), k.unit(u).end()}; }
 
-/// One layer with its queries stored NHD in f32.
-struct layer {
-  problem p;
-  stored keys, queries;
-  explicit layer(problem q)
-      : p(std::move(q)), keys(store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd)), queries(store_queries(p)) {}
-  layer_inputs<> in() const { return {keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f}; }
-};
-
 /// The window attention mass of the reference, G query heads averaged first, then pooled over
 /// the whole row: what infkv computed before pooling stopped at the window and ran per head.
 ref_matrix mean_then_pool_whole_row(const problem& p, std::int32_t kernel, pooling kind) {
