@@ -11,8 +11,8 @@ namespace infkv_test {
 
 /// Calls f(label, policy) for every registered configuration. H2O states are fed the attention of
 /// `observed` (one step) first, so their scores are not all zero.
-template <class F>
-void for_each_policy(const infkv::layer_inputs<>& observed, F&& f) {
+template <class R, class F>
+void for_each_policy(const infkv::layer_inputs<R>& observed, F&& f) {
   using namespace infkv;
   f("streaming_llm", streaming_llm{});
   f("tova", tova{});

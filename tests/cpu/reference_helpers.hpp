@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <set>
 #include <span>
 #include <sstream>
 #include <string>
@@ -258,11 +259,17 @@ inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::
   return out;
 }
 
-/// Attention bias: each row divided by its mean, plus beta * f(age), age over positions or
-/// segments scaled to [0, 1] (0 = newest), f linear (1 - a) or normalised exponential.
+/// Attention bias: each row divided by its mean, plus beta * f(age), age over positions,
+/// segments or ranks (distinct positions) scaled to [0, 1] (0 = newest), f linear (1 - a) or
+/// normalised exponential.
 inline void ref_bias(ref_matrix& s, std::span<const token> tokens, const infkv::attention_bias& b) {
   if (b.beta == 0.0) return;
-  auto age_of = [&](const token& t) { return b.unit == infkv::age_unit::positions ? double(t.pos) : double(t.segment); };
+  std::set<std::int64_t> distinct;  // ranks: how many distinct cached positions are older
+  for (const auto& t : tokens) distinct.insert(t.pos);
+  auto age_of = [&](const token& t) {
+    if (b.unit == infkv::age_unit::ranks) return double(std::distance(distinct.begin(), distinct.find(t.pos)));
+    return b.unit == infkv::age_unit::positions ? double(t.pos) : double(t.segment);
+  };
   double newest = -1e300, oldest = 1e300;
   for (const auto& t : tokens) newest = std::max(newest, age_of(t)), oldest = std::min(oldest, age_of(t));
   for (auto& row : s) {
@@ -340,6 +347,25 @@ inline ref_matrix ref_h2o(std::span<const problem> steps, const infkv::h2o& c) {
     for (auto& row : acc)
       for (std::size_t j = 0; j < row.size(); ++j) row[j] /= std::max(1.0, life[j]);
   return acc;
+}
+
+/// StreamingLLM: the time rank of each slot, one row.
+inline ref_matrix ref_streaming_llm(const problem& p) {
+  ref_matrix out(1, std::vector<double>(std::size_t(p.n), 0.0));
+  const auto o = ref_time_order(p.tokens);
+  for (std::size_t i = 0; i < o.size(); ++i) out[0][std::size_t(o[i])] = double(i);
+  return out;
+}
+
+/// The reference scores of any registered policy on problem p (H2O: the one step that the
+/// registry's state observed, p's own queries).
+inline ref_matrix ref_scores(const problem& p, const infkv::streaming_llm&) { return ref_streaming_llm(p); }
+inline ref_matrix ref_scores(const problem& p, const infkv::tova&) { return ref_tova(p); }
+inline ref_matrix ref_scores(const problem& p, const infkv::keydiff&) { return ref_keydiff(p); }
+inline ref_matrix ref_scores(const problem& p, const infkv::snapkv& c) { return ref_snapkv(p, c); }
+inline ref_matrix ref_scores(const problem& p, const infkv::inf_mllm& c) { return ref_inf_mllm(p, c); }
+inline ref_matrix ref_scores(const problem& p, const infkv::cpu::h2o_state& s) {
+  return ref_h2o(std::span<const problem>(&p, 1), s.config());
 }
 
 /// Checks |got - want| <= rtol * |want| + atol * max|want row| element by element; names the

@@ -11,6 +11,7 @@
 #include <infkv/cpu.hpp>
 
 #include "cpu/reference_helpers.hpp"
+#include "policy_registry.hpp"
 
 using namespace infkv;
 using namespace infkv_test;
@@ -214,4 +215,12 @@ TEST_CASE("h2o state follows eviction: kept slots keep their accumulated scores,
     for (std::size_t i = 0; i < slots.size(); ++i) CHECK(after(h, std::int64_t(i)) == before(h, slots[i]));
     for (std::int64_t j = 8; j < 11; ++j) CHECK(after(h, j) == 0.f);
   }
+}
+
+TEST_CASE("every registered policy matches its float64 reference on every type, view and GQA group") {
+  for_each_setup(700, [&](const problem& p, const auto& in, const std::string& label) {
+    for_each_policy(in, [&](const std::string& name, const auto& pol) {
+      check_policy(pol, p, in, label + "/" + name, [&](const problem& q) { return ref_scores(q, pol); });
+    });
+  });
 }
