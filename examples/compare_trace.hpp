@@ -25,7 +25,7 @@ inline infkv::synthetic::workload to_workload(const trace_io::trace& t, std::int
                                               std::int64_t segment_tokens) {
   const auto& l = t.layer(layer);
   INFKV_REQUIRE(tokens >= 1 && tokens <= t.n_tokens, "--tokens", tokens, "must be in [1, ", t.n_tokens,
-                         "] (the trace's tokens)");
+                "] (the trace's tokens)");
   INFKV_REQUIRE(segment_tokens >= 1, "segment_tokens", segment_tokens, "must be >= 1");
   infkv::synthetic::workload w;
   w.cfg.tokens = tokens;
@@ -41,7 +41,7 @@ inline infkv::synthetic::workload to_workload(const trace_io::trace& t, std::int
     char* end = nullptr;
     const double scale = std::strtod(it->second.c_str(), &end);
     INFKV_REQUIRE(end != it->second.c_str() && *end == '\0' && std::isfinite(scale) && scale > 0,
-                           "__metadata__.attention_scale", it->second, "must be a positive number");
+                  "__metadata__.attention_scale", it->second, "must be a positive number");
     const auto gain = float(scale * std::sqrt(double(l.head_dim)));
     if (gain != 1.0f)
       for (auto& x : w.queries) x *= gain;

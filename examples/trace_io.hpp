@@ -49,7 +49,7 @@ struct safetensors {
     const infkv::dtype type = t.dtype == "F32" ? infkv::dtype::f32 : t.dtype == "F16" ? infkv::dtype::f16
                                                                                        : infkv::dtype::bf16;
     INFKV_REQUIRE(t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16", what + ": " + name + ".dtype",
-                           t.dtype, "must be F16, F32 or BF16");
+                  t.dtype, "must be F16, F32 or BF16");
     std::vector<float> out((t.end - t.begin) / infkv::size_of(type));
     infkv::to_f32(type, data.data() + t.begin, out.data(), std::int64_t(out.size()));
     return out;

@@ -127,7 +127,7 @@ class session_runner final : public runner {
     first_out_ = 0;
     note_fed(toks.size());
     INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(),
-                           "exceed budget + block = ", cap_, ": the cache is not bounded");
+                  "exceed budget + block = ", cap_, ": the cache is not bounded");
   }
 
   std::int64_t evict() override {
@@ -137,7 +137,7 @@ class session_runner final : public runner {
     std::sort(before.begin(), before.end());
     const auto r = infkv_examples::with_policy(kind_, set_, [&](const auto& p) { return session_.evict(p, budget_); });
     INFKV_REQUIRE(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
-                           "exceed --budget = ", set_.budget);
+                  "exceed --budget = ", set_.budget);
     std::size_t out = 0;
     for (std::size_t i = 0; i < before.size(); ++i) {
       const bool gone = std::any_of(r.removed.begin(), r.removed.end(),
@@ -146,7 +146,7 @@ class session_runner final : public runner {
     }
     cached_.resize(out);
     INFKV_REQUIRE(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
-                           "differ from the session's slots ", session_.size());
+                  "differ from the session's slots ", session_.size());
     return r.evicted;
   }
 

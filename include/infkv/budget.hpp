@@ -22,14 +22,14 @@ struct budget {
   void validate() const {
     INFKV_REQUIRE(capacity >= 0, "budget.capacity", capacity, "must be >= 0");
     INFKV_REQUIRE(std::isfinite(ratio) && ratio >= 0.0 && ratio <= 1.0, "budget.ratio", ratio,
-                    "must be in [0, 1]");
+                  "must be in [0, 1]");
     INFKV_REQUIRE((capacity > 0) != (ratio > 0.0), "budget.capacity", capacity,
-                    "set exactly one of capacity (> 0) and ratio (> 0); ratio = ", ratio);
+                  "set exactly one of capacity (> 0) and ratio (> 0); ratio = ", ratio);
     INFKV_REQUIRE(sinks >= 0, "budget.sinks", sinks, "must be >= 0");
     INFKV_REQUIRE(recent >= 0, "budget.recent", recent, "must be >= 0");
     if (capacity > 0)
       INFKV_REQUIRE(capacity >= sinks + recent, "budget.capacity", capacity,
-                      "cannot hold its protected tokens: sinks (", sinks, ") + recent (", recent, ")");
+                    "cannot hold its protected tokens: sinks (", sinks, ") + recent (", recent, ")");
   }
 
   /// Slots to keep out of `n_slots` present: min(n_slots, capacity or ceil(ratio * n_slots)).
@@ -40,7 +40,7 @@ struct budget {
         capacity > 0 ? capacity : std::int64_t(std::ceil(ratio * double(n_slots) - 1e-9));
     if (cap >= n_slots) return n_slots;
     INFKV_REQUIRE(cap >= sinks + recent, "budget.ratio", ratio, "keeps ", cap, " of ", n_slots,
-                    " slots, fewer than its protected sinks (", sinks, ") + recent (", recent, ")");
+                  " slots, fewer than its protected sinks (", sinks, ") + recent (", recent, ")");
     return cap;
   }
 };

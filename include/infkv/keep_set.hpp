@@ -72,9 +72,9 @@ class keep_set {
   void add_unit(std::span<const std::int64_t> slots) {
     for (std::size_t i = 0; i < slots.size(); ++i) {
       INFKV_REQUIRE(slots[i] >= 0 && slots[i] < n_slots_, "slots[" + std::to_string(i) + "]", slots[i],
-                      "must be in [0, n_slots = ", n_slots_, ")");
+                    "must be in [0, n_slots = ", n_slots_, ")");
       if (i) INFKV_REQUIRE(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
-                             "must be greater than the previous slot ", slots[i - 1]);
+                           "must be greater than the previous slot ", slots[i - 1]);
     }
     slots_.insert(slots_.end(), slots.begin(), slots.end());
     offsets_.push_back(std::int64_t(slots_.size()));
@@ -132,7 +132,7 @@ class keep_set {
   static keep_set from_runs(std::span<const position_run> kept, std::span<const token> tokens) {
     for (std::size_t i = 0; i < kept.size(); ++i)
       INFKV_REQUIRE(kept[i].begin < kept[i].end, "kept[" + std::to_string(i) + "].end", kept[i].end,
-                      "must exceed begin = ", kept[i].begin);
+                    "must exceed begin = ", kept[i].begin);
     keep_set k(std::int64_t(tokens.size()));
     std::vector<std::int64_t> s;
     for (std::size_t i = 0; i < tokens.size(); ++i)

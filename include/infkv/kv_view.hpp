@@ -181,11 +181,11 @@ inline void validate(const paged_view& p, const char* name) {
   for (std::int32_t s = 0; s < p.n_seqs; ++s) {
     const std::int32_t pages = p.indptr[s + 1] - p.indptr[s];
     INFKV_REQUIRE(pages >= 0, std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
-                    p.indptr[s + 1], "must not be below indptr[", s, "] = ", p.indptr[s]);
+                  p.indptr[s + 1], "must not be below indptr[", s, "] = ", p.indptr[s]);
     const std::int32_t last = p.last_page_len[s];
     INFKV_REQUIRE(pages == 0 ? last == 0 : (last >= 1 && last <= p.page_size),
-                    std::string(name) + ".last_page_len[" + std::to_string(s) + "]", last,
-                    "must be in [1, page_size = ", p.page_size, "] for a sequence with pages, 0 without");
+                  std::string(name) + ".last_page_len[" + std::to_string(s) + "]", last,
+                  "must be in [1, page_size = ", p.page_size, "] for a sequence with pages, 0 without");
   }
   for (std::int32_t i = 0; i < p.indptr[p.n_seqs]; ++i)
     INFKV_REQUIRE(p.indices[i] >= 0 && p.indices[i] < p.n_pages, std::string(name) + ".indices[" + std::to_string(i) + "]",

@@ -191,12 +191,17 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
     INFKV_REQUIRE(s.head_dim == p.shape.head_dim, at("keys.head_dim"), s.head_dim, "the plan was made for ",
                   p.shape.head_dim);
   }
-  if (p.spec.needs() & needs_queries)
+  if (p.spec.needs() & needs_queries) {
     INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, at("queries.n_heads"), s.q_heads,
                   "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
+    const std::int64_t reads = p.spec.source == score_source::last_query ? 1 : p.spec.queries;
+    INFKV_REQUIRE(std::min(reads, s.n_queries) <= std::min(reads, p.shape.n_queries), at("queries.n_slots"),
+                  s.n_queries, "the plan's workspace holds ", std::min(reads, p.shape.n_queries),
+                  " window queries: plan with the largest query count the layers will have");
+  }
   if (p.spec.source == score_source::accumulated)
     INFKV_REQUIRE(in.accumulated.data != nullptr && in.accumulated.rows == p.shape.kv_heads &&
-                      in.accumulated.cols == p.shape.n_slots,
+                  in.accumulated.cols == p.shape.n_slots,
                   at("accumulated.rows"), in.accumulated.rows, "must be ", p.shape.kv_heads, " x ", p.shape.n_slots,
                   " accumulated scores; cols = ", in.accumulated.cols);
 }

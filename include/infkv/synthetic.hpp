@@ -61,7 +61,7 @@ struct config {
     INFKV_REQUIRE(head_dim >= 4, "config.head_dim", head_dim, "must be >= 4");
     INFKV_REQUIRE(round_tokens >= 1, "config.round_tokens", round_tokens, "must be >= 1");
     INFKV_REQUIRE(std::isfinite(round_jitter) && round_jitter >= 0.0 && round_jitter < 1.0, "config.round_jitter",
-                    round_jitter, "must be in [0, 1)");
+                  round_jitter, "must be in [0, 1)");
     INFKV_REQUIRE(video_every >= 0, "config.video_every", video_every, "must be >= 0");
     INFKV_REQUIRE(frame_tokens >= 1, "config.frame_tokens", frame_tokens, "must be >= 1");
     INFKV_REQUIRE(sinks >= 0 && sinks <= tokens, "config.sinks", sinks, "must be in [0, tokens = ", tokens, "]");
@@ -69,9 +69,9 @@ struct config {
     INFKV_REQUIRE(saddle_span >= 1, "config.saddle_span", saddle_span, "must be >= 1");
     INFKV_REQUIRE(long_lived >= 0, "config.long_lived", long_lived, "must be >= 0");
     INFKV_REQUIRE(std::isfinite(local_tokens) && local_tokens > 0.0, "config.local_tokens", local_tokens,
-                    "must be finite and > 0");
+                  "must be finite and > 0");
     INFKV_REQUIRE(std::isfinite(query_gain_spread) && query_gain_spread >= 0.0 && query_gain_spread < 1.0,
-                    "config.query_gain_spread", query_gain_spread, "must be in [0, 1)");
+                  "config.query_gain_spread", query_gain_spread, "must be in [0, 1)");
     finite_ge0("config.frame_logit", frame_logit);
     finite_ge0("config.sink_logit", sink_logit);
     finite_ge0("config.sink_value_scale", sink_value_scale);
@@ -122,7 +122,7 @@ struct workload {
   /// Queries of tokens [begin, end) as an NHD view (do not write through it).
   tensor_view query_rows(std::int64_t begin, std::int64_t end) {
     INFKV_REQUIRE(begin >= 0 && begin <= end && end <= size(), "begin", begin, "with end = ", end,
-                    " must satisfy 0 <= begin <= end <= tokens = ", size());
+                  " must satisfy 0 <= begin <= end <= tokens = ", size());
     const std::int64_t row = std::int64_t(query_heads()) * cfg.head_dim;
     return nhd(queries.data() + begin * row, dtype::f32, end - begin, query_heads(), cfg.head_dim);
   }

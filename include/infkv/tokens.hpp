@@ -60,10 +60,10 @@ inline std::vector<std::int64_t> time_order(std::span<const token> tokens) {
 /// Checks that `tokens` describes exactly `n_slots` slots with non-negative positions.
 inline void validate_tokens(std::span<const token> tokens, std::int64_t n_slots, const char* name = "tokens") {
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, std::string(name) + ".size()", tokens.size(),
-                  "must equal the number of cached slots (", n_slots, ")");
+                "must equal the number of cached slots (", n_slots, ")");
   for (std::size_t i = 0; i < tokens.size(); ++i)
     INFKV_REQUIRE(tokens[i].pos >= 0, std::string(name) + "[" + std::to_string(i) + "].pos",
-                    tokens[i].pos, "positions must be >= 0");
+                  tokens[i].pos, "positions must be >= 0");
 }
 
 }  // namespace infkv

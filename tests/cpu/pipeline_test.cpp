@@ -114,6 +114,18 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_layer, .adakv_alpha = 0.5}),
                 "plan_options.adakv_alpha");
     CHECK_ERROR(make_plan(be, pol, budget{.capacity = 3, .sinks = 2, .recent = 2}, shape_of(l0)), "budget.capacity = 3");
+    if (pol.spec().needs() & needs_queries) {  // more window queries than the plan's workspace holds
+      auto fewer = l0;
+      fewer.queries.n_slots = 1;
+      fewer.queries.data = l0.queries.row(3, 0);
+      fewer.query_pos = fewer.query_pos.last(1);
+      if (pol.spec().source == score_source::window_attention) {
+        const plan small = make_plan(be, pol, b, shape_of(fewer));
+        buffers sbuf(small);
+        CHECK_ERROR(run(small, be, one, sbuf.ws.span(), sbuf.out), "layers[0].queries.n_slots = 4");
+      }
+      CHECK_NOTHROW(run(pl, be, std::span<const layer_inputs<>>(&fewer, 1), buf.ws.span(), buf.out));
+    }
     run(pl, be, one, buf.ws.span(), buf.out);  // the buffers still work after the refusals
     CHECK(keep_set::from_view(buf.out) == cpu::select(pol, b, in));
   });

@@ -59,8 +59,8 @@ struct pyramidkv {
     for (std::int32_t l = 0; l < n_layers; ++l) {
       out[std::size_t(l)].capacity = prefix[std::size_t(l)] + base.recent;
       INFKV_REQUIRE(out[std::size_t(l)].capacity >= base.sinks + base.recent, "budget.capacity", base.capacity,
-                      "too small for PyramidKV: layer ", l, " would keep ", out[std::size_t(l)].capacity,
-                      " < sinks + recent (", base.sinks + base.recent, ")");
+                    "too small for PyramidKV: layer ", l, " would keep ", out[std::size_t(l)].capacity,
+                    " < sinks + recent (", base.sinks + base.recent, ")");
     }
     return out;
   }

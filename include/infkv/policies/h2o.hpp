@@ -22,7 +22,7 @@ struct h2o {
 
   void validate() const {
     INFKV_REQUIRE(std::isfinite(forgetting) && forgetting > 0.0 && forgetting <= 1.0, "h2o.forgetting",
-                    forgetting, "must be in (0, 1]");
+                  forgetting, "must be in (0, 1]");
   }
 };
 

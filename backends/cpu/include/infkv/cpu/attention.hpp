@@ -79,11 +79,11 @@ void check_attention_inputs(const layer_inputs<R>& in) {
   validate(in.queries, "queries");
   validate_tokens(in.tokens, in.keys.n_slots);
   INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                         "must equal keys.head_dim (", in.keys.head_dim, ")");
+                "must equal keys.head_dim (", in.keys.head_dim, ")");
   INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
-                         "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
+                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
   INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()",
-                         in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, ")");
+                in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, ")");
   INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
   INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
@@ -305,8 +305,8 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
   detail::check_attention_inputs(in);
   validate(in.values, "values");
   INFKV_REQUIRE(in.values.n_slots == in.keys.n_slots && in.values.n_heads == in.keys.n_heads,
-                         "values.n_slots", in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ",
-                         in.keys.n_heads, " heads); values.n_heads = ", in.values.n_heads);
+                "values.n_slots", in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ",
+                in.keys.n_heads, " heads); values.n_heads = ", in.values.n_heads);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv, dv = in.values.head_dim;
   const std::int64_t n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);

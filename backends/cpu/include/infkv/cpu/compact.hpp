@@ -26,14 +26,14 @@ void move_row(const R& t, std::int64_t from, std::int64_t to, std::int32_t head)
 /// Checks that `keep` fits a cache of `n_slots` and `n_heads` heads and returns the kept count.
 inline std::int64_t check_keep(const keep_set& keep, std::int64_t n_slots, std::int32_t n_heads, bool per_head_ok) {
   INFKV_REQUIRE(keep.n_slots() == n_slots, "keep.n_slots()", keep.n_slots(),
-                         "must equal the cache's slot count (", n_slots, ")");
+                "must equal the cache's slot count (", n_slots, ")");
   INFKV_REQUIRE(keep.n_units() == 1 || (per_head_ok && keep.n_units() == n_heads), "keep.n_units()",
-                         keep.n_units(), per_head_ok ? "must be 1 or the number of heads (" : "must be 1 (",
-                         per_head_ok ? n_heads : 1, ")");
+                keep.n_units(), per_head_ok ? "must be 1 or the number of heads (" : "must be 1 (",
+                per_head_ok ? n_heads : 1, ")");
   const std::int64_t m = keep.size(0);
   for (std::int64_t u = 1; u < keep.n_units(); ++u)
     INFKV_REQUIRE(keep.size(u) == m, "keep.size(" + std::to_string(u) + ")", keep.size(u),
-                           "every head must keep the same number of slots (", m, ")");
+                  "every head must keep the same number of slots (", m, ")");
   return m;
 }
 
@@ -52,15 +52,15 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
   if (!kv.v.empty()) {
     validate(kv.v, "kv.v");
     INFKV_REQUIRE(kv.v.n_slots == kv.k.n_slots && kv.v.n_heads == kv.k.n_heads, "kv.v.n_slots",
-                           kv.v.n_slots, "V must have K's slots (", kv.k.n_slots, ") and heads (", kv.k.n_heads,
-                           "); kv.v.n_heads = ", kv.v.n_heads);
+                  kv.v.n_slots, "V must have K's slots (", kv.k.n_slots, ") and heads (", kv.k.n_heads,
+                  "); kv.v.n_heads = ", kv.v.n_heads);
   }
   const std::int64_t n = kv.k.n_slots, m = detail::check_keep(keep, n, kv.k.n_heads, true);
   const bool per_head_tokens = std::int64_t(tokens.size()) == n * kv.k.n_heads && kv.k.n_heads > 1;
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n || per_head_tokens, "tokens.size()", tokens.size(),
-                         "must be n_slots (", n, ") or n_heads x n_slots (", n * kv.k.n_heads, ")");
+                "must be n_slots (", n, ") or n_heads x n_slots (", n * kv.k.n_heads, ")");
   INFKV_REQUIRE(keep.uniform() || per_head_tokens, "keep", "per-head units",
-                         "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
+                "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
   for (std::int32_t h = 0; h < kv.k.n_heads; ++h) {
     const auto slots = keep.unit(keep.n_units() == 1 ? 0 : h);
     for (std::int64_t i = 0; i < m; ++i) {

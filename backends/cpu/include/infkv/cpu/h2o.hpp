@@ -66,11 +66,11 @@ class h2o_state {
   void evict(const keep_set& k) {
     INFKV_REQUIRE(k.n_slots() == n_, "keep.n_slots()", k.n_slots(), "must equal the state's slots (", n_, ")");
     INFKV_REQUIRE(k.n_units() == 1 || k.n_units() == heads_, "keep.n_units()", k.n_units(),
-                    "must be 1 or n_kv_heads (", heads_, ")");
+                  "must be 1 or n_kv_heads (", heads_, ")");
     const std::int64_t m = k.size(0);
     for (std::int64_t u = 1; u < k.n_units(); ++u)
       INFKV_REQUIRE(k.size(u) == m, "keep.size(" + std::to_string(u) + ")", k.size(u),
-                      "per-head units must keep equal counts (", m, ")");
+                    "per-head units must keep equal counts (", m, ")");
     std::vector<float> acc(static_cast<std::size_t>(heads_ * m)), life(static_cast<std::size_t>(heads_ * m));
     for (std::int64_t h = 0; h < heads_; ++h) {
       const auto slots = k.unit(k.n_units() == 1 ? 0 : h);

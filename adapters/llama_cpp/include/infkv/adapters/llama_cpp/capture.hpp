@@ -157,12 +157,12 @@ class graph_observer {
     if (kind == 0) return;
     const std::int32_t layer = layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
     INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
-                           ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
+                  ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
     layer_rows& l = layers_[std::size_t(layer)];
     const auto d = std::int32_t(t->ne[0]), heads = std::int32_t(t->ne[1]);
     if (l.head_dim == 0) l.head_dim = d;
     INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
-                           l.head_dim);
+                  l.head_dim);
     if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
       append_rows(t, l.v, scratch_);
       l.n_v += t->ne[2];

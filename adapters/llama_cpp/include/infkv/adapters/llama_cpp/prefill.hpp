@@ -109,28 +109,28 @@ inline std::int64_t pos_per_embd(const llama_model* m) {
 inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, position_mode mode) {
   const std::string at = "chunks[" + std::to_string(i) + "]";
   INFKV_REQUIRE(c.tokens.empty() || c.embd.empty(), at + ".embd.size()", c.embd.size(),
-                         "a chunk holds token ids or embeddings, not both (tokens.size() = ", c.tokens.size(), ")");
+                "a chunk holds token ids or embeddings, not both (tokens.size() = ", c.tokens.size(), ")");
   INFKV_REQUIRE(c.size() > 0, at + ".size()", c.size(), "a chunk needs at least one token or embedding row");
   if (c.is_embd()) {
     const std::int64_t n_embd = llama_model_n_embd_inp(m);
     INFKV_REQUIRE(std::int64_t(c.embd.size()) == c.n_tokens * n_embd, at + ".embd.size()", c.embd.size(),
-                           "must be n_tokens (", c.n_tokens, ") * llama_model_n_embd_inp (", n_embd, ")");
+                  "must be n_tokens (", c.n_tokens, ") * llama_model_n_embd_inp (", n_embd, ")");
   } else {
     INFKV_REQUIRE(c.n_tokens == 0 || c.n_tokens == c.size(), at + ".n_tokens", c.n_tokens,
-                           "a text chunk takes its size from tokens.size() = ", c.tokens.size());
+                  "a text chunk takes its size from tokens.size() = ", c.tokens.size());
   }
   if (c.positions.empty()) {
     INFKV_REQUIRE(c.n_pos == 0, at + ".n_pos", c.n_pos, "applies to explicit positions only");
     return;
   }
   INFKV_REQUIRE(mode == position_mode::keep, at + ".positions.size()", c.positions.size(),
-                         "explicit positions need the session in position_mode::keep (compaction renumbers them)");
+                "explicit positions need the session in position_mode::keep (compaction renumbers them)");
   const std::int64_t per = c.is_embd() ? pos_per_embd(m) : 1;
   INFKV_REQUIRE(std::int64_t(c.positions.size()) == c.size() * per, at + ".positions.size()",
-                         c.positions.size(), "must be ", per, " * ", c.size(), " (positions per token * tokens)");
+                c.positions.size(), "must be ", per, " * ", c.size(), " (positions per token * tokens)");
   for (std::size_t k = 0; k < c.positions.size(); ++k)
     INFKV_REQUIRE(c.positions[k] >= 0, at + ".positions[" + std::to_string(k) + "]", c.positions[k],
-                           "must be >= 0");
+                  "must be >= 0");
   INFKV_REQUIRE(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
 }
 
@@ -169,15 +169,15 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   INFKV_REQUIRE(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
   const budget pb = protect(p, b);
   INFKV_REQUIRE(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
-                         "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (",
-                         pb.recent, ")");
+                "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (",
+                pb.recent, ")");
   if constexpr (requires { p.window; })
     INFKV_REQUIRE(p.window <= s.options().window, std::string(p.spec().name) + ".window", p.window,
-                           "exceeds the queries the session keeps (session_options.window = ", s.options().window, ")");
+                  "exceeds the queries the session keeps (session_options.window = ", s.options().window, ")");
   const std::int64_t n_ctx = llama_n_ctx(ctx);
   INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx,
-                         "the context cannot hold block_prefill.budget (", schedule.budget, ") + block (",
-                         schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
+                "the context cannot hold block_prefill.budget (", schedule.budget, ") + block (",
+                schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
   for (std::size_t i = 0; i < chunks.size(); ++i) detail::validate_chunk(chunks[i], i, m, s.mode());
 
   prefill_result res;
@@ -198,9 +198,9 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
     const bool one_block = std::ranges::any_of(res.blocks, [&](const block_range& r) {
       return r.begin <= start[c] && start[c + 1] <= r.end; });
     INFKV_REQUIRE(one_block && chunks[c].size() <= std::min(n_ubatch, n_batch),
-                           "chunks[" + std::to_string(c) + "].size()", chunks[c].size(),
-                           "a non-causal chunk must fit one block (block_prefill.block = ", schedule.block,
-                           ") and one micro-batch (llama_n_ubatch = ", n_ubatch, ")");
+                  "chunks[" + std::to_string(c) + "].size()", chunks[c].size(),
+                  "a non-causal chunk must fit one block (block_prefill.block = ", schedule.block,
+                  ") and one micro-batch (llama_n_ubatch = ", n_ubatch, ")");
   }
 
   if (s.size() > schedule.budget) res.evicted += s.evict(p, b).evicted;

@@ -67,7 +67,7 @@ class session {
       : model_(model), opt_(opt), observer_(checked_layers(model)) {
     INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
     INFKV_REQUIRE(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
-                           "must be f32 or f16");
+                  "must be f32 or f16");
     INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
     if (opt_.track_h2o) opt_.track_h2o->validate();
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
@@ -120,7 +120,7 @@ class session {
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
     require_h2o();
     INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
-                           "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
+                  "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
     return h2o_[std::size_t(layer)];
   }
 
@@ -150,11 +150,11 @@ class session {
     INFKV_REQUIRE(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
     INFKV_REQUIRE(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
     INFKV_REQUIRE(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
-                           "the session needs explicit sequence ids");
+                  "the session needs explicit sequence ids");
     for (std::int32_t i = 0; i < batch.n_tokens; ++i)
       INFKV_REQUIRE(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
-                             "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
-                             "every entry must belong to the session's sequence ", opt_.seq, " only");
+                    "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
+                    "every entry must belong to the session's sequence ", opt_.seq, " only");
     observer_.begin();
     const std::int32_t rc = llama_decode(ctx_, batch);
     observer_.end();
@@ -190,7 +190,7 @@ class session {
   eviction_result evict(const P& p, const budget& b) {
     if constexpr (requires { p.window; })
       INFKV_REQUIRE(p.window <= opt_.window, std::string(p.spec().name) + ".window", p.window,
-                             "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
+                    "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
     return run_pipeline(p, b, [&](std::int32_t l) { return inputs(l); });
   }
 
@@ -198,9 +198,9 @@ class session {
   eviction_result evict(const h2o& config, const budget& b) {
     require_h2o();
     INFKV_REQUIRE(config.forgetting == opt_.track_h2o->forgetting &&
-                               config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
-                           "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
-                           opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
+                  config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
+                  "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
+                  opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
     if (h2o_.empty()) return {0, size(), {}, false};
     return run_pipeline(h2o_.front(), b, [&](std::int32_t l) {
       auto in = inputs(l);
@@ -249,9 +249,9 @@ class session {
     const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
     const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
     INFKV_REQUIRE(lo == want_lo, "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
-                           "the session's bookkeeping says ", want_lo);
+                  "the session's bookkeeping says ", want_lo);
     INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
-                           "the session's bookkeeping says ", want_hi);
+                  "the session's bookkeeping says ", want_hi);
   }
 
  private:
@@ -285,7 +285,7 @@ class session {
   }
   void require_h2o() const {
     INFKV_REQUIRE(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
-                           "H2O needs the attention of every decode: set it when creating the session");
+                  "H2O needs the attention of every decode: set it when creating the session");
   }
   std::int64_t min_pos() const {
     return std::min_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
