@@ -252,15 +252,13 @@ score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, c
   return out;
 }
 
-/// Scores of one layer after the finish, written to `out` ([finished_rows][n_slots]).
+/// Scores of one layer after the finish: a [finished_rows][n_slots] view into `ws` (memory of the
+/// backend), valid until the workspace is used again. Allocates nothing.
 template <class B, row_source R>
-void run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std::span<std::byte> ws, score_view out) {
+score_view run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std::span<std::byte> ws) {
   detail::check_workspace(p, ws);
-  INFKV_REQUIRE(out.rows == p.finished_rows && out.cols == p.shape.n_slots, "out.rows", out.rows, "must be ",
-                p.finished_rows, " x ", p.shape.n_slots, "; out.cols = ", out.cols);
   const auto order = detail::order_of(p, be, std::span<const layer_inputs<R>>(&in, 1), ws);
-  const score_view s = finish_layer(p, be, in, order, ws);
-  for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r));
+  return finish_layer(p, be, in, order, ws);
 }
 
 /// Runs the plan over `layers` (one, or n_layers for a per-token decision over several layers,

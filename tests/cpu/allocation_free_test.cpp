@@ -80,8 +80,9 @@ void check_run(const P& pol, std::span<const layer_inputs<R>> layers, const budg
   if (opt.n_layers == 1 && opt.adakv_alpha < 0)
     CHECK(keep_set::from_view(out) == cpu::select(pol, b, layers[0], opt.g, opt.r));
   if (opt.n_layers == 1) {
-    score_matrix s(pl.finished_rows, pl.shape.n_slots);
-    CHECK(allocations_in([&] { run_scores(pl, be, layers[0], ws.span(), s.view()); }) == 0);
+    score_view s;
+    CHECK(allocations_in([&] { s = run_scores(pl, be, layers[0], ws.span()); }) == 0);
+    CHECK((s.rows == pl.finished_rows && s.cols == pl.shape.n_slots));
   }
 }
 

@@ -3,6 +3,7 @@
 // Callers that must not allocate use make_plan / run with cpu::backend.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <cstdint>
@@ -51,8 +52,9 @@ score_matrix layer_scores(const P& p, const layer_inputs<R>& in, const executor&
   const auto inputs = detail::with_state(p, in);
   const plan pl = make_plan(be, p, budget{.ratio = 1.0}, shape_of(inputs));
   workspace ws(pl.workspace_bytes);
-  score_matrix out(pl.finished_rows, pl.shape.n_slots);
-  run_scores(pl, be, inputs, ws.span(), out.view());
+  const score_view s = run_scores(pl, be, inputs, ws.span());
+  score_matrix out(s.rows, s.cols);
+  for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r).begin());
   return out;
 }
 
