@@ -5,7 +5,8 @@
 # MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
 # every token of the key statement at the question, StreamingLLM none; and a --skip run whose
 # block token counts start after the skipped tokens.
-# MODE bad_flag: bad values must fail with a message naming the flag.
+# MODE bad_flag: bad values must fail with a message naming the flag. MODE too_big: a budget no
+# machine holds is refused at once, naming --budget.
 # Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
 # sets `json` to the JSON.
 function(run_stream what)
@@ -75,6 +76,13 @@ elseif(MODE STREQUAL "passkey")
   string(JSON last GET "${json}" runs 0 blocks 2 tokens)
   if(NOT first EQUAL 1032 OR NOT last EQUAL 1096)
     message(FATAL_ERROR "--skip 1000: blocks end at ${first} .. ${last} tokens, expected 1032 .. 1096")
+  endif()
+elseif(MODE STREQUAL "too_big")
+  # A budget no machine holds fails at once, naming --budget, before llama.cpp allocates anything.
+  execute_process(COMMAND ${EXE} --model ${MODEL} --text ${TEXT} --tokens 100 --budget 2000000000 --policy snapkv
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  if(rc EQUAL 0 OR NOT err MATCHES "--budget = 2000000000: snapkv needs .* MiB of memory are available")
+    message(FATAL_ERROR "infkv-stream --budget 2000000000: exit ${rc}, expected a one-line refusal:\n${err}")
   endif()
 elseif(MODE STREQUAL "bad_flag")
   foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100")

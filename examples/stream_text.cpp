@@ -38,6 +38,17 @@ double load_average() {
   return v;
 }
 
+/// Bytes of memory available now (MemAvailable in /proc/meminfo), or -1 when unknown.
+double memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024.0;
+  return -1;
+}
+
 using infkv_examples::at_least;
 
 struct options {
@@ -99,6 +110,26 @@ std::vector<stream::policy_info> check(const options& o) {
       usage_error("--budget = " + std::to_string(o.s.budget) + ": must exceed the tokens " + std::string(p.name) +
                   " protects (sinks " + std::to_string(b->sinks) + " + recent " + std::to_string(b->recent) + ")");
   return chosen;
+}
+
+/// Fails naming --budget (or --tokens, for the full cache) before anything is allocated when the
+/// largest cache a run needs cannot fit in the memory available now: llama.cpp's f16 K/V plus the
+/// session's f32 key copies, per cell, times the cells.
+void check_memory(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
+  const stream::model_shape sh(m);
+  const double per_cell = double(sh.kv_bytes(1)) + 4.0 * sh.layers * sh.kv_heads * sh.head_dim;
+  const double avail = memory_available();
+  if (avail <= 0) return;
+  for (const auto& p : chosen) {
+    const bool full = p.k == stream::kind::full;
+    const double cells = full ? double(o.tokens > 0 ? std::min<std::int64_t>(o.tokens, sh.n_ctx_train) : sh.n_ctx_train)
+                              : double(o.s.budget) + double(o.s.block);
+    if (cells * per_cell > avail)
+      usage_error(fmt::format("{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies "
+                              "({:.1f} KiB a cell), but {:.0f} MiB of memory are available",
+                              full ? "--tokens" : "--budget", full ? o.tokens : o.s.budget, p.name, cells,
+                              cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0));
+  }
 }
 
 nlohmann::json head(const options& o, const llama_model* m, double load) {
@@ -232,6 +263,7 @@ int main(int argc, char** argv) {
   const auto chosen = check(o);
   try {
     const auto model = stream::load_model(o.model);
+    check_memory(o, chosen, model.get());
     return o.passkey > 0 ? run_passkey(o, chosen, model.get()) : run_text(o, chosen, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-stream: error: " << e.what() << '\n';
