@@ -114,10 +114,10 @@ std::vector<stream::policy_info> check(const options& o) {
 
 /// Fails naming --budget (or --tokens, for the full cache) before anything is allocated when the
 /// largest cache a run needs cannot fit in the memory available now: llama.cpp's f16 K/V plus the
-/// session's f32 key copies, per cell, times the cells.
+/// session's f16 key copies, per cell, times the cells.
 void check_memory(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const stream::model_shape sh(m);
-  const double per_cell = double(sh.kv_bytes(1)) + 4.0 * sh.layers * sh.kv_heads * sh.head_dim;
+  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1));
   const double avail = memory_available();
   if (avail <= 0) return;
   for (const auto& p : chosen) {

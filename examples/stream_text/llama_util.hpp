@@ -43,6 +43,8 @@ struct model_shape {
     return cells * layers * 2 * std::int64_t(kv_heads) * head_dim * std::int64_t(ggml_type_size(t)) /
            std::int64_t(ggml_blck_size(t));
   }
+  /// Bytes of the session's f16 key copies (every layer) for `cells` cached tokens.
+  std::int64_t key_copy_bytes(std::int64_t cells) const { return cells * layers * kv_heads * head_dim * 2; }
 };
 
 /// Context parameters shared by every run: `n_ctx` cells, batches up to `n_batch` tokens.

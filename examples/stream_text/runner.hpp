@@ -154,7 +154,7 @@ class session_runner final : public runner {
 
   /// Keys (f16) of every layer plus the window queries (f32), as the session holds them.
   std::int64_t host_bytes() const override {
-    const std::int64_t keys = session_.size() * shape_.layers * shape_.kv_heads * shape_.head_dim * 2;
+    const std::int64_t keys = shape_.key_copy_bytes(session_.size());
     const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) *
                                  shape_.layers * shape_.heads * shape_.head_dim * 4;
     return keys + queries;

@@ -155,7 +155,7 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   p.tmp = detail::carve(at, std::size_t(n) * f);
   p.when = detail::carve(at, spec.bias.beta > 0 ? std::size_t(n) * sizeof(double) : 0);
   p.cand = detail::carve(at, std::size_t(n) * i64);
-  p.caps = detail::carve(at, std::size_t(p.units) * i64);
+  p.caps = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(p.units) * i64 : 0);
   p.pairs = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(adakv::scratch_size(p.units, n)) * i64 : 0);
   p.backend = detail::carve(at, std::size_t(be.scratch_bytes(spec, shape)));
   p.workspace_bytes = (at + 63) / 64 * 64;
@@ -183,8 +183,7 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, at("tokens.size()"), s.n_slots,
                 "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads, " KV heads; this layer has ",
                 s.kv_heads);
-  if (p.spec.needs() & needs_keys)
-  {
+  if (p.spec.needs() & needs_keys) {
     INFKV_REQUIRE(!in.keys.empty(), at("keys.data"), "null", p.spec.name, " reads the keys");
     INFKV_REQUIRE(in.keys.n_slots == s.n_slots, at("tokens.size()"), s.n_slots, "must equal keys.n_slots (",
                   in.keys.n_slots, ")");
@@ -194,9 +193,9 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   if (p.spec.needs() & needs_queries) {
     INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, at("queries.n_heads"), s.q_heads,
                   "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
-    const std::int64_t reads = p.spec.source == score_source::last_query ? 1 : p.spec.queries;
-    INFKV_REQUIRE(std::min(reads, s.n_queries) <= std::min(reads, p.shape.n_queries), at("queries.n_slots"),
-                  s.n_queries, "the plan's workspace holds ", std::min(reads, p.shape.n_queries),
+    const std::int64_t planned = std::min(p.spec.queries, p.shape.n_queries);
+    INFKV_REQUIRE(std::min(p.spec.queries, s.n_queries) <= planned, at("queries.n_slots"), s.n_queries,
+                  "the plan's workspace holds ", planned,
                   " window queries: plan with the largest query count the layers will have");
   }
   if (p.spec.source == score_source::accumulated)

@@ -35,23 +35,12 @@ enum class score_source : std::uint8_t {
   accumulated,       ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
 };
 
-constexpr const char* to_string(score_source s) {
-  switch (s) {
-    case score_source::recency: return "recency";
-    case score_source::key_diversity: return "key_diversity";
-    case score_source::window_attention: return "window_attention";
-    case score_source::last_query: return "last_query";
-    case score_source::accumulated: return "accumulated";
-  }
-  return "?";
-}
-
 /// A policy as data: score source, finish (pooling along time with the observation window left
 /// out, then the attention bias) and the recent tokens it always keeps.
 struct policy_spec {
   std::string_view name;
   score_source source = score_source::recency;
-  std::int64_t queries = 0;         ///< queries the source reads (window_attention; last_query reads 1)
+  std::int64_t queries = 0;         ///< the last queries the source reads (window_attention; 1 for last_query)
   pooling pool = pooling::none;
   std::int32_t kernel = 1;          ///< pooling width (odd)
   std::int64_t pool_tail = 0;       ///< last slots in time order left out of pooling (the observation window)
@@ -77,7 +66,7 @@ struct policy_spec {
   /// True when max pooling must run per query head before the GQA group mean (as SnapKV and
   /// kvpress do); for avg and sum pooling the order does not matter.
   constexpr bool pools_per_query_head() const {
-    return pool == pooling::max && kernel > 1 && source == score_source::window_attention;
+    return pools() && pool == pooling::max && source == score_source::window_attention;
   }
   /// True when pooling changes anything (and the observation window then gets the row's mean).
   constexpr bool pools() const { return pool != pooling::none && kernel > 1; }

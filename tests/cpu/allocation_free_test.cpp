@@ -60,13 +60,6 @@ std::size_t allocations_in(F&& f) {
   return allocations;
 }
 
-/// The policy's inputs, with H2O's accumulated scores attached.
-template <class P, class R>
-layer_inputs<R> inputs_for(const P& p, layer_inputs<R> in) {
-  if constexpr (std::same_as<P, cpu::h2o_state>) in.accumulated = p.scores().view();
-  return in;
-}
-
 /// Plans, allocates every buffer, then checks that run (and run_scores) allocate nothing.
 template <class P, class R>
 void check_run(const P& pol, std::span<const layer_inputs<R>> layers, const budget& b, plan_options opt) {
@@ -105,8 +98,8 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
   const budget b{.capacity = 100, .sinks = 4, .recent = 8};
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
-    const auto one = inputs_for(pol, in);
-    const auto one_paged = inputs_for(pol, in_paged);
+    const auto one = cpu::inputs_for(pol, in);
+    const auto one_paged = cpu::inputs_for(pol, in_paged);
     for (granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token}) {
       check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = g});
       check_run(pol, std::span<const layer_inputs<paged_rows>>(&one_paged, 1), b, {.g = g, .r = reduction::max});

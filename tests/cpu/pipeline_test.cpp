@@ -19,12 +19,6 @@ using namespace infkv_test;
 
 namespace {
 
-template <class P>
-layer_inputs<> with_accumulated(const P& p, layer_inputs<> in) {
-  if constexpr (std::same_as<P, cpu::h2o_state>) in.accumulated = p.scores().view();
-  return in;
-}
-
 struct buffers {
   cpu::workspace ws;
   std::vector<std::int64_t> offsets, slots;
@@ -44,8 +38,8 @@ TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into
   const budget b{.capacity = 40, .sinks = 2, .recent = 6};
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
-    const auto l0 = with_accumulated(pol, in);
-    auto l1 = with_accumulated(pol, layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
+    const auto l0 = cpu::inputs_for(pol, in);
+    auto l1 = cpu::inputs_for(pol, layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
     const plan pl = make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
     CHECK(pl.units == 1);
     CHECK(pl.kept_total == protect(pol, b).keep_count(p.n));
@@ -94,7 +88,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
   const budget b{.capacity = 20, .sinks = 1, .recent = 4};
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
-    const auto l0 = with_accumulated(pol, in);
+    const auto l0 = cpu::inputs_for(pol, in);
     const plan pl = make_plan(be, pol, b, shape_of(l0));
     buffers buf(pl);
     const auto one = std::span<const layer_inputs<>>(&l0, 1);
@@ -105,7 +99,8 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     keep_view wrong = buf.out;
     wrong.n_units += 1;
     CHECK_ERROR(run(pl, be, one, buf.ws.span(), wrong), "out.n_units");
-    auto other = with_accumulated(pol, layer_inputs<>{keys_q.tensor, {}, ly.queries.tensor, q.qpos, q.tokens, 0.f});
+    auto other = l0;  // another cache: 50 slots
+    other.keys = keys_q.tensor, other.query_pos = q.qpos, other.tokens = q.tokens;
     CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(&other, 1), buf.ws.span(), buf.out), "layers[0]");
     const std::vector<layer_inputs<>> two{l0, l0};
     CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(two), buf.ws.span(), buf.out), "layers.size() = 2");

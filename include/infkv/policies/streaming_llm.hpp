@@ -18,13 +18,4 @@ struct streaming_llm {
   policy_spec spec() const { return {.name = name, .source = score_source::recency, .natural = granularity::per_token}; }
 };
 
-/// Recency scores: rank of each slot in time order, one identical row per unit.
-inline score_matrix recency_scores(std::span<const token> tokens, std::int64_t rows = 1) {
-  score_matrix s(rows, std::int64_t(tokens.size()));
-  const auto order = time_order(tokens);
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::size_t i = 0; i < order.size(); ++i) s(r, order[i]) = float(i);
-  return s;
-}
-
 }  // namespace infkv

@@ -10,3 +10,4 @@
 #include "cpu/h2o.hpp"
 #include "cpu/rope.hpp"
 #include "cpu/score.hpp"
+#include "cpu/workspace.hpp"

@@ -24,6 +24,7 @@
 
 #include "executor.hpp"
 #include "kernels.hpp"
+#include "workspace.hpp"
 
 namespace infkv::cpu {
 
@@ -51,11 +52,15 @@ struct softmax_layout {
   }
 };
 
-/// Floats of scratch each worker of window_attention_into needs, rounded to 64-byte lines.
+/// Floats of scratch each worker of window_attention_into needs for G x n_q query rows of
+/// head_dim d against n keys, rounded to 64-byte lines.
+inline std::int64_t window_scratch_floats(std::int64_t group, std::int64_t n_q, std::int64_t d, std::int64_t n) {
+  return lines(softmax_layout(group * n_q, d, n).floats());
+}
 template <row_source R>
 std::int64_t window_scratch_floats(const layer_inputs<R>& in) {
-  const std::int32_t group = in.queries.n_heads / in.keys.n_heads;
-  return lines(softmax_layout(group * in.queries.n_slots, in.keys.head_dim, in.keys.n_slots).floats());
+  return window_scratch_floats(in.queries.n_heads / in.keys.n_heads, in.queries.n_slots, in.keys.head_dim,
+                               in.keys.n_slots);
 }
 
 /// Throws naming the first non-finite element of `t`'s rows [first, first + count) of `head`.
@@ -232,16 +237,6 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   }
 }
 
-/// 64-byte-aligned scratch owned by a convenience call.
-struct aligned_floats {
-  std::vector<float> buf;
-  explicit aligned_floats(std::int64_t floats) : buf(static_cast<std::size_t>(floats + 16)) {}
-  float* get() {
-    const auto a = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + (64 - a % 64) % 64 / sizeof(float);
-  }
-};
-
 }  // namespace detail
 
 /// Attention mass each cached key receives from the window, into `out`: per KV head h (or per
@@ -284,10 +279,9 @@ void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_q
 template <row_source R>
 score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}) {
   detail::check_attention_inputs(in);
-  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
   score_matrix out(in.keys.n_heads, in.keys.n_slots);
-  detail::aligned_floats work(std::min<std::int64_t>(ex.threads, in.keys.n_heads) * detail::window_scratch_floats(in));
-  window_attention_into(in, out.view(), false, work.get(), ex);
+  const workspace work(std::size_t(workers(ex, in.keys.n_heads) * detail::window_scratch_floats(in)) * sizeof(float));
+  window_attention_into(in, out.view(), false, work.as<float>(), ex);
   return out;
 }
 
@@ -312,11 +306,10 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
   std::vector<float> out(static_cast<std::size_t>(n_q * in.queries.n_heads * dv), 0.f);
   const std::int64_t per_worker = detail::window_scratch_floats(in);
-  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
-  detail::aligned_floats work(std::min<std::int64_t>(ex.threads, hkv) * per_worker);
+  const workspace work(std::size_t(workers(ex, hkv) * per_worker) * sizeof(float));
   parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.get() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.as<float>() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
                                                                  const float* c) {
       for (std::int64_t j = 0; j < tn; ++j)
         to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);

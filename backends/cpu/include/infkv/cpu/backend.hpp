@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <new>
 #include <span>
 
 #include <infkv/pipeline.hpp>
@@ -17,6 +16,7 @@
 #include "attention.hpp"
 #include "executor.hpp"
 #include "kernels.hpp"
+#include "workspace.hpp"
 
 namespace infkv::cpu {
 
@@ -38,16 +38,13 @@ layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
 /// -cos(k_j, anchor) per KV head into `out` [Hkv][n_slots], anchor = mean of the unit-length
 /// keys. `scratch` holds ex.threads x keydiff_scratch_floats(keys) floats. Two passes over the
 /// keys; a NaN or Inf key raises naming slot and head. Cost O(Hkv * n * d).
-template <row_source R>
-std::int64_t keydiff_scratch_floats(const R& keys) {
-  return detail::lines(2 * std::int64_t(keys.head_dim));
-}
+inline std::int64_t keydiff_scratch_floats(std::int64_t head_dim) { return detail::lines(2 * head_dim); }
 template <row_source R>
 void keydiff_into(const R& keys, score_view out, float* scratch, const executor& ex = {}) {
   validate(keys, "keys");
   INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == keys.n_slots, "out.rows", out.rows, "must be ", keys.n_heads,
                 " x ", keys.n_slots, "; out.cols = ", out.cols);
-  const std::int64_t n = keys.n_slots, d = keys.head_dim, per_worker = keydiff_scratch_floats(keys);
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, per_worker = keydiff_scratch_floats(d);
   parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
     float* k = scratch + w * per_worker;
     float* anchor = k + d;
@@ -76,15 +73,13 @@ struct backend {
 
   /// Scratch the score source needs for layers of `shape`, in bytes.
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape) const {
-    INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
-    const std::int64_t workers = std::min<std::int64_t>(ex.threads, shape.kv_heads), n = shape.n_slots;
+    const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
     std::int64_t floats = 0;
     switch (spec.source) {
-      case score_source::key_diversity: floats = workers * detail::lines(2 * std::int64_t(shape.head_dim)); break;
+      case score_source::key_diversity: floats = workers * keydiff_scratch_floats(shape.head_dim); break;
       case score_source::window_attention: case score_source::last_query: {
-        const std::int64_t n_q = std::min(spec.source == score_source::last_query ? 1 : spec.queries, shape.n_queries);
-        const std::int64_t group = shape.q_heads / shape.kv_heads;
-        floats = workers * detail::lines(detail::softmax_layout(group * n_q, shape.head_dim, n).floats());
+        floats = workers * detail::window_scratch_floats(shape.q_heads / shape.kv_heads,
+                                                         std::min(spec.queries, shape.n_queries), shape.head_dim, n);
         if (spec.source == score_source::last_query) floats += detail::lines(std::int64_t(shape.kv_heads) * n);
         break;
       }
@@ -115,8 +110,9 @@ struct backend {
       }
       case score_source::last_query: {  // every KV head's mass, then the mean over all heads
         const score_view heads{f, in.keys.n_heads, n, n};
-        window_attention_into(detail::last_queries(in, 1), heads, false, f + detail::lines(in.keys.n_heads * n), ex,
-                              in.queries.n_slots - 1);
+        const auto last = detail::last_queries(in, spec.queries);
+        window_attention_into(last, heads, false, f + detail::lines(in.keys.n_heads * n), ex,
+                              in.queries.n_slots - last.queries.n_slots);
         reduce(out, heads, reduction::mean, true);
         finish_reduction(out, reduction::mean, heads.rows);
         return;
@@ -179,20 +175,5 @@ struct backend {
 };
 
 static_assert(infkv::backend<backend>);
-
-/// A 64-byte-aligned workspace of `bytes` bytes, for the convenience calls.
-class workspace {
- public:
-  explicit workspace(std::size_t bytes)
-      : bytes_(bytes), p_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(64)))) {}
-  ~workspace() { ::operator delete(p_, std::align_val_t(64)); }
-  workspace(const workspace&) = delete;
-  workspace& operator=(const workspace&) = delete;
-  std::span<std::byte> span() const { return {p_, bytes_}; }
-
- private:
-  std::size_t bytes_;
-  std::byte* p_;
-};
 
 }  // namespace infkv::cpu

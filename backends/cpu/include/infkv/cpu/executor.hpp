@@ -21,10 +21,16 @@ struct executor {
 /// Calls f(w, i) for i in [0, n), split into contiguous chunks over min(ex.threads, n) workers
 /// w = 0, 1, ... (worker 0 is the calling thread; the others live for this call); the first
 /// exception thrown by any f is rethrown in the caller. With one worker nothing is allocated.
+/// How many workers `ex` runs for n items: min(ex.threads, n); checks the thread count. Scratch
+/// sized per worker uses it too.
+inline std::int64_t workers(const executor& ex, std::int64_t n) {
+  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
+  return std::min<std::int64_t>(ex.threads, n);
+}
+
 template <class F>
 void parallel_for_workers(const executor& ex, std::int64_t n, F&& f) {
-  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
-  const std::int64_t workers = std::min<std::int64_t>(ex.threads, n);
+  const std::int64_t workers = cpu::workers(ex, n);
   if (workers <= 1) {
     for (std::int64_t i = 0; i < n; ++i) f(std::int64_t{0}, i);
     return;

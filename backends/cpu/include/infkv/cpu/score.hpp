@@ -23,18 +23,16 @@ namespace infkv::cpu {
 template <row_source R>
 score_matrix keydiff_scores(const R& keys, const executor& ex = {}) {
   validate(keys, "keys");
-  INFKV_REQUIRE(ex.threads >= 1, "executor.threads", ex.threads, "must be >= 1");
   score_matrix out(keys.n_heads, keys.n_slots);
-  detail::aligned_floats work(std::min<std::int64_t>(ex.threads, keys.n_heads) * keydiff_scratch_floats(keys));
-  keydiff_into(keys, out.view(), work.get(), ex);
+  const workspace work(std::size_t(workers(ex, keys.n_heads) * keydiff_scratch_floats(keys.head_dim)) * sizeof(float));
+  keydiff_into(keys, out.view(), work.as<float>(), ex);
   return out;
 }
 
-namespace detail {
-
-/// The inputs with a stateful policy's accumulated scores attached (H2O's state owns them).
+/// The inputs `p` scores from: `in`, with the accumulated scores attached when `p` is a stateful
+/// policy (H2O's state owns them); any other policy's inputs are `in` unchanged.
 template <policy P, row_source R>
-layer_inputs<R> with_state(const P& p, layer_inputs<R> in) {
+layer_inputs<R> inputs_for(const P& p, layer_inputs<R> in) {
   if constexpr (std::same_as<P, h2o_state>) {
     INFKV_REQUIRE(p.n_slots() == std::int64_t(in.tokens.size()), "h2o_state.n_slots()", p.n_slots(),
                   "must equal the cached slots (", in.tokens.size(), ")");
@@ -43,13 +41,11 @@ layer_inputs<R> with_state(const P& p, layer_inputs<R> in) {
   return in;
 }
 
-}  // namespace detail
-
 /// Scores of one layer after the policy's finish (pooling, group mean, bias): [units][n_slots].
 template <policy P, row_source R>
 score_matrix layer_scores(const P& p, const layer_inputs<R>& in, const executor& ex = {}) {
   const backend be{ex};
-  const auto inputs = detail::with_state(p, in);
+  const auto inputs = inputs_for(p, in);
   const plan pl = make_plan(be, p, budget{.ratio = 1.0}, shape_of(inputs));
   workspace ws(pl.workspace_bytes);
   const score_view s = run_scores(pl, be, inputs, ws.span());
@@ -65,7 +61,7 @@ template <policy P, row_source R>
 keep_set select(const P& p, const budget& b, const layer_inputs<R>& in, std::optional<granularity> g = {},
                 reduction r = reduction::mean, const executor& ex = {}) {
   const backend be{ex};
-  const auto inputs = detail::with_state(p, in);
+  const auto inputs = inputs_for(p, in);
   const plan pl = make_plan(be, p, b, shape_of(inputs), {.g = g.value_or(p.spec().natural), .r = r});
   workspace ws(pl.workspace_bytes);
   std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
