@@ -69,8 +69,7 @@ struct plan {
   std::int64_t units = 0;          ///< decision units of the keep set
   std::int64_t keep_per_unit = 0;  ///< slots each unit keeps (AdaKV: on average)
   std::int64_t kept_total = 0;     ///< slots the keep set holds in all
-  std::size_t order = 0, scores = 0, finished = 0, acc = 0, tmp = 0, when = 0, cand = 0, caps = 0, pairs = 0,
-              backend = 0;
+  std::size_t order = 0, scores = 0, finished = 0, acc = 0, caps = 0, backend = 0;
   std::size_t workspace_bytes = 0;
 
   /// True when the run evicts anything (otherwise every slot is kept).
@@ -81,24 +80,24 @@ struct plan {
 
 /// A backend: the primitives the pipeline calls, each implemented once per backend. Spans and
 /// views point to memory the backend can address (host memory for the CPU, device memory for a
-/// GPU); `scratch` is the backend's part of the workspace.
+/// GPU); `scratch` is the backend's part of the workspace (`scratch_bytes` sized it), lent to
+/// each primitive in turn: nothing in it outlives the call.
 template <class B, class R = tensor_view>
-concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const layer_inputs<R>& in,
-                           std::span<const token> tokens, std::int64_t* order, const std::int64_t* corder,
-                           score_view s, std::span<std::byte> scratch, float* tmp, double* when,
-                           std::int64_t* cand, std::int64_t* caps, keep_view out, reduction r, const adakv& a,
-                           const budget& bud) {
-  { b.scratch_bytes(spec, shape) } -> std::convertible_to<std::size_t>;
-  b.time_order(tokens, order);
+concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const plan_options& opt,
+                           const layer_inputs<R>& in, std::span<const token> tokens, std::int64_t* order,
+                           const std::int64_t* corder, score_view s, std::span<std::byte> scratch,
+                           std::int64_t* caps, keep_view out, reduction r, const adakv& a, const budget& bud) {
+  { b.scratch_bytes(spec, shape, opt) } -> std::convertible_to<std::size_t>;
+  b.time_order(tokens, order, scratch);
   b.score(spec, in, corder, s, scratch);
-  b.pool(s, corder, spec, tmp);
+  b.pool(s, corder, spec, scratch);
   b.group_mean(s, s);
-  b.fill_tail(s, corder, std::int64_t{0});
-  b.bias(s, tokens, corder, spec, when);
+  b.fill_tail(s, corder, std::int64_t{0}, scratch);
+  b.bias(s, tokens, corder, spec, scratch);
   b.reduce(s, s, r, true);
   b.finish_reduction(s, r, std::int64_t{1});
-  b.allocate(a, s, corder, bud, std::int64_t{0}, std::span<std::int64_t>(cand, 1), caps);
-  b.select(s, tokens, corder, caps, std::int64_t{0}, bud, cand, out);
+  b.allocate(a, s, corder, bud, std::int64_t{0}, caps, scratch);
+  b.select(s, tokens, corder, caps, std::int64_t{0}, bud, out, scratch);
 };
 
 namespace detail {
@@ -152,12 +151,8 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   p.scores = detail::carve(at, std::size_t(p.source_rows * n) * f);
   p.finished = spec.pools_per_query_head() ? detail::carve(at, std::size_t(p.finished_rows * n) * f) : p.scores;
   p.acc = detail::carve(at, per_head ? 0 : std::size_t(n) * f);
-  p.tmp = detail::carve(at, std::size_t(n) * f);
-  p.when = detail::carve(at, spec.bias.beta > 0 ? std::size_t(n) * sizeof(double) : 0);
-  p.cand = detail::carve(at, std::size_t(n) * i64);
   p.caps = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(p.units) * i64 : 0);
-  p.pairs = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(adakv::scratch_size(p.units, n)) * i64 : 0);
-  p.backend = detail::carve(at, std::size_t(be.scratch_bytes(spec, shape)));
+  p.backend = detail::carve(at, std::size_t(be.scratch_bytes(spec, shape, opt)));
   p.workspace_bytes = (at + 63) / 64 * 64;
   return p;
 }
@@ -205,6 +200,11 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
                   " accumulated scores; cols = ", in.accumulated.cols);
 }
 
+/// The backend's part of the workspace.
+inline std::span<std::byte> scratch(const plan& p, std::span<std::byte> ws) {
+  return ws.subspan(p.backend, ws.size() - p.backend);
+}
+
 inline void check_workspace(const plan& p, std::span<std::byte> ws) {
   INFKV_REQUIRE(ws.size() >= p.workspace_bytes, "workspace.size()", ws.size(), "the plan needs ", p.workspace_bytes,
                 " bytes");
@@ -224,7 +224,7 @@ const std::int64_t* order_of(const plan& p, const B& be, std::span<const layer_i
                   "another list", "every layer of one decision must share the tokens of layer 0");
   }
   auto* order = at<std::int64_t>(ws, p.order);
-  be.time_order(layers[0].tokens, order);
+  be.time_order(layers[0].tokens, order, scratch(p, ws));
   return order;
 }
 
@@ -237,17 +237,18 @@ score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, c
                         std::span<std::byte> ws) {
   const std::int64_t n = p.shape.n_slots;
   const score_view src{detail::at<float>(ws, p.scores), p.source_rows, n, n};
-  be.score(p.spec, in, order, src, ws.subspan(p.backend, ws.size() - p.backend));
+  const auto scratch = detail::scratch(p, ws);
+  be.score(p.spec, in, order, src, scratch);
   score_view out = src;
   if (p.spec.pools_per_query_head()) {  // pool each query head, then average the group
-    be.pool(src, order, p.spec, detail::at<float>(ws, p.tmp));
+    be.pool(src, order, p.spec, scratch);
     out = {detail::at<float>(ws, p.finished), p.finished_rows, n, n};
     be.group_mean(src, out);
   } else {
-    be.pool(out, order, p.spec, detail::at<float>(ws, p.tmp));
+    be.pool(out, order, p.spec, scratch);
   }
-  if (p.spec.pools()) be.fill_tail(out, order, p.spec.pool_tail);
-  be.bias(out, in.tokens, order, p.spec, detail::at<double>(ws, p.when));
+  if (p.spec.pools()) be.fill_tail(out, order, p.spec.pool_tail, scratch);
+  be.bias(out, in.tokens, order, p.spec, scratch);
   return out;
 }
 
@@ -274,7 +275,7 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   const std::int64_t n = p.shape.n_slots;
   const auto tokens = layers[0].tokens;
   if (!p.evicts()) {  // everything stays: no scoring needed
-    be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, nullptr, out);
+    be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, out, detail::scratch(p, ws));
     return;
   }
   score_view final_scores;
@@ -294,10 +295,10 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
   if (p.opt.adakv_alpha >= 0) {
     caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, order, p.keep, p.keep_per_unit,
-                {detail::at<std::int64_t>(ws, p.pairs), std::size_t(adakv::scratch_size(p.units, n))}, caps);
+    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, order, p.keep, p.keep_per_unit, caps,
+                detail::scratch(p, ws));
   }
-  be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, detail::at<std::int64_t>(ws, p.cand), out);
+  be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
 }
 
 }  // namespace infkv

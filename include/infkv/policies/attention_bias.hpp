@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../config.hpp"
 #include "../error.hpp"
 #include "../scores.hpp"
 #include "../tokens.hpp"
@@ -42,10 +43,10 @@ struct attention_bias {
     INFKV_REQUIRE(std::isfinite(rate) && rate > 0.0, "bias.rate", rate, "must be finite and > 0");
   }
 
-  /// Recency term in [0, 1] for a normalised age a in [0, 1].
-  double recency(double a) const {
+  /// Recency term in [0, 1] for a normalised age a in [0, 1] (host and device).
+  INFKV_HOST_DEVICE double recency(double a) const {
     if (shape == decay::linear) return 1.0 - a;
-    return (std::exp(-rate * a) - std::exp(-rate)) / (1.0 - std::exp(-rate));
+    return (::exp(-rate * a) - ::exp(-rate)) / (1.0 - ::exp(-rate));
   }
 
   /// Applies the bias to every row of `s`. `order` lists the slots in time order; `when` holds

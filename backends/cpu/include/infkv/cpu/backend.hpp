@@ -71,8 +71,9 @@ void keydiff_into(const R& keys, score_view out, float* scratch, const executor&
 struct backend {
   executor ex{};
 
-  /// Scratch the score source needs for layers of `shape`, in bytes.
-  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape) const {
+  /// Scratch of the primitives for layers of `shape`, in bytes: the largest of the score
+  /// source's, pooling's (one row), the bias's, selection's and AdaKV's.
+  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
     std::int64_t floats = 0;
     switch (spec.source) {
@@ -85,10 +86,13 @@ struct backend {
       }
       case score_source::recency: case score_source::accumulated: break;
     }
-    return std::size_t(floats) * sizeof(float);
+    const std::int64_t units = opt.g == granularity::per_head ? shape.kv_heads : 1;
+    const std::int64_t words = std::max(n, opt.adakv_alpha >= 0 ? adakv::scratch_size(units, n) : 0);  // int64 / double
+    return std::max({std::size_t(floats) * sizeof(float), std::size_t(n) * sizeof(float),
+                     std::size_t(words) * sizeof(std::int64_t)});
   }
 
-  void time_order(std::span<const token> tokens, std::int64_t* order) const {
+  void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> = {}) const {
     validate_tokens(tokens, std::int64_t(tokens.size()));
     time_order_into(tokens, order);
   }
@@ -124,11 +128,12 @@ struct backend {
     }
   }
 
-  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, float* tmp) const {
+  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+    auto* tmp = reinterpret_cast<float*>(scratch.data());
     for (std::int64_t r = 0; r < s.rows; ++r) pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
   }
 
-  void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail) const {
+  void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> = {}) const {
     for (std::int64_t r = 0; r < s.rows; ++r) infkv::fill_tail(s.row(r), order, s.cols, tail);
   }
 
@@ -142,23 +147,25 @@ struct backend {
   }
 
   void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
-            double* when) const {
-    spec.bias.apply(s, tokens, order, when);
+            std::span<std::byte> scratch) const {
+    spec.bias.apply(s, tokens, order, reinterpret_cast<double*>(scratch.data()));
   }
 
   void reduce(score_view acc, score_view s, reduction r, bool first) const { reduce_into(acc, s, r, first); }
   void finish_reduction(score_view acc, reduction r, std::int64_t rows) const { infkv::finish_reduction(acc, r, rows); }
 
   void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
-                std::span<std::int64_t> scratch, std::int64_t* caps) const {
+                std::int64_t* caps, std::span<std::byte> scratch) const {
     check_scores(s);
-    a.allocate_into(s, order, b, cap, scratch, caps);
+    a.allocate_into(s, order, b, cap,
+                    {reinterpret_cast<std::int64_t*>(scratch.data()), scratch.size() / sizeof(std::int64_t)}, caps);
   }
 
   /// Per unit u (row u of s), keeps caps[u] slots (or `cap` when caps is null); s.data null
   /// keeps every slot. NaN scores raise.
   void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-              std::int64_t cap, const budget& keep, std::int64_t* cand, keep_view out) const {
+              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+    auto* cand = reinterpret_cast<std::int64_t*>(scratch.data());
     out.offsets[0] = 0;
     for (std::int64_t u = 0; u < out.n_units; ++u) {
       std::int64_t* dst = out.slots + out.offsets[u];

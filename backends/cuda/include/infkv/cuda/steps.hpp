@@ -1,0 +1,830 @@
+// infkv CUDA backend: every algorithm of the backend as a sequence of data-parallel steps, each
+// a `__host__ __device__` body run once per index by a launcher. The CUDA library runs them
+// with a kernel per step on a stream (`cuda::backend`, compiled by nvcc); the tests run the very
+// same steps with a host launcher (a loop over odd block shapes, under ASan / UBSan) and compare
+// with the CPU backend, so indexing, bounds and per-thread logic are tested without a GPU.
+//
+// Every body writes only its own outputs and sums in a fixed order: results are deterministic
+// (no float atomics). Sorting is the launcher's one other primitive (CUB's radix sort on a GPU,
+// a stable sort on the host). Device code never throws: a bad value (a NaN key, a negative
+// position, a NaN score, an inconsistent keep set or page table) is recorded in a status word at
+// the start of the scratch, the smallest code wins, and the host wrapper raises naming it.
+//
+// A launcher L provides:
+//   l.for_each(n, f)                            f(i) for every i in [0, n)
+//   l.sort_pairs(kin, kout, vin, vout, n, bits) stable sort of (uint64 key, int64 value) pairs
+//                                               by the low `bits` bits of the key
+//   L::sort_scratch_bytes(n)                    scratch sort_pairs needs for n pairs
+//   l.sort_scratch(std::span<std::byte>)        where sort_pairs finds that scratch
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+
+#include <infkv/error.hpp>
+#include <infkv/keep_set.hpp>
+#include <infkv/kv_view.hpp>
+#include <infkv/pipeline.hpp>
+#include <infkv/rope.hpp>
+#include <infkv/select.hpp>
+
+namespace infkv::cuda {
+
+/// What a device step found wrong, by priority (the smallest recorded code wins).
+enum class fault : std::uint8_t {
+  none = 0,
+  bad_keep = 1,           ///< a keep set that does not fit the cache (a = unit, b = entry)
+  bad_pages = 2,          ///< a page table that does not match the sequence (b = the sequence's slots)
+  negative_position = 3,  ///< b = slot
+  key_not_finite = 4,     ///< a = head, e = element, b = slot
+  query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
+  nan_score = 6,          ///< a = row, b = column
+};
+
+/// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
+using status_word = unsigned long long;
+inline constexpr status_word status_ok = ~status_word{0};
+
+/// A decoded status word.
+struct status {
+  fault kind = fault::none;
+  std::int64_t a = 0, e = 0, b = 0;
+  bool ok() const { return kind == fault::none; }
+};
+
+INFKV_HOST_DEVICE inline status_word encode(fault kind, std::int64_t a, std::int64_t e, std::int64_t b) {
+  return (status_word(kind) << 56) | (status_word(a & 0xfff) << 44) | (status_word(e & 0xfff) << 32) |
+         status_word(std::uint32_t(b));
+}
+inline status decode(status_word w) {
+  if (w == status_ok) return {};
+  return {fault(w >> 56), std::int64_t((w >> 44) & 0xfff), std::int64_t((w >> 32) & 0xfff), std::int64_t(w & 0xffffffffu)};
+}
+
+/// Raises `infkv::invalid_argument` describing a recorded fault; `what` names the call.
+inline void raise_if(status s, const char* what) {
+  using infkv::detail::fail;
+  switch (s.kind) {
+    case fault::none: return;
+    case fault::bad_keep:
+      fail("infkv: ", what, ": keep (unit ", s.a, ", entry ", s.b, "): every unit must keep the planned count of slots, "
+           "strictly increasing in [0, n_slots), offsets u x count; nothing was moved");
+    case fault::bad_pages:
+      fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
+           s.a == 0 ? " slots (n_slots)" : "] is not a page of the pool [0, n_pages)", "; nothing was moved");
+    case fault::negative_position: fail("infkv: ", what, ": tokens[", s.b, "].pos < 0: positions must be >= 0");
+    case fault::key_not_finite:
+      fail("infkv: ", what, ": keys[slot ", s.b, ", head ", s.a, "][", s.e,
+           "] is not finite: keys must be finite (a NaN or Inf would silently distort every score of the layer)");
+    case fault::query_not_finite:
+      fail("infkv: ", what, ": queries[slot ", s.b, ", head ", s.a, "][", s.e,
+           "] is not finite: queries must be finite (a NaN or Inf would silently distort every score of the layer)");
+    case fault::nan_score: fail("infkv: ", what, ": scores[", s.a, ", ", s.b, "] = nan: scores must not be NaN");
+  }
+  fail("infkv: ", what, ": unknown device status ", int(s.kind));
+}
+
+namespace detail {
+
+/// Records `code` in the status word (the smallest code wins).
+INFKV_HOST_DEVICE inline void record(status_word* st, status_word code) {
+#if defined(__CUDA_ARCH__)
+  atomicMin(st, code);
+#else
+  if (code < *st) *st = code;
+#endif
+}
+
+INFKV_HOST_DEVICE inline bool finite(float x) { return x - x == 0.f; }
+
+/// Element e of a row of type t, as f32.
+INFKV_HOST_DEVICE inline float load(dtype t, const void* row, std::int64_t e) {
+  if (t == dtype::f32) return static_cast<const float*>(row)[e];
+  const std::uint16_t h = static_cast<const std::uint16_t*>(row)[e];
+  return t == dtype::f16 ? f16_to_f32(h) : bf16_to_f32(h);
+}
+INFKV_HOST_DEVICE inline void store(dtype t, void* row, std::int64_t e, float x) {
+  if (t == dtype::f32) static_cast<float*>(row)[e] = x;
+  else static_cast<std::uint16_t*>(row)[e] = t == dtype::f16 ? f32_to_f16(x) : f32_to_bf16(x);
+}
+
+/// Dot product of two rows of d elements (f32 accumulation, in element order).
+INFKV_HOST_DEVICE inline float dot(dtype ta, const void* a, dtype tb, const void* b, std::int64_t d) {
+  float s = 0.f;
+  for (std::int64_t e = 0; e < d; ++e) s += load(ta, a, e) * load(tb, b, e);
+  return s;
+}
+
+/// Unsigned bits in the order of the float's value (-0 and +0 equal; NaN excluded by the caller),
+/// inverted so that ascending bits are descending scores.
+INFKV_HOST_DEVICE inline std::uint32_t descending_bits(float x) {
+  if (x == 0.f) x = 0.f;
+  std::uint32_t u;
+  memcpy(&u, &x, 4);
+  const std::uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ~ordered;
+}
+
+/// Bits needed to number `count` things (0 for one).
+inline int bits_for(std::int64_t count) { return count <= 1 ? 0 : int(std::bit_width(std::uint64_t(count - 1))); }
+
+/// A bump allocator over a scratch span, 64-byte aligned pieces.
+struct carver {
+  std::byte* base;
+  std::size_t at = 0;
+  template <class T>
+  T* take(std::int64_t count) {
+    const std::size_t start = (at + 63) / 64 * 64;
+    at = start + std::size_t(std::max<std::int64_t>(count, 0)) * sizeof(T);
+    return reinterpret_cast<T*>(base + start);
+  }
+};
+
+/// Keys per chunk of the chunked reductions (a thread sums one chunk, another the chunks).
+inline constexpr std::int64_t chunk = 256;
+inline std::int64_t chunks(std::int64_t n) { return (n + chunk - 1) / chunk; }
+/// Keys per tile of the window softmax statistics.
+inline constexpr std::int64_t key_tile = 256;
+
+}  // namespace detail
+
+/// The backend's primitives (pipeline.hpp) as steps run by launcher L. A backend itself: the host
+/// launcher makes it the executable specification the tests compare with the CPU backend.
+template <class L>
+struct basic_backend {
+  L launch{};
+
+  /// Bytes of the status word and the largest scratch of any primitive for layers of `shape`.
+  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
+    const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
+    check_sort_bits(units, n);
+    std::size_t need = 0;
+    const auto consider = [&](detail::carver c) { need = std::max(need, c.at); };
+    {  // score
+      detail::carver c{nullptr, 64};
+      if (spec.source == score_source::key_diversity) {
+        c.take<float>(hkv * detail::chunks(n) * shape.head_dim), c.take<float>(hkv * shape.head_dim), c.take<float>(hkv);
+      } else if (spec.source == score_source::window_attention || spec.source == score_source::last_query) {
+        const std::int64_t rows = std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries);
+        c.take<float>(rows * (n + detail::key_tile - 1) / detail::key_tile), c.take<float>(rows * (n + detail::key_tile - 1) / detail::key_tile);
+        c.take<float>(rows), c.take<float>(rows);
+        if (spec.source == score_source::last_query) c.take<float>(hkv * n);
+      }
+      consider(c);
+    }
+    {  // pool, fill_tail, bias: one row of temporaries per score row
+      const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);
+      detail::carver c{nullptr, 64};
+      c.take<float>(rows * n), c.take<double>(rows * detail::chunks(n)), c.take<double>(rows * 2);
+      c.take<double>(n), c.take<std::int64_t>(3 * detail::chunks(n)), c.take<double>(2 * detail::chunks(n) + 2);
+      consider(c);
+    }
+    {  // select and allocate
+      detail::carver c{nullptr, 64};
+      const std::int64_t items = units * n;
+      c.take<std::uint64_t>(items), c.take<std::uint64_t>(items), c.take<std::int64_t>(items),
+          c.take<std::int64_t>(items), c.take<std::int64_t>(n), c.take<std::int64_t>(units + 1);
+      c.take<double>(3 * units);
+      c.take<std::byte>(std::int64_t(L::sort_scratch_bytes(items)));
+      consider(c);
+    }
+    return need;
+  }
+
+  /// Units x slots must fit the sort keys: unit bits + 32 score bits + rank bits <= 64.
+  static void check_sort_bits(std::int64_t units, std::int64_t n) {
+    INFKV_REQUIRE(detail::bits_for(units) + 32 + detail::bits_for(n) <= 64, "shape.n_slots", n,
+                  "too many slots for one selection on the CUDA backend with ", units,
+                  " units (units x slots must fit in 2^32)");
+  }
+
+  static status_word* status_of(std::span<std::byte> scratch) { return reinterpret_cast<status_word*>(scratch.data()); }
+
+  /// Time order (position, then slot); resets the status word (every run starts here).
+  void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
+    const auto n = std::int64_t(tokens.size());
+    status_word* st = status_of(scratch);
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
+    if (n == 0) return;
+    detail::carver c{scratch.data(), 64};
+    auto* keys = c.take<std::uint64_t>(n);
+    auto* kout = c.take<std::uint64_t>(n);
+    auto* vals = c.take<std::int64_t>(n);
+    const token* t = tokens.data();
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      if (t[i].pos < 0) detail::record(st, encode(fault::negative_position, 0, 0, i));
+      keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
+    });
+    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, kout, vals, order, n, 64);
+  }
+
+  template <row_source R>
+  void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
+             std::span<std::byte> scratch) const {
+    const std::int64_t n = out.cols;
+    switch (spec.source) {
+      case score_source::recency:
+        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(0, order[i]) = float(i); });
+        return;
+      case score_source::accumulated: {
+        const score_view acc = in.accumulated;
+        launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
+        return;
+      }
+      case score_source::key_diversity: keydiff(in.keys, out, scratch); return;
+      case score_source::window_attention:
+        window_attention(in, spec.queries, spec.pools_per_query_head(), out, scratch, 64);
+        return;
+      case score_source::last_query: {  // every KV head's mass, then the mean over the heads
+        const std::int64_t hkv = in.keys.n_heads;
+        detail::carver c{scratch.data(), 64};
+        const std::int64_t rows = std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots);
+        const std::int64_t tiles = (n + detail::key_tile - 1) / detail::key_tile;
+        c.take<float>(rows * tiles), c.take<float>(rows * tiles), c.take<float>(rows), c.take<float>(rows);
+        const score_view heads{c.take<float>(hkv * n), hkv, n, n};
+        window_attention(in, spec.queries, false, heads, scratch, 64);
+        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
+          float s = 0.f;
+          for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
+          out(0, j) = s / float(hkv);
+        });
+        return;
+      }
+    }
+  }
+
+  /// -cos(k_j, mean unit key) per KV head (KeyDiff): inverse norms, chunk sums of unit keys,
+  /// the anchor, its norm, then the cosines.
+  template <row_source R>
+  void keydiff(const R& keys, score_view out, std::span<std::byte> scratch) const {
+    validate(keys, "keys");
+    const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
+    status_word* st = status_of(scratch);
+    detail::carver c{scratch.data(), 64};
+    float* part = c.take<float>(hkv * nc * d);
+    float* anchor = c.take<float>(hkv * d);
+    float* inv_an = c.take<float>(hkv);
+    launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      const auto h = std::int32_t(i / n);
+      const std::int64_t j = i % n;
+      const void* row = keys.row(j, h);
+      float norm = 0.f;
+      for (std::int64_t e = 0; e < d; ++e) {
+        const float x = detail::load(keys.type, row, e);
+        if (!detail::finite(x)) detail::record(st, encode(fault::key_not_finite, h, e, j));
+        norm += x * x;
+      }
+      out(h, j) = norm > 0.f ? 1.f / sqrtf(norm) : 0.f;
+    });
+    launch.for_each(hkv * nc * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      const std::int64_t e = i % d, cc = (i / d) % nc;
+      const auto h = std::int32_t(i / (d * nc));
+      float s = 0.f;
+      for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
+        s += detail::load(keys.type, keys.row(j, h), e) * out(h, j);
+      part[i] = s;
+    });
+    launch.for_each(hkv * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      const std::int64_t h = i / d, e = i % d;
+      float s = 0.f;
+      for (std::int64_t cc = 0; cc < nc; ++cc) s += part[(h * nc + cc) * d + e];
+      anchor[i] = s;
+    });
+    launch.for_each(hkv, [=] INFKV_HOST_DEVICE(std::int64_t h) {
+      float s = 0.f;
+      for (std::int64_t e = 0; e < d; ++e) s += anchor[h * d + e] * anchor[h * d + e];
+      inv_an[h] = s > 0.f ? 1.f / sqrtf(s) : 0.f;
+    });
+    launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      const auto h = std::int32_t(i / n);
+      const std::int64_t j = i % n;
+      out(h, j) = -detail::dot(keys.type, keys.row(j, h), dtype::f32, anchor + h * d, d) * out(h, j) * inv_an[h];
+    });
+  }
+
+  /// Attention mass the last `window` queries give each cached key (softmax over the visible
+  /// keys), per KV head (mean over its G query heads) or per query head. Three steps, nothing of
+  /// size queries x keys materialised: per (query row, key tile) the running max and normaliser,
+  /// per query row their combination, per (KV head, key) the mass, logits recomputed.
+  /// `offset` is where the step's scratch starts (after the status word and anything kept).
+  template <row_source R>
+  void window_attention(const layer_inputs<R>& in, std::int64_t window, bool per_query_head, score_view out,
+                        std::span<std::byte> scratch, std::size_t offset) const {
+    validate(in.keys, "keys");
+    validate(in.queries, "queries");
+    INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+                  "must equal keys.head_dim (", in.keys.head_dim, ")");
+    INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
+                  "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
+    INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
+                  "must equal the number of queries (", in.queries.n_slots, ")");
+    INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
+    INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+    const R keys = in.keys;
+    const tensor_view q = in.queries;
+    const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
+    const std::int64_t w = std::min(window, q.n_slots), q0 = q.n_slots - w, rows = hq * w;
+    const std::int64_t tiles = (n + detail::key_tile - 1) / detail::key_tile;
+    const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
+    const token* tok = in.tokens.data();
+    const std::int64_t* qpos = in.query_pos.data();
+    status_word* st = status_of(scratch);
+    detail::carver c{scratch.data(), offset};
+    float* tmax = c.take<float>(rows * tiles);
+    float* tsum = c.take<float>(rows * tiles);
+    float* rmax = c.take<float>(rows);
+    float* rcoef = c.take<float>(rows);
+    // Row r = query head * w + i (query q0 + i); its KV head is (r / w) / group.
+    launch.for_each(rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / tiles, t = x % tiles, qh = r / w, i = r % w;
+      const auto h = std::int32_t(qh / group);
+      const void* qr = q.row(q0 + i, std::int32_t(qh));
+      const std::int64_t qp = qpos[q0 + i];
+      float m = -INFINITY, s = 0.f;
+      for (std::int64_t j = t * detail::key_tile; j < std::min(n, (t + 1) * detail::key_tile); ++j) {
+        if (tok[j].pos > qp) continue;
+        const float l = scale * detail::dot(q.type, qr, keys.type, keys.row(j, h), d);
+        if (l > m) {
+          s = s * expf(m - l) + 1.f;
+          m = l;
+        } else {
+          s += expf(l - m);
+        }
+      }
+      tmax[r * tiles + t] = m, tsum[r * tiles + t] = s;
+    });
+    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      const std::int64_t qh = r / w, i = r % w;
+      const void* qr = q.row(q0 + i, std::int32_t(qh));
+      for (std::int64_t e = 0; e < d; ++e)
+        if (!detail::finite(detail::load(q.type, qr, e)))
+          detail::record(st, encode(fault::query_not_finite, qh, e, q0 + i));
+      float m = -INFINITY, s = 0.f;
+      for (std::int64_t t = 0; t < tiles; ++t) m = fmaxf(m, tmax[r * tiles + t]);
+      for (std::int64_t t = 0; t < tiles; ++t)
+        if (tsum[r * tiles + t] > 0.f) s += tsum[r * tiles + t] * expf(tmax[r * tiles + t] - m);
+      rmax[r] = m, rcoef[r] = s > 0.f ? 1.f / s : 0.f;
+    });
+    launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const auto h = std::int32_t(x / n);
+      const std::int64_t j = x % n;
+      const void* kr = keys.row(j, h);
+      for (std::int64_t e = 0; e < d; ++e)
+        if (!detail::finite(detail::load(keys.type, kr, e))) detail::record(st, encode(fault::key_not_finite, h, e, j));
+      float total = 0.f;
+      for (std::int64_t g = 0; g < group; ++g) {
+        const std::int64_t qh = h * group + g;
+        float mass = 0.f;
+        for (std::int64_t i = 0; i < w; ++i) {
+          const std::int64_t r = qh * w + i;
+          if (tok[j].pos > qpos[q0 + i] || rcoef[r] == 0.f) continue;
+          mass += expf(scale * detail::dot(q.type, q.row(q0 + i, std::int32_t(qh)), keys.type, kr, d) - rmax[r]) * rcoef[r];
+        }
+        if (per_query_head) out(qh, j) = mass;
+        total += mass;
+      }
+      if (!per_query_head) out(h, j) = total / float(group);
+    });
+  }
+
+  /// Pools every row along time order, the last `spec.pool_tail` slots left out (pool_row).
+  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+    const std::int64_t n = s.cols, len = n - std::min(spec.pool_tail, n), half = spec.kernel / 2;
+    if (spec.pool == pooling::none || spec.kernel == 1 || len == 0) return;
+    detail::carver c{scratch.data(), 64};
+    float* tmp = c.take<float>(s.rows * len);
+    launch.for_each(s.rows * len, [=] INFKV_HOST_DEVICE(std::int64_t x) { tmp[x] = s(x / len, order[x % len]); });
+    const pooling kind = spec.pool;
+    const std::int32_t kernel = spec.kernel;
+    launch.for_each(s.rows * len, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / len, i = x % len;
+      const float* t = tmp + r * len;
+      float acc = kind == pooling::max ? -INFINITY : 0.f;
+      for (std::int64_t j = i > half ? i - half : 0; j <= (i + half < len - 1 ? i + half : len - 1); ++j)
+        acc = kind == pooling::max ? fmaxf(acc, t[j]) : acc + t[j];
+      s(r, order[i]) = kind == pooling::avg ? acc / float(kernel) : acc;
+    });
+  }
+
+  /// out[h] = mean of in's rows [h * G, (h + 1) * G).
+  void group_mean(score_view in, score_view out) const {
+    const std::int64_t g = in.rows / out.rows, n = out.cols;
+    launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t h = x / n, c = x % n;
+      float s = 0.f;
+      for (std::int64_t k = 0; k < g; ++k) s += in(h * g + k, c);
+      out(h, c) = s / float(g);
+    });
+  }
+
+  /// The last `tail` slots in time order get their row's mean over the others (fill_tail).
+  void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
+    const std::int64_t n = s.cols, len = n - std::min(tail, n), nc = detail::chunks(len);
+    if (len == 0 || len == n) return;
+    detail::carver c{scratch.data(), 64};
+    double* part = c.take<double>(s.rows * nc);
+    float* mean = c.take<float>(s.rows);
+    launch.for_each(s.rows * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / nc, cc = x % nc;
+      double sum = 0;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(len, (cc + 1) * detail::chunk); ++i) sum += s(r, order[i]);
+      part[x] = sum;
+    });
+    launch.for_each(s.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      double sum = 0;
+      for (std::int64_t cc = 0; cc < nc; ++cc) sum += part[r * nc + cc];
+      mean[r] = float(sum / double(len));
+    });
+    launch.for_each(s.rows * (n - len), [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / (n - len);
+      s(r, order[len + x % (n - len)]) = mean[r];
+    });
+  }
+
+  /// The attention bias (attention_bias::apply): each row divided by its mean, plus beta f(age).
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+            std::span<std::byte> scratch) const {
+    const attention_bias b = spec.bias;
+    const std::int64_t n = std::int64_t(tokens.size()), nc = detail::chunks(n);
+    if (b.beta == 0.0 || s.cols == 0) return;
+    const token* t = tokens.data();
+    detail::carver c{scratch.data(), 64};
+    double* when = c.take<double>(n);
+    std::int64_t* counts = c.take<std::int64_t>(nc);  // new positions per chunk, then the ranks before it
+    double* lo = c.take<double>(nc);
+    double* hi = c.take<double>(nc);
+    double* range = c.take<double>(2);  // newest, span
+    double* row_part = c.take<double>(s.rows * nc);
+    double* row_inv = c.take<double>(s.rows);
+    const auto value = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t rank) {
+      return b.unit == age_unit::ranks ? double(rank) : b.unit == age_unit::positions ? double(t[order[i]].pos)
+                                                                                        : double(t[order[i]].segment);
+    };
+    const auto is_new = [=] INFKV_HOST_DEVICE(std::int64_t i) { return i == 0 || t[order[i]].pos != t[order[i - 1]].pos; };
+    launch.for_each(nc, [=] INFKV_HOST_DEVICE(std::int64_t cc) {
+      std::int64_t k = 0;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(n, (cc + 1) * detail::chunk); ++i) k += is_new(i) ? 1 : 0;
+      counts[cc] = k;
+    });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      std::int64_t before = 0;
+      for (std::int64_t cc = 0; cc < nc; ++cc) {
+        const std::int64_t k = counts[cc];
+        counts[cc] = before, before += k;
+      }
+    });
+    launch.for_each(nc, [=] INFKV_HOST_DEVICE(std::int64_t cc) {
+      std::int64_t rank = counts[cc] - 1;
+      double mn = INFINITY, mx = -INFINITY;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(n, (cc + 1) * detail::chunk); ++i) {
+        rank += is_new(i) ? 1 : 0;
+        const double v = when[order[i]] = value(i, rank);
+        mn = fmin(mn, v), mx = fmax(mx, v);
+      }
+      lo[cc] = mn, hi[cc] = mx;
+    });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      double mn = INFINITY, mx = -INFINITY;
+      for (std::int64_t cc = 0; cc < nc; ++cc) mn = fmin(mn, lo[cc]), mx = fmax(mx, hi[cc]);
+      range[0] = mx, range[1] = mx - mn;
+    });
+    const std::int64_t cols = s.cols, rc = detail::chunks(cols);
+    launch.for_each(s.rows * rc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / rc, cc = x % rc;
+      double sum = 0;
+      for (std::int64_t j = cc * detail::chunk; j < std::min(cols, (cc + 1) * detail::chunk); ++j) sum += s(r, j);
+      row_part[x] = sum;
+    });
+    launch.for_each(s.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      double sum = 0;
+      for (std::int64_t cc = 0; cc < rc; ++cc) sum += row_part[r * rc + cc];
+      const double mean = sum / double(cols);
+      row_inv[r] = mean > 0 ? 1.0 / mean : 1.0;
+    });
+    launch.for_each(s.rows * cols, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / cols, j = x % cols;
+      const double a = range[1] > 0 ? (range[0] - when[j]) / range[1] : 0.0;
+      s(r, j) = float(s(r, j) * row_inv[r] + b.beta * b.recency(a));
+    });
+  }
+
+  void reduce(score_view acc, score_view s, reduction r, bool first) const {
+    launch.for_each(s.cols, [=] INFKV_HOST_DEVICE(std::int64_t c) {
+      float a = first ? (r == reduction::max ? -INFINITY : 0.f) : acc(0, c);
+      for (std::int64_t row = 0; row < s.rows; ++row) a = r == reduction::max ? fmaxf(a, s(row, c)) : a + s(row, c);
+      acc(0, c) = a;
+    });
+  }
+
+  void finish_reduction(score_view acc, reduction r, std::int64_t rows) const {
+    if (r != reduction::mean || rows == 0) return;
+    launch.for_each(acc.cols, [=] INFKV_HOST_DEVICE(std::int64_t c) { acc(0, c) /= float(rows); });
+  }
+
+  /// AdaKV (adakv::allocate_into): the layer's top unprotected scores by (score, lower row, newer
+  /// slot), counted per row, blended with an equal share and rounded by largest remainder.
+  void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+                std::int64_t* caps, std::span<std::byte> scratch) const {
+    INFKV_REQUIRE(std::isfinite(a.alpha) && a.alpha >= 0.0 && a.alpha <= 1.0, "adakv.alpha", a.alpha, "must be in [0, 1]");
+    const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
+    const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
+    const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
+    status_word* st = status_of(scratch);
+    detail::carver c{scratch.data(), 64};
+    auto* keys = c.take<std::uint64_t>(items);
+    auto* kout = c.take<std::uint64_t>(items);
+    auto* vals = c.take<std::int64_t>(items);
+    auto* vout = c.take<std::int64_t>(items);
+    c.take<std::int64_t>(n), c.take<std::int64_t>(rows + 1);
+    double* share = c.take<double>(3 * rows);
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / n, i = x % n;
+      const float v = s(r, order[i]);
+      if (v != v) detail::record(st, encode(fault::nan_score, r, 0, order[i]));
+      const bool candidate = i >= sinks && i < n - recent;
+      keys[x] = candidate ? (std::uint64_t(detail::descending_bits(v)) << (ub + rb)) | (std::uint64_t(r) << rb) |
+                                std::uint64_t(n - 1 - i)
+                          : ~std::uint64_t{0};
+      vals[x] = r;
+    });
+    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, kout, vals, vout, items, 64);
+    const double alpha = a.alpha;
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      double* wins = share;
+      double* idx = share + rows;  // indices as doubles (exact below 2^53)
+      std::int64_t* out = caps;
+      for (std::int64_t r = 0; r < rows; ++r) wins[r] = 0;
+      for (std::int64_t k = 0; k < total; ++k) wins[vout[k]] += 1.0;
+      std::int64_t sum = 0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        wins[r] = wins[r] * (1.0 - alpha) + alpha * double(free_each);
+        sum += out[r] = std::int64_t(floor(wins[r] + 1e-9));
+        idx[r] = double(r);
+      }
+      // Largest remainder first, ties to the lower row (insertion sort: rows are few).
+      for (std::int64_t r = 1; r < rows; ++r)
+        for (std::int64_t k = r; k > 0; --k) {
+          const auto x = std::int64_t(idx[k]), y = std::int64_t(idx[k - 1]);
+          const double rx = wins[x] - double(out[x]), ry = wins[y] - double(out[y]);
+          if (!(rx > ry || (rx == ry && x < y))) break;
+          idx[k] = double(y), idx[k - 1] = double(x);
+        }
+      for (std::int64_t k = 0; sum < total && k < rows; ++k, ++sum) ++out[std::int64_t(idx[k])];
+      for (std::int64_t r = 0; r < rows; ++r) out[r] += prot;
+    });
+  }
+
+  /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
+  /// best by `keep_before`, as one radix sort of (unit, score, tie rank) keys over all units;
+  /// then the kept slots in increasing order (a second sort). s.data null keeps every slot.
+  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+    const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
+    check_sort_bits(units, n);
+    const int ub = detail::bits_for(units), rb = detail::bits_for(n);
+    std::int64_t* offsets = out.offsets;
+    std::int64_t* slots = out.slots;
+    if (s.data == nullptr) {
+      launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = u * n; });
+      launch.for_each(units * n, [=] INFKV_HOST_DEVICE(std::int64_t x) { slots[x] = x % n; });
+      return;
+    }
+    status_word* st = status_of(scratch);
+    const token* t = tokens.data();
+    const std::int64_t items = units * n;
+    detail::carver c{scratch.data(), 64};
+    auto* keys = c.take<std::uint64_t>(items);
+    auto* kout = c.take<std::uint64_t>(items);
+    auto* vals = c.take<std::int64_t>(items);
+    auto* vout = c.take<std::int64_t>(items);
+    auto* rank = c.take<std::int64_t>(n);
+    auto* kept = c.take<std::int64_t>(units + 1);  // offsets of each unit's kept slots
+    const auto sorter = launch.sort_scratch(scratch.subspan(c.at));
+    // Tie rank: newer position first, then the lower slot (a stable sort of inverted positions).
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) { keys[j] = ~std::uint64_t(t[j].pos), vals[j] = j; });
+    sorter.sort_pairs(keys, kout, vals, vout, n, 64);
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t k) { rank[vout[k]] = k; });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      kept[0] = 0;
+      for (std::int64_t u = 0; u < units; ++u) kept[u + 1] = kept[u] + (caps ? caps[u] : cap);  // <= n each
+    });
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t u = x / n, i = x % n, slot = order[i];
+      const float v = s(u, slot);
+      if (v != v) detail::record(st, encode(fault::nan_score, u, 0, slot));
+      const bool protect = i < sinks || i >= n - recent;
+      const std::uint64_t score_part = protect ? 0 : std::uint64_t(detail::descending_bits(v)) + 1;
+      keys[x] = (std::uint64_t(u) << (32 + rb)) | (score_part << rb) | std::uint64_t(rank[slot]);
+      vals[x] = slot;
+    });
+    sorter.sort_pairs(keys, kout, vals, vout, items, ub + 32 + rb);
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {  // the first caps[u] of unit u
+      const std::int64_t u = x / n, k = x % n;
+      if (k >= kept[u + 1] - kept[u]) return;
+      keys[kept[u] + k] = (std::uint64_t(u) << rb) | std::uint64_t(vout[x]);
+      vals[kept[u] + k] = vout[x];
+    });
+    launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = kept[u]; });
+    // units x cap slots in all: AdaKV's capacities add up to it (allocate guarantees it).
+    sorter.sort_pairs(keys, kout, vals, slots, units * cap, ub + rb);
+  }
+};
+
+/// Page ids a paged compaction frees, given the sequence's slots before and after.
+inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
+  return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
+}
+
+namespace detail {
+
+/// Checks a keep set of `units` units of `m` slots each over `n` slots (offsets u * m, slots
+/// strictly increasing in [0, n)); records bad_keep.
+template <class L>
+void check_keep(const L& launch, keep_view keep, std::int64_t m, status_word* st) {
+  const std::int64_t n = keep.n_slots;
+  launch.for_each(keep.n_units * std::max<std::int64_t>(m, 1) + 1, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (x == keep.n_units * std::max<std::int64_t>(m, 1)) {
+      for (std::int64_t u = 0; u <= keep.n_units; ++u)
+        if (keep.offsets[u] != u * m) record(st, encode(fault::bad_keep, u, 0, keep.offsets[u]));
+      return;
+    }
+    if (m == 0) return;
+    const std::int64_t u = x / m, k = x % m, s = keep.slots[u * m + k];
+    if (s < 0 || s >= n || (k > 0 && s <= keep.slots[u * m + k - 1])) record(st, encode(fault::bad_keep, u, 0, u * m + k));
+  });
+}
+
+/// Copies `bytes` (a multiple of sizeof(W)) from each (slot, head) row to another, by W words.
+template <class W, class L, class From, class To>
+void copy_rows(const L& launch, std::int64_t rows, std::int64_t bytes, From from, To to, const status_word* st) {
+  const std::int64_t words = bytes / std::int64_t(sizeof(W));
+  launch.for_each(rows * words, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*st != status_ok) return;  // a bad keep set moves nothing
+    static_cast<W*>(to(x / words))[x % words] = static_cast<const W*>(from(x / words))[x % words];
+  });
+}
+
+/// The widest word (16, 8, 4 or 2 bytes) that divides the row bytes, the strides and the bases.
+inline int word_bytes(std::int64_t row_bytes, std::initializer_list<std::uint64_t> quantities) {
+  std::uint64_t all = std::uint64_t(row_bytes);
+  for (auto q : quantities) all |= q;
+  for (int w : {16, 8, 4}) if (all % std::uint64_t(w) == 0) return w;
+  return 2;
+}
+
+struct alignas(16) w16 {
+  std::uint64_t a, b;
+};
+
+template <class L, class From, class To>
+void copy_rows_widest(const L& launch, std::int64_t rows, std::int64_t bytes, int word, From from, To to,
+                      const status_word* st) {
+  if (word == 16) copy_rows<w16>(launch, rows, bytes, from, to, st);
+  else if (word == 8) copy_rows<std::uint64_t>(launch, rows, bytes, from, to, st);
+  else if (word == 4) copy_rows<std::uint32_t>(launch, rows, bytes, from, to, st);
+  else copy_rows<std::uint16_t>(launch, rows, bytes, from, to, st);
+}
+
+}  // namespace detail
+
+/// Scratch a compaction of `kept` slots of `heads` heads of `row_bytes` (K and V) needs.
+inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes) {
+  return 64 + 2 * std::size_t(kept) * std::size_t(heads) * std::size_t(row_bytes) + std::size_t(kept) * sizeof(token) * std::size_t(heads) + 192;
+}
+
+/// Compacts K, V (either may be empty) and tokens of a strided cache: unit u (or unit 0 for all
+/// heads) of `keep`, `m` slots per unit, moves to slots [0, m) in increasing slot order, through
+/// the scratch (an in-place parallel move would race). `tokens` holds n_slots entries (uniform
+/// keep) or heads x n_slots (per-head keep, packed to heads x m). Nothing moves when the keep set
+/// is inconsistent (status bad_keep).
+template <class L>
+void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens, std::int64_t n_tokens, keep_view keep,
+                   std::int64_t m, std::span<std::byte> scratch) {
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
+  detail::check_keep(launch, keep, m, st);
+  const std::int64_t heads = k.n_heads, row_bytes = k.head_dim * std::int64_t(size_of(k.type)), n = k.n_slots;
+  const bool per_head = keep.n_units > 1;
+  detail::carver c{scratch.data(), 64};
+  for (const tensor_view& t : {k, v}) {
+    if (t.empty()) continue;
+    auto* buf = c.take<std::byte>(m * heads * row_bytes);
+    const std::int64_t es = std::int64_t(size_of(t.type));
+    const int word = detail::word_bytes(row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.data)),
+                                                   std::uint64_t(t.slot_stride * es), std::uint64_t(t.head_stride * es),
+                                                   std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
+    const auto kept_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* {  // r = head * m + i
+      const std::int64_t h = r / m, i = r % m;
+      return t.row(keep.slots[(per_head ? h * m : 0) + i], std::int32_t(h));
+    };
+    const auto buf_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return buf + r * row_bytes; };
+    const auto new_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return t.row(r % m, std::int32_t(r / m)); };
+    detail::copy_rows_widest(launch, heads * m, row_bytes, word, kept_row, buf_row, st);
+    detail::copy_rows_widest(launch, heads * m, row_bytes, word, buf_row, new_row, st);
+  }
+  const std::int64_t lists = n_tokens == n ? 1 : heads;
+  auto* tb = c.take<token>(lists * m);
+  launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*st != status_ok) return;
+    const std::int64_t h = x / m, i = x % m;
+    tb[x] = tokens[h * n + keep.slots[(per_head ? h * m : 0) + i]];
+  });
+  launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*st == status_ok) tokens[x] = tb[x];
+  });
+}
+
+/// Compacts sequence `seq` of a paged cache (one unit for all heads; the sequence holds `n`
+/// slots): kept rows move to the front of its pages through the scratch, the page table drops
+/// the pages no longer needed (later sequences' indices shift down) and their ids go to `freed`
+/// (pages_freed(n, m) entries). A table whose sequence does not hold n slots, or a bad keep set,
+/// changes nothing (status bad_pages / bad_keep).
+template <class L>
+void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::int64_t n, token* tokens, keep_view keep,
+                         std::int64_t m, std::int32_t* freed, std::span<std::byte> scratch) {
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+    *st = status_ok;
+    if (p.seq_len(seq) != n) detail::record(st, encode(fault::bad_pages, 0, 0, n));
+    for (std::int32_t i = p.indptr[seq]; i < p.indptr[seq + 1]; ++i)
+      if (p.indices[i] < 0 || p.indices[i] >= p.n_pages) detail::record(st, encode(fault::bad_pages, 1, 0, i));
+  });
+  detail::check_keep(launch, keep, m, st);
+  const std::int64_t heads = p.n_heads, row_bytes = p.head_dim * std::int64_t(size_of(p.type));
+  const paged_rows kr{p.k, p.indices, p.type, n, p.n_heads, p.head_dim, p.page_size};
+  paged_rows vr = kr;
+  vr.store = p.v;
+  const std::int32_t* indptr = p.indptr;
+  detail::carver c{scratch.data(), 64};
+  for (const paged_rows& t : {kr, vr}) {
+    if (t.empty()) continue;
+    auto* buf = c.take<std::byte>(m * heads * row_bytes);
+    const std::int64_t es = std::int64_t(size_of(t.type));
+    const int word = detail::word_bytes(row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.store.data)),
+                                                   std::uint64_t(t.store.page_stride * es), std::uint64_t(t.store.slot_stride * es),
+                                                   std::uint64_t(t.store.head_stride * es),
+                                                   std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
+    const auto row_of = [=] INFKV_HOST_DEVICE(std::int64_t slot, std::int64_t h) -> void* {
+      paged_rows r = t;
+      r.pages = t.pages + indptr[seq];  // this sequence's pages
+      return r.row(slot, std::int32_t(h));
+    };
+    const auto kept_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return row_of(keep.slots[r % m], r / m); };
+    const auto buf_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return buf + r * row_bytes; };
+    const auto new_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return row_of(r % m, r / m); };
+    detail::copy_rows_widest(launch, heads * m, row_bytes, word, kept_row, buf_row, st);
+    detail::copy_rows_widest(launch, heads * m, row_bytes, word, buf_row, new_row, st);
+  }
+  auto* tb = c.take<token>(m);
+  launch.for_each(m, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    if (*st == status_ok) tb[i] = tokens[keep.slots[i]];
+  });
+  launch.for_each(m, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    if (*st == status_ok) tokens[i] = tb[i];
+  });
+  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {  // the table: one thread, in order
+    if (*st != status_ok) return;
+    const std::int32_t before = p.indptr[seq + 1] - p.indptr[seq], after = std::int32_t((m + p.page_size - 1) / p.page_size);
+    const std::int32_t drop = before - after, end = p.indptr[p.n_seqs];
+    for (std::int32_t i = 0; i < drop; ++i) freed[i] = p.indices[p.indptr[seq] + after + i];
+    for (std::int32_t i = p.indptr[seq + 1]; i < end; ++i) p.indices[i - drop] = p.indices[i];
+    for (std::int32_t s = seq + 1; s <= p.n_seqs; ++s) p.indptr[s] -= drop;
+    p.last_page_len[seq] = m == 0 ? 0 : std::int32_t(m - std::int64_t(after - 1) * p.page_size);
+  });
+}
+
+/// Rotates every head of slot j of the (post-RoPE) keys by delta[j] positions (compact position
+/// mode; cpu::rerotate's semantics): one thread per (slot, frequency pair), heads in a loop.
+template <class L, row_source R>
+void rerotate_steps(const L& launch, const R& keys, const std::int64_t* delta, const rope& r) {
+  validate(keys, "keys");
+  const std::int32_t dims = r.dims == 0 ? keys.head_dim : r.dims;
+  INFKV_REQUIRE(dims > 0 && dims <= keys.head_dim && dims % 2 == 0, "rope.dims", r.dims,
+                "must be even and in [0, head_dim = ", keys.head_dim, "]");
+  INFKV_REQUIRE(std::isfinite(r.theta) && r.theta > 0, "rope.theta", r.theta, "must be > 0");
+  INFKV_REQUIRE(std::isfinite(r.freq_scale) && r.freq_scale > 0, "rope.freq_scale", r.freq_scale, "must be > 0");
+  const std::int32_t half = dims / 2;
+  const bool neox = r.style == rope_style::neox;
+  const double theta = r.theta, fs = r.freq_scale;
+  launch.for_each(keys.n_slots * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t j = x / half, i = x % half, dp = delta[j];
+    if (dp == 0) return;
+    const double a = double(dp) * (fs * pow(theta, -2.0 * double(i) / double(dims)));
+    const auto cs = float(cos(a)), sn = float(sin(a));
+    const std::int64_t ea = neox ? i : 2 * i, eb = neox ? i + half : 2 * i + 1;
+    for (std::int32_t h = 0; h < keys.n_heads; ++h) {
+      void* row = keys.row(j, h);
+      const float x0 = detail::load(keys.type, row, ea), x1 = detail::load(keys.type, row, eb);
+      detail::store(keys.type, row, ea, x0 * cs - x1 * sn);
+      detail::store(keys.type, row, eb, x0 * sn + x1 * cs);
+    }
+  });
+}
+
+}  // namespace infkv::cuda

@@ -1,0 +1,314 @@
+// The CUDA backend's steps (the bodies its kernels run) executed on the host and compared with
+// the CPU backend: finished scores of every registered policy within float tolerance on every
+// view and element type, keep sets identical given equal scores (ties, -0 / +0, AdaKV, several
+// layers), compaction byte-identical, re-rotation within rounding, and every device fault
+// recorded and described. No GPU needed: this is what CI runs of the CUDA code.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+
+#include "cpu/reference_helpers.hpp"
+#include "cuda/host_launcher.hpp"
+#include "policy_registry.hpp"
+
+using namespace infkv;
+using namespace infkv_test;
+
+namespace {
+
+/// A plan's workspace and keep-set buffers.
+struct run_buffers {
+  cpu::workspace ws;
+  std::vector<std::int64_t> offsets, slots;
+  keep_view out;
+  explicit run_buffers(const plan& p)
+      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size()), -7), slots(std::size_t(p.kept_total), -7),
+        out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
+};
+
+template <class B, class R>
+score_matrix finished(const B& be, const policy_spec& spec, const layer_inputs<R>& in) {
+  const plan pl = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(in));
+  cpu::workspace ws(pl.workspace_bytes);
+  std::fill(ws.as<std::byte>(), ws.as<std::byte>() + pl.workspace_bytes, std::byte{0xff});  // poison: NaN floats
+  const score_view s = run_scores(pl, be, in, ws.span());
+  score_matrix out(s.rows, s.cols);
+  for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r).begin());
+  return out;
+}
+
+template <class B, class R>
+keep_set keep_of(const B& be, const policy_spec& spec, const budget& b, std::span<const layer_inputs<R>> layers,
+                 plan_options opt, cuda::status* st = nullptr) {
+  const plan pl = make_plan(be, spec, b, shape_of(layers[0]), opt);
+  run_buffers buf(pl);
+  run(pl, be, layers, buf.ws.span(), buf.out);
+  if (st) *st = cuda::decode(*reinterpret_cast<const cuda::status_word*>(buf.ws.span().data() + pl.backend));
+  return keep_set::from_view(buf.out);
+}
+
+ref_matrix as_ref(const score_matrix& m) {
+  ref_matrix r(std::size_t(m.rows));
+  for (std::int64_t i = 0; i < m.rows; ++i) r[std::size_t(i)].assign(m.row(i).begin(), m.row(i).end());
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("cuda steps (host): finished scores of every policy match the CPU backend on every view and type") {
+  const cpu::backend cpu_be{};
+  const host_cuda_backend gpu_be{};
+  struct shape { std::int64_t n; std::int32_t hkv, group, d; std::int64_t nq; };
+  int i = 0;
+  for (const shape sh : {shape{37, 2, 2, 8, 6}, shape{600, 2, 3, 17, 5}, shape{300, 1, 4, 64, 9}})
+    for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+      for (const layout lay : {layout::nhd, layout::hnd, layout::strided, layout::paged}) {
+        const problem p = make_problem(100 + std::uint64_t(i++), sh.n, sh.hkv, sh.group, sh.d, sh.nq, t);
+        const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
+        keys.visit([&](const auto& k) {
+          using R = std::decay_t<decltype(k)>;
+          const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+          const layer ly(p);
+          for_each_policy(ly.in(), [&](const std::string& name, const auto& pol) {
+            const auto inputs = cpu::inputs_for(pol, in);
+            const auto want = finished(cpu_be, pol.spec(), inputs), got = finished(gpu_be, pol.spec(), inputs);
+            check_close(got, as_ref(want), 2e-4, 2e-6,
+                        name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay));
+          });
+        });
+      }
+}
+
+TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ties and signed zeros included") {
+  const cpu::backend cpu_be{};
+  const host_cuda_backend gpu_be{};
+  std::mt19937_64 gen(7);
+  for (int round = 0; round < 60; ++round) {
+    CAPTURE(round);
+    const std::int64_t n = 1 + std::int64_t(gen() % 700);
+    const auto heads = std::int32_t(1 + gen() % 4);
+    const auto tokens = [&] {  // shuffled slots, repeated positions
+      std::vector<token> t(static_cast<std::size_t>(n));
+      for (std::int64_t j = 0; j < n; ++j) t[std::size_t(j)] = {std::int64_t(gen() % std::uint64_t(n + 3)), 0, modality::text};
+      return t;
+    }();
+    const float levels[] = {-1.f, -0.f, 0.f, 0.5f, 2.f, std::numeric_limits<float>::infinity(), -3.f};
+    std::vector<score_matrix> acc;
+    for (int l = 0; l < 2; ++l) {
+      acc.emplace_back(heads, n);
+      for (auto& x : acc.back().data) x = gen() % 3 == 0 ? std::ldexp(float(gen() % 1000), -7) : levels[gen() % 7];
+    }
+    policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
+    if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
+    std::vector<layer_inputs<>> layers(2);
+    for (int l = 0; l < 2; ++l) layers[std::size_t(l)].tokens = tokens, layers[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
+    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4, .sinks = std::int64_t(gen() % 3),
+                   .recent = std::int64_t(gen() % 4)};
+    for (const granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token})
+      for (const reduction r : {reduction::sum, reduction::mean, reduction::max}) {
+        CAPTURE(to_string(g));
+        const plan_options one{.g = g, .r = r};
+        const std::span<const layer_inputs<>> first(layers.data(), 1);
+        cuda::status st;
+        CHECK(keep_of(gpu_be, spec, b, first, one, &st) == keep_of(cpu_be, spec, b, first, one));
+        CHECK(st.ok());
+        if (g == granularity::per_token) {
+          const plan_options two{.g = g, .r = r, .n_layers = 2};
+          CHECK(keep_of(gpu_be, spec, b, std::span<const layer_inputs<>>(layers), two) ==
+                keep_of(cpu_be, spec, b, std::span<const layer_inputs<>>(layers), two));
+        }
+      }
+    if (heads > 1 && b.capacity < n)
+      for (const double alpha : {0.0, 0.3, 1.0}) {
+        const plan_options ada{.g = granularity::per_head, .adakv_alpha = alpha};
+        const std::span<const layer_inputs<>> first(layers.data(), 1);
+        CHECK(keep_of(gpu_be, spec, b, first, ada) == keep_of(cpu_be, spec, b, first, ada));
+      }
+  }
+}
+
+TEST_CASE("cuda steps (host): whole runs of every policy keep the CPU's sets on well-separated scores") {
+  // Recency and accumulated scores are computed exactly alike; attention and key scores differ by
+  // rounding only, so the sets agree except at near-ties: at most a couple of slots per unit.
+  const cpu::backend cpu_be{};
+  const host_cuda_backend gpu_be{};
+  const layer ly(make_problem(5, 400, 2, 2, 16, 6));
+  const layer_inputs<> in = ly.in();
+  const budget b{.capacity = 120, .sinks = 2, .recent = 8};
+  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+    INFO(name);
+    const auto inputs = cpu::inputs_for(pol, in);
+    for (const granularity g : {granularity::per_head, granularity::per_token}) {
+      const std::span<const layer_inputs<>> one(&inputs, 1);
+      const auto want = keep_of(cpu_be, pol.spec(), b, one, {.g = g}), got = keep_of(gpu_be, pol.spec(), b, one, {.g = g});
+      REQUIRE(got.n_units() == want.n_units());
+      for (std::int64_t u = 0; u < got.n_units(); ++u) {
+        std::vector<std::int64_t> diff;
+        std::ranges::set_symmetric_difference(got.unit(u), want.unit(u), std::back_inserter(diff));
+        const bool exact = pol.spec().source == score_source::recency || pol.spec().source == score_source::accumulated;
+        CHECK(diff.size() <= (exact ? 0u : 4u));
+      }
+    }
+  });
+}
+
+TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguous and paged") {
+  std::mt19937_64 gen(11);
+  for (int round = 0; round < 24; ++round) {
+    CAPTURE(round);
+    const dtype t = dtype(round % 3);
+    const layout lay = layout(round % 3);  // nhd, hnd, strided
+    const std::int64_t n = 5 + std::int64_t(gen() % 90);
+    const auto heads = std::int32_t(1 + gen() % 3), d = std::int32_t(1 + gen() % 9) * (round % 2 ? 2 : 1);
+    const problem p = make_problem(300 + std::uint64_t(round), n, heads, 1, d, 1, t);
+    stored k1 = store(p.k, n, heads, d, t, lay), v1 = store(p.k, n, heads, d, t, lay);
+    stored k2 = store(p.k, n, heads, d, t, lay), v2 = store(p.k, n, heads, d, t, lay);
+    const std::int64_t m = 1 + std::int64_t(gen() % std::uint64_t(n));
+    const bool per_head = heads > 1 && round % 2 == 0;
+    keep_set keep(n);
+    for (std::int32_t u = 0; u < (per_head ? heads : 1); ++u) {
+      std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+      std::iota(all.begin(), all.end(), std::int64_t{0});
+      std::shuffle(all.begin(), all.end(), gen);
+      all.resize(std::size_t(m));
+      std::ranges::sort(all);
+      keep.add_unit(all);
+    }
+    std::vector<token> tok1 = p.tokens;
+    if (per_head) {  // one token list per head
+      tok1.clear();
+      for (std::int32_t h = 0; h < heads; ++h) tok1.insert(tok1.end(), p.tokens.begin(), p.tokens.end());
+      for (std::size_t i = 0; i < tok1.size(); ++i) tok1[i].segment = std::int32_t(i);
+    }
+    std::vector<token> tok2 = tok1;
+    kv_view kv{k1.tensor, v1.tensor};
+    cpu::compact(kv, tok1, keep);
+    std::vector<std::byte> ws(cuda::compact_scratch_bytes(m, heads, d * std::int64_t(size_of(t))) + 64);
+    cuda::compact_steps(host_launcher{}, k2.tensor, v2.tensor, tok2.data(), std::int64_t(tok2.size()), keep.view(), m,
+                        {ws.data(), ws.size()});
+    CHECK(cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data())).ok());
+    CHECK(k1.bytes == k2.bytes);
+    CHECK(v1.bytes == v2.bytes);
+    tok1.resize(tok1.size() / std::size_t(n) * std::size_t(m));
+    tok2.resize(tok1.size());
+    for (std::size_t i = 0; i < tok1.size(); ++i) CHECK((tok1[i].pos == tok2[i].pos && tok1[i].segment == tok2[i].segment));
+  }
+  for (int round = 0; round < 12; ++round) {  // paged: sequence 1 behind a decoy sequence
+    CAPTURE(round);
+    const dtype t = dtype(round % 3);
+    const std::int64_t n = 4 + std::int64_t(gen() % 60);
+    const problem p = make_problem(400 + std::uint64_t(round), n, 2, 1, 6, 1, t);
+    stored a = store(p.k, n, 2, 6, t, layout::paged), c = store(p.k, n, 2, 6, t, layout::paged);
+    a.paged.v = a.paged.k, c.paged.v = c.paged.k;  // V shares K's storage here: moved once per tensor, as the CPU does
+    a.paged.v.data = nullptr, c.paged.v.data = nullptr;
+    const std::int64_t m = std::int64_t(gen() % std::uint64_t(n + 1));
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), std::int64_t{0});
+    std::shuffle(all.begin(), all.end(), gen);
+    all.resize(std::size_t(m));
+    std::ranges::sort(all);
+    keep_set keep(n);
+    keep.add_unit(all);
+    std::vector<token> t1 = p.tokens, t2 = p.tokens;
+    const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
+    std::vector<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)) + 1, -1);
+    std::vector<std::byte> ws(cuda::compact_scratch_bytes(m, 2, 6 * std::int64_t(size_of(t))) + 64);
+    cuda::compact_paged_steps(host_launcher{}, c.paged, 1, n, t2.data(), keep.view(), m, freed.data(), {ws.data(), ws.size()});
+    CHECK(cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data())).ok());
+    CHECK(a.bytes == c.bytes);
+    CHECK(a.indptr == c.indptr);
+    CHECK(a.indices == c.indices);
+    CHECK(a.last == c.last);
+    CHECK(std::vector<std::int32_t>(freed.begin(), freed.end() - 1) == freed_cpu);
+    for (std::int64_t i = 0; i < m; ++i) CHECK(t1[std::size_t(i)].pos == t2[std::size_t(i)].pos);
+  }
+}
+
+TEST_CASE("cuda steps (host): re-rotation matches the CPU backend within rounding") {
+  for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+    for (const rope_style style : {rope_style::normal, rope_style::neox}) {
+      const problem p = make_problem(21, 50, 3, 1, 16, 1, t);
+      stored a = store(p.k, 50, 3, 16, t, layout::strided), b = store(p.k, 50, 3, 16, t, layout::strided);
+      std::vector<std::int64_t> delta(50);
+      for (std::size_t j = 0; j < delta.size(); ++j) delta[j] = std::int64_t(j % 7) * 1000 - 3000;
+      const rope r{.theta = 10000.0, .dims = 12, .style = style};
+      cpu::rerotate(a.tensor, delta, r);
+      cuda::rerotate_steps(host_launcher{}, b.tensor, delta.data(), r);
+      const double tol = t == dtype::f32 ? 1e-5 : t == dtype::f16 ? 2e-3 : 1.6e-2;
+      for (std::int64_t j = 0; j < 50; ++j)
+        for (std::int32_t h = 0; h < 3; ++h)
+          for (std::int32_t e = 0; e < 16; ++e) {
+            const float x = cuda::detail::load(t, a.tensor.row(j, h), e), y = cuda::detail::load(t, b.tensor.row(j, h), e);
+            CHECK(std::abs(x - y) <= tol * (1 + std::abs(x)));
+          }
+    }
+}
+
+TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the cache as it was") {
+  const host_cuda_backend be{};
+  const layer ly(make_problem(9, 80, 2, 2, 8, 4));
+  SUBCASE("a NaN key names slot, head and element") {
+    problem p = ly.p;
+    p.k[std::size_t((41 * 2 + 1) * 8 + 5)] = std::numeric_limits<float>::quiet_NaN();
+    const layer bad(p);
+    const layer_inputs<> in = bad.in();
+    for (const policy_spec& spec : {snapkv{.window = 4}.spec(), keydiff{}.spec(), tova{}.spec()}) {
+      cuda::status st;
+      keep_of(be, spec, budget{.capacity = 30, .recent = 4}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
+      CHECK(st.kind == cuda::fault::key_not_finite);
+      CHECK((st.b == 41 && st.a == 1 && st.e == 5));
+      CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("keys[slot 41, head 1][5] is not finite"),
+                           invalid_argument);
+    }
+  }
+  SUBCASE("an Inf query names the query as the caller counts it") {
+    problem p = ly.p;
+    p.q[std::size_t((3 * 4 + 2) * 8 + 1)] = std::numeric_limits<float>::infinity();
+    const layer bad(p);
+    const layer_inputs<> in = bad.in();
+    cuda::status st;
+    keep_of(be, snapkv{.window = 2}.spec(), budget{.capacity = 30, .recent = 2}, std::span<const layer_inputs<>>(&in, 1),
+            {}, &st);
+    CHECK(st.kind == cuda::fault::query_not_finite);
+    CHECK((st.b == 3 && st.a == 2 && st.e == 1));
+  }
+  SUBCASE("a negative position and a NaN score") {
+    std::vector<token> t = ly.p.tokens;
+    t[17].pos = -4;
+    score_matrix acc(1, 80, 1.f);
+    acc(0, 33) = std::numeric_limits<float>::quiet_NaN();
+    layer_inputs<> in;
+    in.tokens = t, in.accumulated = acc.view();
+    const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    cuda::status st;
+    keep_of(be, spec, budget{.capacity = 30}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
+    CHECK((st.kind == cuda::fault::negative_position && st.b == 17));
+    t[17].pos = 4000;
+    keep_of(be, spec, budget{.capacity = 30}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
+    CHECK((st.kind == cuda::fault::nan_score && st.b == 33));
+    CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("scores[0, 33] = nan"), invalid_argument);
+  }
+  SUBCASE("a keep set out of order moves nothing") {
+    stored k = store(ly.p.k, 80, 2, 8, dtype::f32, layout::nhd);
+    const auto before = k.bytes;
+    std::vector<token> t = ly.p.tokens;
+    std::vector<std::int64_t> slots{3, 9, 9, 20}, offsets{0, 4};
+    std::vector<std::byte> ws(cuda::compact_scratch_bytes(4, 2, 32));
+    cuda::compact_steps(host_launcher{}, k.tensor, tensor_view{}, t.data(), 80, keep_view{slots.data(), offsets.data(), 1, 80},
+                        4, {ws.data(), ws.size()});
+    const cuda::status st = cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data()));
+    CHECK((st.kind == cuda::fault::bad_keep && st.b == 2));
+    CHECK(k.bytes == before);
+    CHECK(t[0].pos == ly.p.tokens[0].pos);
+    CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::compact"), doctest::Contains("nothing was moved"), invalid_argument);
+  }
+}
