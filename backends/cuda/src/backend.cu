@@ -1,0 +1,114 @@
+// infkv CUDA backend: cuda::backend's primitives, compaction and re-rotation, each the steps of
+// cuda/steps.hpp run by the device launcher (one kernel per step).
+#include <infkv/cuda/backend.hpp>
+
+#include "launcher.cuh"
+
+namespace infkv::cuda {
+
+namespace detail {
+inline basic_backend<device_launcher> impl(const backend& b) { return {device_launcher{b.stream}}; }
+}  // namespace detail
+
+using detail::impl;
+
+bool device_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+std::size_t backend::scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt) const {
+  return impl(*this).scratch_bytes(spec, shape, opt);
+}
+void backend::time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
+  impl(*this).time_order(tokens, order, scratch);
+}
+void backend::score(const policy_spec& spec, const layer_inputs<tensor_view>& in, const std::int64_t* order,
+                    score_view out, std::span<std::byte> scratch) const {
+  impl(*this).score(spec, in, order, out, scratch);
+}
+void backend::score(const policy_spec& spec, const layer_inputs<paged_rows>& in, const std::int64_t* order,
+                    score_view out, std::span<std::byte> scratch) const {
+  impl(*this).score(spec, in, order, out, scratch);
+}
+void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+  impl(*this).pool(s, order, spec, scratch);
+}
+void backend::group_mean(score_view in, score_view out) const { impl(*this).group_mean(in, out); }
+void backend::fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
+  impl(*this).fill_tail(s, order, tail, scratch);
+}
+void backend::bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+                   std::span<std::byte> scratch) const {
+  impl(*this).bias(s, tokens, order, spec, scratch);
+}
+void backend::reduce(score_view acc, score_view s, reduction r, bool first) const { impl(*this).reduce(acc, s, r, first); }
+void backend::finish_reduction(score_view acc, reduction r, std::int64_t rows) const {
+  impl(*this).finish_reduction(acc, r, rows);
+}
+void backend::allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+                       std::int64_t* caps, std::span<std::byte> scratch) const {
+  impl(*this).allocate(a, s, order, b, cap, caps, scratch);
+}
+void backend::select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+                     std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+  impl(*this).select(s, tokens, order, caps, cap, keep, out, scratch);
+}
+
+void check(const void* status, cudaStream_t stream, const char* what) {
+  status_word w = status_ok;
+  detail::check_cuda(cudaMemcpyAsync(&w, status, sizeof w, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync (status)");
+  detail::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  raise_if(decode(w), what);
+}
+
+void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view keep, std::int64_t kept,
+             std::span<std::byte> ws, cudaStream_t stream) {
+  validate(k, "k");
+  if (!v.empty()) {
+    validate(v, "v");
+    INFKV_REQUIRE(v.n_slots == k.n_slots && v.n_heads == k.n_heads && v.type == k.type && v.head_dim == k.head_dim,
+                  "v.n_slots", v.n_slots, "V must match K (", k.n_slots, " slots, ", k.n_heads, " heads, its type and head_dim)");
+  }
+  const std::int64_t n = k.n_slots;
+  INFKV_REQUIRE(keep.n_slots == n && (keep.n_units == 1 || keep.n_units == k.n_heads), "keep.n_units", keep.n_units,
+                "must be 1 or k.n_heads (", k.n_heads, ") over k.n_slots = ", n, " slots; keep.n_slots = ", keep.n_slots);
+  INFKV_REQUIRE(kept >= 0 && kept <= n, "kept", kept, "must be in [0, n_slots = ", n, "]");
+  const bool per_head_tokens = std::int64_t(tokens.size()) == n * k.n_heads && k.n_heads > 1;
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == n || per_head_tokens, "tokens.size()", tokens.size(),
+                "must be n_slots (", n, ") or n_heads x n_slots (", n * k.n_heads, ")");
+  INFKV_REQUIRE(keep.n_units == 1 || per_head_tokens, "keep.n_units", keep.n_units,
+                "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
+  const std::size_t need = compact_scratch_bytes(kept, k.n_heads, k.head_dim * std::int64_t(size_of(k.type)));
+  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "compaction needs ", need, " bytes");
+  compact_steps(detail::device_launcher{stream}, k, v, tokens.data(), std::int64_t(tokens.size()), keep, kept, ws);
+  check(ws.data(), stream, "cuda::compact");
+}
+
+std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots, std::span<token> tokens,
+                     keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
+                     cudaStream_t stream) {
+  INFKV_REQUIRE(p.page_size > 0 && p.n_heads > 0 && p.head_dim > 0 && p.k.data && p.indptr && p.indices && p.last_page_len,
+                "paged", "incomplete", "page_size, n_heads, head_dim, k.data and the table arrays must be set");
+  INFKV_REQUIRE(seq >= 0 && seq < p.n_seqs, "seq", seq, "must be in [0, n_seqs = ", p.n_seqs, ")");
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, "tokens.size()", tokens.size(), "must equal n_slots (", n_slots, ")");
+  INFKV_REQUIRE(keep.n_units == 1 && keep.n_slots == n_slots, "keep.n_units", keep.n_units,
+                "a paged compaction takes one unit over n_slots = ", n_slots, " slots; keep.n_slots = ", keep.n_slots);
+  INFKV_REQUIRE(kept >= 0 && kept <= n_slots, "kept", kept, "must be in [0, n_slots = ", n_slots, "]");
+  const std::int64_t drop = pages_freed(n_slots, kept, p.page_size);
+  INFKV_REQUIRE(drop == 0 || freed != nullptr, "freed", "null", drop, " pages are freed");
+  const std::size_t need = compact_scratch_bytes(kept, p.n_heads, p.head_dim * std::int64_t(size_of(p.type)));
+  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "compaction needs ", need, " bytes");
+  compact_paged_steps(detail::device_launcher{stream}, p, seq, n_slots, tokens.data(), keep, kept, freed, ws);
+  check(ws.data(), stream, "cuda::compact");
+  return drop;
+}
+
+void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream) {
+  rerotate_steps(detail::device_launcher{stream}, keys, delta, r);
+}
+void rerotate(const paged_rows& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream) {
+  rerotate_steps(detail::device_launcher{stream}, keys, delta, r);
+}
+
+}  // namespace infkv::cuda

@@ -1,0 +1,71 @@
+// infkv CUDA backend: the device launcher that runs the steps of cuda/steps.hpp, one kernel per
+// step, and its sort (CUB's radix sort, compiled in sort.cu only).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include <cuda_runtime_api.h>
+
+#include <infkv/error.hpp>
+
+namespace infkv::cuda::detail {
+
+/// Raises engine_error naming the call when a CUDA status is not success.
+inline void check_cuda(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) [[unlikely]]
+    infkv::detail::raise<engine_error>("infkv: ", call, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+/// CUB's DeviceRadixSort::SortPairs on (uint64 key, int64 value) pairs, low `bits` bits of the
+/// key; `temp` null: sets `bytes` to the scratch needed.
+cudaError_t radix_sort_pairs(void* temp, std::size_t& bytes, const std::uint64_t* kin, std::uint64_t* kout,
+                             const std::int64_t* vin, std::int64_t* vout, std::int64_t n, int bits, cudaStream_t stream);
+
+template <class F>
+__global__ void __launch_bounds__(256) for_each_kernel(std::int64_t n, F f) {
+  const std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) f(i);
+}
+
+struct device_launcher {
+  cudaStream_t stream = nullptr;
+
+  template <class F>
+  void for_each(std::int64_t n, F f) const {
+    if (n <= 0) return;
+    const std::int64_t blocks = (n + 255) / 256;
+    INFKV_REQUIRE(blocks < (std::int64_t(1) << 31), "threads", n, "exceed one launch's grid");
+    for_each_kernel<<<unsigned(blocks), 256, 0, stream>>>(n, f);
+    check_cuda(cudaGetLastError(), "kernel launch");
+  }
+
+  struct sorter {
+    void* temp;
+    std::size_t bytes;
+    cudaStream_t stream;
+    void sort_pairs(const std::uint64_t* kin, std::uint64_t* kout, const std::int64_t* vin, std::int64_t* vout,
+                    std::int64_t n, int bits) const {
+      if (n <= 0) return;
+      std::size_t have = bytes;
+      check_cuda(radix_sort_pairs(temp, have, kin, kout, vin, vout, n, bits, stream), "cub::DeviceRadixSort::SortPairs");
+    }
+  };
+
+  static std::size_t sort_scratch_bytes(std::int64_t n) {
+    std::size_t bytes = 0;
+    if (n > 0)
+      check_cuda(radix_sort_pairs(nullptr, bytes, nullptr, nullptr, nullptr, nullptr, n, 64, nullptr),
+                 "cub::DeviceRadixSort::SortPairs (size query; is a CUDA device present?)");
+    return bytes + 256;  // room to align the temporaries
+  }
+  sorter sort_scratch(std::span<std::byte> s) const {
+    auto at = reinterpret_cast<std::uintptr_t>(s.data());
+    const std::uintptr_t aligned = (at + 255) / 256 * 256;
+    const std::size_t skip = std::min<std::size_t>(aligned - at, s.size());
+    return {s.data() + skip, s.size() - skip, stream};
+  }
+};
+
+}  // namespace infkv::cuda::detail

@@ -1,0 +1,353 @@
+// GPU parity tests of infkv::cuda (label `gpu`): every primitive on the device against the CPU
+// backend on fresh random inputs of several shapes, element types and views, outputs poisoned
+// before each run: finished scores within float tolerance, keep sets identical given equal
+// scores, compaction byte-identical, re-rotation within rounding, faults raised by name. Plain
+// C++ linking the compiled library, as a user's program would. Without a device the program
+// exits 77 (ctest: skipped); REQUIRE_GPU=1 makes that a failure. INFKV_GPU_SMALL=1 runs the small
+// shapes only (for compute-sanitizer).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+#include <infkv/cuda/backend.hpp>
+
+#include "cpu/reference_helpers.hpp"
+#include "policy_registry.hpp"
+
+using namespace infkv;
+using namespace infkv_test;
+
+namespace {
+
+void ok(cudaError_t e) { REQUIRE_MESSAGE(e == cudaSuccess, cudaGetErrorString(e)); }
+
+/// Device memory of `n` T, poisoned (all bits set: NaN floats, -1 integers) when made.
+template <class T>
+struct dvec {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit dvec(std::size_t count) : n(count) {
+    ok(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T)));
+    poison();
+  }
+  explicit dvec(const std::vector<T>& host) : dvec(host.size()) { up(host); }
+  ~dvec() { cudaFree(p); }
+  dvec(const dvec&) = delete;
+  dvec& operator=(const dvec&) = delete;
+  void poison() const { ok(cudaMemset(p, 0xff, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  void up(const std::vector<T>& host) const { ok(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice)); }
+  std::vector<T> down() const {
+    std::vector<T> h(n);
+    ok(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  std::span<T> span() const { return {p, n}; }
+};
+
+/// A stored tensor (reference_helpers' layouts) copied to the device, with its views.
+struct device_tensor {
+  dvec<std::uint8_t> bytes;
+  std::unique_ptr<dvec<std::int32_t>> indptr, indices, last;
+  tensor_view tensor{};
+  paged_view paged{};
+  paged_rows rows{};  ///< sequence 1 of a paged tensor
+  explicit device_tensor(const stored& s) : bytes(s.bytes) {
+    if (s.kind != layout::paged) {
+      tensor = s.tensor;
+      tensor.data = bytes.p;
+      return;
+    }
+    indptr = std::make_unique<dvec<std::int32_t>>(s.indptr);
+    indices = std::make_unique<dvec<std::int32_t>>(s.indices);
+    last = std::make_unique<dvec<std::int32_t>>(s.last);
+    paged = s.paged;
+    paged.k.data = bytes.p, paged.v.data = nullptr;
+    paged.indptr = indptr->p, paged.indices = indices->p, paged.last_page_len = last->p;
+    const auto host_rows = key_rows(s.paged, 1);
+    rows = host_rows;
+    rows.store.data = bytes.p;
+    rows.pages = indices->p + s.indptr[1];
+  }
+};
+
+bool small() { return std::getenv("INFKV_GPU_SMALL") != nullptr; }
+
+/// A plan's device workspace and keep view.
+struct device_run {
+  dvec<std::byte> ws;
+  dvec<std::int64_t> offsets, slots;
+  keep_view out;
+  explicit device_run(const plan& p)
+      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size())), slots(std::size_t(std::max<std::int64_t>(p.kept_total, 1))),
+        out{slots.p, offsets.p, p.units, p.shape.n_slots} {}
+  keep_set keep() const {
+    const auto o = offsets.down(), s = slots.down();
+    return keep_set::from_view({const_cast<std::int64_t*>(s.data()), const_cast<std::int64_t*>(o.data()), out.n_units, out.n_slots});
+  }
+};
+
+/// Device copies of a layer's tokens, query positions and (H2O) accumulated scores.
+struct device_meta {
+  dvec<token> tokens;
+  dvec<std::int64_t> qpos;
+  dvec<float> acc;
+  score_view acc_view{};
+  device_meta(const std::vector<token>& t, const std::vector<std::int64_t>& q, score_view host_acc)
+      : tokens(t), qpos(q), acc(std::size_t(host_acc.rows * host_acc.cols)) {
+    if (host_acc.data) {
+      std::vector<float> h(host_acc.data, host_acc.data + host_acc.rows * host_acc.cols);
+      acc.up(h);
+      acc_view = {acc.p, host_acc.rows, host_acc.cols, host_acc.cols};
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within float tolerance") {
+  const cpu::backend cpu_be{};
+  const cuda::backend gpu_be{};
+  struct shape { std::int64_t n; std::int32_t hkv, group, d; std::int64_t nq; };
+  std::vector<shape> shapes{{37, 2, 2, 8, 6}, {700, 2, 3, 17, 5}};
+  if (!small()) shapes.insert(shapes.end(), {{5000, 4, 4, 64, 32}, {20000, 8, 4, 128, 32}});
+  int seed = 0;
+  for (const shape sh : shapes)
+    for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+      for (const layout lay : {layout::nhd, layout::hnd, layout::paged}) {
+        const problem p = make_problem(900 + std::uint64_t(seed++), sh.n, sh.hkv, sh.group, sh.d, sh.nq, t);
+        const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
+        const device_tensor dk(keys), dq(queries);
+        const layer ly(p);
+        for_each_policy(ly.in(), [&](const std::string& name, const auto& pol) {
+          const std::string what = name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay);
+          keys.visit([&](const auto& hk) {
+            using R = std::decay_t<decltype(hk)>;
+            const auto host_in = cpu::inputs_for(pol, layer_inputs<R>{hk, {}, queries.tensor, p.qpos, p.tokens, 0.f});
+            const plan hp = make_plan(cpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(host_in));
+            cpu::workspace hws(hp.workspace_bytes);
+            const score_view want = run_scores(hp, cpu_be, host_in, hws.span());
+            const device_meta meta(p.tokens, p.qpos, host_in.accumulated);
+            layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, meta.acc_view};
+            if constexpr (std::same_as<R, paged_rows>) din.keys = dk.rows;
+            else din.keys = dk.tensor;
+            const plan dp = make_plan(gpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(din));
+            dvec<std::byte> ws(dp.workspace_bytes);
+            const score_view got = run_scores(dp, gpu_be, din, ws.span());
+            cuda::check(ws.p + dp.backend, nullptr, "run_scores");
+            score_matrix g(got.rows, got.cols);
+            ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            score_matrix w(want.rows, want.cols);
+            std::copy(want.data, want.data + want.rows * want.cols, w.data.begin());
+            ref_matrix wr(std::size_t(w.rows));
+            for (std::int64_t r = 0; r < w.rows; ++r) wr[std::size_t(r)].assign(w.row(r).begin(), w.row(r).end());
+            check_close(g, wr, 2e-4, 2e-6, what);
+          });
+        });
+      }
+}
+
+TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, several layers)") {
+  const cpu::backend cpu_be{};
+  const cuda::backend gpu_be{};
+  std::mt19937_64 gen(5);
+  for (int round = 0; round < (small() ? 6 : 40); ++round) {
+    CAPTURE(round);
+    const std::int64_t n = 1 + std::int64_t(gen() % (round % 4 == 3 && !small() ? 130000 : 900));
+    const auto heads = std::int32_t(1 + gen() % 8);
+    std::vector<token> tokens(static_cast<std::size_t>(n));
+    for (auto& t : tokens) t = {std::int64_t(gen() % std::uint64_t(n + 3)), 0, modality::text};
+    const float levels[] = {-1.f, -0.f, 0.f, 0.5f, 2.f, std::numeric_limits<float>::infinity(), -3.f};
+    std::vector<score_matrix> acc;
+    for (int l = 0; l < 2; ++l) {
+      acc.emplace_back(heads, n);
+      for (auto& x : acc.back().data) x = gen() % 3 == 0 ? std::ldexp(float(gen() % 1000), -7) : levels[gen() % 7];
+    }
+    policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
+    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4, .sinks = std::int64_t(gen() % 3),
+                   .recent = std::int64_t(gen() % 4)};
+    const device_meta m0(tokens, {}, acc[0].view()), m1(tokens, {}, acc[1].view());
+    std::vector<layer_inputs<>> host(2), dev(2);
+    for (int l = 0; l < 2; ++l) host[std::size_t(l)].tokens = tokens, host[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
+    dev[0].tokens = m0.tokens.span(), dev[0].accumulated = m0.acc_view;
+    dev[1].tokens = m0.tokens.span(), dev[1].accumulated = m1.acc_view;  // one token list for both layers
+    std::vector<plan_options> options;
+    for (const granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token})
+      options.push_back({.g = g, .r = reduction(gen() % 3)});
+    options.push_back({.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
+    if (heads > 1 && b.capacity < n) options.push_back({.g = granularity::per_head, .adakv_alpha = 0.3});
+    for (const plan_options& o : options) {
+      CAPTURE(to_string(o.g));
+      CAPTURE(o.n_layers);
+      const plan hp = make_plan(cpu_be, spec, b, shape_of(host[0]), o);
+      cpu::workspace hws(hp.workspace_bytes);
+      std::vector<std::int64_t> ho(std::size_t(hp.offsets_size())), hs(std::size_t(hp.kept_total));
+      run(hp, cpu_be, std::span<const layer_inputs<>>(host.data(), std::size_t(o.n_layers)), hws.span(),
+          {hs.data(), ho.data(), hp.units, n});
+      const plan dp = make_plan(gpu_be, spec, b, shape_of(dev[0]), o);
+      device_run d(dp);
+      cuda::run(dp, gpu_be, std::span<const layer_inputs<>>(dev.data(), std::size_t(o.n_layers)), d.ws.span(), d.out);
+      CHECK(d.keep() == keep_set::from_view({hs.data(), ho.data(), hp.units, n}));
+    }
+  }
+}
+
+TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes; re-rotation within rounding") {
+  std::mt19937_64 gen(13);
+  for (int round = 0; round < 12; ++round) {
+    CAPTURE(round);
+    const dtype t = dtype(round % 3);
+    const layout lay = round % 2 ? layout::hnd : layout::nhd;
+    const std::int64_t n = 10 + std::int64_t(gen() % (small() ? 100 : 20000));
+    const std::int32_t heads = 1 + std::int32_t(gen() % 4), d = round % 4 == 0 ? 5 : 64;
+    const problem p = make_problem(700 + std::uint64_t(round), n, heads, 1, d, 1, t);
+    stored k = store(p.k, n, heads, d, t, lay), v = store(p.k_exact, n, heads, d, t, lay);
+    const device_tensor dk(k), dv(v);
+    const std::int64_t m = 1 + std::int64_t(gen() % std::uint64_t(n));
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), std::int64_t{0});
+    std::shuffle(all.begin(), all.end(), gen);
+    all.resize(std::size_t(m));
+    std::ranges::sort(all);
+    keep_set keep(n);
+    keep.add_unit(all);
+    std::vector<token> tokens = p.tokens;
+    const dvec<token> dtok(tokens);
+    const dvec<std::int64_t> dslots(all), doffsets(std::vector<std::int64_t>{0, m});
+    kv_view kv{k.tensor, v.tensor};
+    cpu::compact(kv, tokens, keep);
+    dvec<std::byte> ws(cuda::compact_scratch_bytes(m, heads, d * std::int64_t(size_of(t))));
+    cuda::compact(dk.tensor, dv.tensor, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, ws.span(), nullptr);
+    CHECK(dk.bytes.down() == k.bytes);
+    CHECK(dv.bytes.down() == v.bytes);
+    const auto back = dtok.down();
+    for (std::int64_t i = 0; i < m; ++i) CHECK(back[std::size_t(i)].pos == tokens[std::size_t(i)].pos);
+    // Re-rotation of the compacted keys by the compact-mode deltas.
+    tokens.resize(std::size_t(m));
+    const auto delta = compact_positions(tokens);
+    tensor_view hk = k.tensor, dkv = dk.tensor;
+    hk.n_slots = dkv.n_slots = m;
+    const rope r{.theta = 10000.0, .style = round % 2 ? rope_style::neox : rope_style::normal};
+    cpu::rerotate(hk, delta, r);
+    const dvec<std::int64_t> ddelta(delta);
+    cuda::rerotate(dkv, ddelta.p, r, nullptr);
+    ok(cudaDeviceSynchronize());
+    stored got;
+    got.bytes = dk.bytes.down();
+    const double tol = t == dtype::f32 ? 2e-5 : t == dtype::f16 ? 2e-3 : 1.6e-2;
+    std::int64_t bad = 0;
+    for (std::int64_t j = 0; j < m; ++j)
+      for (std::int32_t h = 0; h < heads; ++h)
+        for (std::int32_t e = 0; e < d; ++e) {
+          const auto off = static_cast<const std::uint8_t*>(hk.row(j, h)) - k.bytes.data();
+          const float x = cuda::detail::load(t, hk.row(j, h), e), y = cuda::detail::load(t, got.bytes.data() + off, e);
+          bad += std::abs(x - y) <= tol * (1 + std::abs(x)) ? 0 : 1;
+        }
+    CHECK(bad == 0);
+  }
+  for (int round = 0; round < 6; ++round) {  // paged: sequence 1 behind a decoy sequence
+    const dtype t = dtype(round % 3);
+    const std::int64_t n = 4 + std::int64_t(gen() % 300);
+    const problem p = make_problem(800 + std::uint64_t(round), n, 2, 1, 6, 1, t);
+    stored a = store(p.k, n, 2, 6, t, layout::paged);
+    const device_tensor dc(a);
+    a.paged.v.data = nullptr;
+    const std::int64_t m = std::int64_t(gen() % std::uint64_t(n + 1));
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), std::int64_t{0});
+    std::shuffle(all.begin(), all.end(), gen);
+    all.resize(std::size_t(m));
+    std::ranges::sort(all);
+    keep_set keep(n);
+    keep.add_unit(all);
+    std::vector<token> t1 = p.tokens;
+    const dvec<token> dtok(p.tokens);
+    const dvec<std::int64_t> dslots(all), doffsets(std::vector<std::int64_t>{0, m});
+    const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
+    dvec<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)));
+    dvec<std::byte> ws(cuda::compact_scratch_bytes(m, 2, 6 * std::int64_t(size_of(t))));
+    const auto count = cuda::compact(dc.paged, 1, n, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, freed.p, ws.span(), nullptr);
+    CHECK(count == std::int64_t(freed_cpu.size()));
+    CHECK(freed.down() == freed_cpu);
+    CHECK(dc.bytes.down() == a.bytes);
+    CHECK(dc.indptr->down() == a.indptr);
+    CHECK(dc.indices->down() == a.indices);
+    CHECK(dc.last->down() == a.last);
+  }
+}
+
+TEST_CASE("gpu: faults found on the device raise by name and leave the cache as it was") {
+  const cuda::backend be{};
+  problem p = make_problem(3, 300, 2, 2, 16, 4);
+  p.k[std::size_t((123 * 2 + 1) * 16 + 7)] = std::numeric_limits<float>::quiet_NaN();
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd), queries = store_queries(p);
+  const device_tensor dk(keys), dq(queries);
+  const device_meta meta(p.tokens, p.qpos, {});
+  const layer_inputs<> in{dk.tensor, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
+  const plan pl = make_plan(be, snapkv{.window = 4}, budget{.capacity = 64}, shape_of(in));
+  device_run d(pl);
+  CHECK_THROWS_WITH_AS(cuda::run(pl, be, std::span<const layer_inputs<>>(&in, 1), d.ws.span(), d.out),
+                       doctest::Contains("keys[slot 123, head 1][7] is not finite"), invalid_argument);
+  // A keep set out of order: nothing moves.
+  const dvec<std::int64_t> slots(std::vector<std::int64_t>{5, 4}), offsets(std::vector<std::int64_t>{0, 2});
+  const dvec<token> dtok(p.tokens);
+  dvec<std::byte> ws(cuda::compact_scratch_bytes(2, 2, 64));
+  CHECK_THROWS_WITH_AS(cuda::compact(dk.tensor, {}, dtok.span(), {slots.p, offsets.p, 1, p.n}, 2, ws.span(), nullptr),
+                       doctest::Contains("nothing was moved"), invalid_argument);
+  CHECK(dk.bytes.down() == keys.bytes);
+}
+
+TEST_CASE("gpu: the README's CUDA example runs") {
+  const std::int64_t n_slots = 8192;
+  const std::int32_t n_kv_heads = 8, n_q_heads = 32, head_dim = 128;
+  const problem p = make_problem(1, n_slots, n_kv_heads, n_q_heads / n_kv_heads, head_dim, 32, dtype::f16, false);
+  const stored ks = store(p.k, n_slots, n_kv_heads, head_dim, dtype::f16, layout::nhd), qs = store_queries(p);
+  const device_tensor dk(ks), dq(qs);
+  const device_meta meta(p.tokens, p.qpos, {});
+  void* k_dev = dk.tensor.data;
+  void* q_dev = dq.tensor.data;
+  token* tokens_dev = meta.tokens.p;
+  std::int64_t* q_pos_dev = meta.qpos.p;
+  cudaStream_t stream = nullptr;
+  // example-begin cuda
+  const infkv::cuda::backend be{stream};
+  infkv::layer_inputs<> in{
+      .keys = infkv::nhd(k_dev, infkv::dtype::f16, n_slots, n_kv_heads, head_dim),
+      .queries = infkv::nhd(q_dev, infkv::dtype::f16, 32, n_q_heads, head_dim),
+      .query_pos = {q_pos_dev, 32},
+      .tokens = {tokens_dev, std::size_t(n_slots)}};     // all device memory
+  auto policy = infkv::snapkv{.window = 32, .kernel = 7};
+  const infkv::plan plan = infkv::make_plan(be, policy, {.capacity = 2048, .sinks = 4}, infkv::shape_of(in));
+
+  void *ws, *slots, *offsets;                             // sized by the plan, no allocation later
+  cudaMalloc(&ws, plan.workspace_bytes);
+  cudaMalloc(&slots, plan.kept_total * sizeof(std::int64_t));
+  cudaMalloc(&offsets, plan.offsets_size() * sizeof(std::int64_t));
+  infkv::keep_view keep{static_cast<std::int64_t*>(slots), static_cast<std::int64_t*>(offsets), plan.units, n_slots};
+  infkv::cuda::run(plan, be, in, {static_cast<std::byte*>(ws), plan.workspace_bytes}, keep);
+  // keep: per KV head, 2048 sorted slots (device); infkv::cuda::compact moves K, V and tokens
+  // example-end
+  CHECK(plan.units == n_kv_heads);
+  std::vector<std::int64_t> o(std::size_t(plan.offsets_size()));
+  ok(cudaMemcpy(o.data(), offsets, o.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+  CHECK(o.back() == 2048 * n_kv_heads);
+  cudaFree(ws), cudaFree(slots), cudaFree(offsets);
+}
+
+int main(int argc, char** argv) {
+  if (!infkv::cuda::device_available()) {
+    const bool required = std::getenv("REQUIRE_GPU") && std::string(std::getenv("REQUIRE_GPU")) == "1";
+    std::cerr << "infkv_gpu_tests: no CUDA device" << (required ? " (REQUIRE_GPU=1: failing)\n" : ": skipped\n");
+    return required ? 1 : 77;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
