@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Runs every test: the Release build (vectorised paths, llama.cpp adapter and a short real-model
-# streaming run included) and the ASan + UBSan build (portable paths). Installs what it needs
+# streaming run included; the CUDA backend compiled for sm_80 and sm_90 when nvcc is installed,
+# its GPU tests reported skipped without a device) and the ASan + UBSan build (portable paths,
+# the CUDA backend's steps run on the host). Installs what it needs
 # first; llama.cpp is built once into ~/.cache/infkv (about 6 minutes on 2 cores), the model and
 # text are fetched once, and all are reused afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 jobs=$(nproc)
+nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
 llama_prefix=$(scripts/llama_cpp.sh | tail -n 1)
 scripts/model.sh >/dev/null   # the real model and text of the infkv-stream smoke test
 scripts/kjv.sh >/dev/null
@@ -14,6 +17,7 @@ for preset in release sanitize; do
   echo "== infkv tests: $preset ==" >&2
   extra=()
   [ "$preset" = release ] && extra=(-DINFKV_WITH_LLAMA_CPP=ON "-DCMAKE_PREFIX_PATH=$llama_prefix")
+  [ "$preset" = release ] && [ -n "$nvcc" ] && extra+=(-DINFKV_WITH_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc")
   cmake --preset "$preset" "${extra[@]}" >/dev/null
   cmake --build --preset "$preset" -j "$jobs"
   ctest --preset "$preset" -j "$jobs"

@@ -284,6 +284,52 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
   }
 }
 
+TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
+  for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
+    const std::int64_t n = small() ? 300 : 30000;
+    cpu::h2o_state want(cfg, 4);
+    want.append(n);
+    dvec<float> acc(std::size_t(4 * n)), life(acc.n), score(acc.n);
+    ok(cudaMemset(acc.p, 0, acc.n * 4)), ok(cudaMemset(life.p, 0, life.n * 4));
+    cuda::h2o_state_view st{acc.p, life.p, score.p, 4, n, n};
+    for (int step = 0; step < 3; ++step) {
+      const problem p = make_problem(50 + std::uint64_t(step), n, 4, 2, 64, 1 + step, dtype::bf16);
+      const layer ly(p);
+      cpu::observe(want, ly.in());
+      const stored keys = store(p.k, n, 4, 64, p.type, layout::nhd), queries = store_queries(p);
+      const device_tensor dk(keys), dq(queries);
+      const device_meta meta(p.tokens, p.qpos, {});
+      const layer_inputs<> in{dk.tensor, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
+      dvec<std::byte> ws(cuda::h2o_scratch_bytes(shape_of(in)));
+      cuda::h2o_observe(st, cfg, in, ws.span(), nullptr);
+      score_matrix g(4, n);
+      g.data = score.down();
+      check_close(g, [&] {
+        ref_matrix r(4);
+        for (std::int64_t h = 0; h < 4; ++h) r[std::size_t(h)].assign(want.scores().row(h).begin(), want.scores().row(h).end());
+        return r;
+      }(), 1e-4, 1e-6, "h2o step");
+    }
+    std::vector<std::int64_t> kept;
+    for (std::int64_t j = 0; j < n; j += 3) kept.push_back(j);
+    keep_set keep(n);
+    keep.add_unit(kept);
+    want.evict(keep);
+    const dvec<std::int64_t> dslots(kept), doffsets(std::vector<std::int64_t>{0, std::int64_t(kept.size())});
+    dvec<std::byte> ws(cuda::compact_scratch_bytes(std::int64_t(kept.size()), 4, 4));
+    cuda::h2o_evict(st, {dslots.p, doffsets.p, 1, n}, std::int64_t(kept.size()), ws.span(), nullptr);
+    CHECK(st.n_slots == std::int64_t(kept.size()));
+    const auto all = score.down();
+    std::int64_t bad = 0;
+    for (std::int64_t h = 0; h < 4; ++h)
+      for (std::int64_t j = 0; j < st.n_slots; ++j) {
+        const double w = want.scores()(h, j), g = all[std::size_t(h * n + j)];
+        bad += std::abs(g - w) <= 1e-4 * std::abs(w) + 1e-7 ? 0 : 1;
+      }
+    CHECK(bad == 0);
+  }
+}
+
 TEST_CASE("gpu: faults found on the device raise by name and leave the cache as it was") {
   const cuda::backend be{};
   problem p = make_problem(3, 300, 2, 2, 16, 4);

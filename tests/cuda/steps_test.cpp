@@ -312,3 +312,38 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::compact"), doctest::Contains("nothing was moved"), invalid_argument);
   }
 }
+
+TEST_CASE("cuda steps (host): H2O's accumulation step and eviction follow cpu::h2o_state") {
+  for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
+    CAPTURE(cfg.normalize_lifetime);
+    const std::int64_t n = 300;
+    cpu::h2o_state want(cfg, 2);
+    want.append(n);
+    std::vector<float> acc(std::size_t(2 * (n + 5)), 0.f), life(acc.size(), 0.f), score(acc.size(), -1.f);
+    cuda::h2o_state_view got{acc.data(), life.data(), score.data(), 2, n, n + 5};
+    for (int step = 0; step < 3; ++step) {  // three decode steps of different queries, same cache
+      const layer ly(make_problem(40, n, 2, 3, 16, 2 + step));
+      layer_inputs<> in = ly.in();
+      cpu::observe(want, in);
+      std::vector<std::byte> ws(cuda::h2o_scratch_bytes<host_launcher>(shape_of(in)));
+      cuda::h2o_observe_steps(host_launcher{}, got, cfg, in, {ws.data(), ws.size()});
+      CHECK(cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data())).ok());
+      score_matrix g(2, n);
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t j = 0; j < n; ++j) g(h, j) = got.scores()(h, j);
+      check_close(g, as_ref(want.scores()), 1e-4, 1e-6, "h2o step " + std::to_string(step));
+    }
+    keep_set keep(n);
+    std::vector<std::int64_t> kept;
+    for (std::int64_t j = 0; j < n; j += 3) kept.push_back(j);
+    keep.add_unit(kept);
+    want.evict(keep);
+    std::vector<std::byte> ws(cuda::compact_scratch_bytes(std::int64_t(kept.size()), 2, 4));
+    cuda::h2o_evict_steps(host_launcher{}, got, keep.view(), std::int64_t(kept.size()), {ws.data(), ws.size()});
+    REQUIRE(got.n_slots == std::int64_t(kept.size()));
+    score_matrix g(2, got.n_slots);
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::int64_t j = 0; j < got.n_slots; ++j) g(h, j) = got.scores()(h, j);
+    check_close(g, as_ref(want.scores()), 1e-4, 1e-6, "h2o after eviction");
+  }
+}

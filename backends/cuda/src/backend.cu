@@ -104,6 +104,40 @@ std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots
   return drop;
 }
 
+std::size_t h2o_scratch_bytes(const layer_shape& shape) { return cuda::h2o_scratch_bytes<detail::device_launcher>(shape); }
+
+namespace detail {
+template <row_source R>
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<R>& in, std::span<std::byte> ws,
+                 cudaStream_t stream) {
+  const std::size_t need = cuda::h2o_scratch_bytes<device_launcher>(shape_of(in));
+  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "h2o_observe needs ", need, " bytes");
+  h2o_observe_steps(device_launcher{stream}, st, cfg, in, ws);
+  check(ws.data(), stream, "cuda::h2o_observe");
+}
+}  // namespace detail
+
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<tensor_view>& in, std::span<std::byte> ws,
+                 cudaStream_t stream) {
+  detail::h2o_observe(st, cfg, in, ws, stream);
+}
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<paged_rows>& in, std::span<std::byte> ws,
+                 cudaStream_t stream) {
+  detail::h2o_observe(st, cfg, in, ws, stream);
+}
+
+void h2o_evict(h2o_state_view& st, keep_view keep, std::int64_t kept, std::span<std::byte> ws, cudaStream_t stream) {
+  INFKV_REQUIRE(keep.n_slots == st.n_slots && (keep.n_units == 1 || keep.n_units == st.heads), "keep.n_units",
+                keep.n_units, "must be 1 or the state's heads (", st.heads, ") over its ", st.n_slots, " slots");
+  INFKV_REQUIRE(kept >= 0 && kept <= st.n_slots, "kept", kept, "must be in [0, n_slots = ", st.n_slots, "]");
+  const std::size_t need = compact_scratch_bytes(kept, st.heads, 4);
+  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "h2o_evict needs ", need, " bytes");
+  h2o_state_view next = st;
+  h2o_evict_steps(detail::device_launcher{stream}, next, keep, kept, ws);
+  check(ws.data(), stream, "cuda::h2o_evict");
+  st = next;
+}
+
 void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream) {
   rerotate_steps(detail::device_launcher{stream}, keys, delta, r);
 }

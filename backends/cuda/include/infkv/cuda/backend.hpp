@@ -87,6 +87,20 @@ std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots
                      keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
                      cudaStream_t stream);
 
+/// H2O on the device: one decode step's attention (every query of `in`) accumulated into the
+/// state (cpu::observe's semantics); `ws`: h2o_scratch_bytes(shape_of(in)) of device memory.
+/// The pipeline then reads `st.scores()` as layer_inputs::accumulated. Waits; NaN keys or
+/// queries raise by name.
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<tensor_view>& in, std::span<std::byte> ws,
+                 cudaStream_t stream);
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<paged_rows>& in, std::span<std::byte> ws,
+                 cudaStream_t stream);
+/// Scratch h2o_observe needs for a layer of `shape` (on a device: the radix sort's size is asked).
+std::size_t h2o_scratch_bytes(const layer_shape& shape);
+/// Keeps the slots of `keep` (`kept` per unit: one unit, or one per head) in the state, compacted
+/// as the cache is; `ws`: compact_scratch_bytes(kept, st.heads, 4). Waits.
+void h2o_evict(h2o_state_view& st, keep_view keep, std::int64_t kept, std::span<std::byte> ws, cudaStream_t stream);
+
 /// Rotates every head of slot j of device keys by delta[j] positions (device array of n_slots).
 void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream);
 void rerotate(const paged_rows& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream);

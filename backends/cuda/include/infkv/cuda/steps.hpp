@@ -31,6 +31,7 @@
 #include <infkv/keep_set.hpp>
 #include <infkv/kv_view.hpp>
 #include <infkv/pipeline.hpp>
+#include <infkv/policies/h2o.hpp>
 #include <infkv/rope.hpp>
 #include <infkv/select.hpp>
 
@@ -636,6 +637,68 @@ struct basic_backend {
   }
 };
 
+/// H2O's state on a device: accumulated mass, lifetime (queries that could see the slot) and the
+/// score the pipeline reads (`layer_inputs::accumulated = scores`), each [heads][n_slots] with row
+/// stride `ld` (>= n_slots: room to append). Memory of the caller.
+struct h2o_state_view {
+  float* acc = nullptr;
+  float* life = nullptr;
+  float* score = nullptr;
+  std::int32_t heads = 0;
+  std::int64_t n_slots = 0;
+  std::int64_t ld = 0;
+  score_view scores() const { return {score, heads, n_slots, ld}; }
+};
+
+/// Scratch h2o_observe_steps needs for a layer of `shape` (every query of the layer observed).
+template <class L>
+std::size_t h2o_scratch_bytes(const layer_shape& shape) {
+  const policy_spec spec{.name = "h2o", .source = score_source::window_attention, .queries = shape.n_queries};
+  detail::carver c{nullptr, basic_backend<L>{}.scratch_bytes(spec, shape)};
+  c.take<float>(std::int64_t(shape.kv_heads) * shape.n_slots), c.take<float>(shape.n_slots);
+  return c.at;
+}
+
+/// One decode step (or prefill chunk) of H2O (cpu::observe's semantics): the attention every
+/// query of `in` gives the cached keys (mean over each KV head's query heads), and per slot how
+/// many of those queries could see it; acc = acc x forgetting + mass, life += seen, score = acc
+/// (or acc / max(life, 1) with normalize_lifetime). The state must already hold in's slots.
+template <class L, row_source R>
+void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg, const layer_inputs<R>& in,
+                       std::span<std::byte> scratch) {
+  cfg.validate();
+  const std::int64_t n = in.keys.n_slots, nq = in.queries.n_slots;
+  INFKV_REQUIRE(st.heads == in.keys.n_heads && st.n_slots == n && st.ld >= n, "h2o_state_view.n_slots", st.n_slots,
+                "the state must hold the layer's ", n, " slots of ", in.keys.n_heads, " KV heads; heads = ", st.heads,
+                ", ld = ", st.ld);
+  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == n, "tokens.size()", in.tokens.size(), "must equal keys.n_slots (", n, ")");
+  const basic_backend<L> be{launch};
+  const std::size_t after = be.scratch_bytes({.name = "h2o", .source = score_source::window_attention, .queries = nq},
+                                             shape_of(in));
+  detail::carver c{scratch.data(), after};
+  const score_view mass{c.take<float>(st.heads * n), st.heads, n, n};
+  float* seen = c.take<float>(n);
+  auto* status = reinterpret_cast<status_word*>(scratch.data());
+  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *status = status_ok; });
+  be.window_attention(in, nq, false, mass, scratch, 64);
+  const token* t = in.tokens.data();
+  const std::int64_t* qpos = in.query_pos.data();
+  launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
+    std::int64_t k = 0;
+    for (std::int64_t i = 0; i < nq; ++i) k += t[j].pos <= qpos[i] ? 1 : 0;
+    seen[j] = float(k);
+  });
+  const auto keep = float(cfg.forgetting);
+  const bool normalize = cfg.normalize_lifetime;
+  const h2o_state_view s = st;
+  launch.for_each(st.heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t h = x / n, j = x % n, i = h * s.ld + j;
+    s.acc[i] = s.acc[i] * keep + mass(h, j);
+    s.life[i] += seen[j];
+    s.score[i] = normalize ? s.acc[i] / fmaxf(s.life[i], 1.f) : s.acc[i];
+  });
+}
+
 /// Page ids a paged compaction frees, given the sequence's slots before and after.
 inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
   return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
@@ -701,8 +764,8 @@ inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, 
 /// Compacts K, V (either may be empty) and tokens of a strided cache: unit u (or unit 0 for all
 /// heads) of `keep`, `m` slots per unit, moves to slots [0, m) in increasing slot order, through
 /// the scratch (an in-place parallel move would race). `tokens` holds n_slots entries (uniform
-/// keep) or heads x n_slots (per-head keep, packed to heads x m). Nothing moves when the keep set
-/// is inconsistent (status bad_keep).
+/// keep) or heads x n_slots (per-head keep, packed to heads x m), or is null. Nothing moves when
+/// the keep set is inconsistent (status bad_keep).
 template <class L>
 void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens, std::int64_t n_tokens, keep_view keep,
                    std::int64_t m, std::span<std::byte> scratch) {
@@ -728,6 +791,7 @@ void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens,
     detail::copy_rows_widest(launch, heads * m, row_bytes, word, kept_row, buf_row, st);
     detail::copy_rows_widest(launch, heads * m, row_bytes, word, buf_row, new_row, st);
   }
+  if (tokens == nullptr) return;
   const std::int64_t lists = n_tokens == n ? 1 : heads;
   auto* tb = c.take<token>(lists * m);
   launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
@@ -738,6 +802,16 @@ void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens,
   launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     if (*st == status_ok) tokens[x] = tb[x];
   });
+}
+
+/// Keeps the slots of `keep` (`m` per unit) in H2O's state, compacted to the front as the cache
+/// is (cpu::h2o_state::evict): the state's rows are [heads][ld] tensors of one f32 per slot.
+template <class L>
+void h2o_evict_steps(const L& launch, h2o_state_view& st, keep_view keep, std::int64_t m, std::span<std::byte> scratch) {
+  const auto rows = [&](float* p) { return tensor_view{p, dtype::f32, st.n_slots, st.heads, 1, 1, st.ld}; };
+  compact_steps(launch, rows(st.acc), rows(st.life), nullptr, 0, keep, m, scratch);
+  compact_steps(launch, rows(st.score), tensor_view{}, nullptr, 0, keep, m, scratch);
+  st.n_slots = m;
 }
 
 /// Compacts sequence `seq` of a paged cache (one unit for all heads; the sequence holds `n`
