@@ -31,6 +31,13 @@ void* operator new(std::size_t n) { return counted(n, 0); }
 void* operator new[](std::size_t n) { return counted(n, 0); }
 void* operator new(std::size_t n, std::align_val_t a) { return counted(n, std::size_t(a)); }
 void* operator new[](std::size_t n, std::align_val_t a) { return counted(n, std::size_t(a)); }
+// The nothrow forms too (std::stable_sort's buffer): every form must pair with the free below.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try { return counted(n, 0); } catch (...) { return nullptr; }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  try { return counted(n, 0); } catch (...) { return nullptr; }
+}
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }

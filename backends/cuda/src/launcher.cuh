@@ -48,8 +48,9 @@ struct device_launcher {
     void sort_pairs(const std::uint64_t* kin, std::uint64_t* kout, const std::int64_t* vin, std::int64_t* vout,
                     std::int64_t n, int bits) const {
       if (n <= 0) return;
-      std::size_t have = bytes;
-      check_cuda(radix_sort_pairs(temp, have, kin, kout, vin, vout, n, bits, stream), "cub::DeviceRadixSort::SortPairs");
+      std::size_t have = bytes;  // at least one bit: an empty bit range would leave the output unwritten
+      check_cuda(radix_sort_pairs(temp, have, kin, kout, vin, vout, n, bits < 1 ? 1 : bits, stream),
+                 "cub::DeviceRadixSort::SortPairs");
     }
   };
 
