@@ -89,10 +89,10 @@ TEST_CASE("cuda steps (host): finished scores of every policy match the CPU back
 
 TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ties and signed zeros included") {
   const cpu::backend cpu_be{};
-  const host_cuda_backend gpu_be{};
   std::mt19937_64 gen(7);
   for (int round = 0; round < 60; ++round) {
     CAPTURE(round);
+    const host_cuda_backend gpu_be{host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
     const std::int64_t n = 1 + std::int64_t(gen() % 700);
     const auto heads = std::int32_t(1 + gen() % 4);
     const auto tokens = [&] {  // shuffled slots, repeated positions

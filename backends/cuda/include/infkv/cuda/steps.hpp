@@ -27,6 +27,10 @@
 #include <limits>
 #include <span>
 
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
 #include <infkv/error.hpp>
 #include <infkv/keep_set.hpp>
 #include <infkv/kv_view.hpp>
@@ -104,11 +108,16 @@ INFKV_HOST_DEVICE inline void record(status_word* st, status_word code) {
 
 INFKV_HOST_DEVICE inline bool finite(float x) { return x - x == 0.f; }
 
-/// Element e of a row of type t, as f32.
+/// Element e of a row of type t, as f32 (f16 by the GPU's conversion instruction on a device:
+/// exact either way).
 INFKV_HOST_DEVICE inline float load(dtype t, const void* row, std::int64_t e) {
   if (t == dtype::f32) return static_cast<const float*>(row)[e];
   const std::uint16_t h = static_cast<const std::uint16_t*>(row)[e];
+#if defined(__CUDA_ARCH__)
+  return t == dtype::f16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
+#else
   return t == dtype::f16 ? f16_to_f32(h) : bf16_to_f32(h);
+#endif
 }
 INFKV_HOST_DEVICE inline void store(dtype t, void* row, std::int64_t e, float x) {
   if (t == dtype::f32) static_cast<float*>(row)[e] = x;
