@@ -161,6 +161,56 @@ inline constexpr std::int64_t chunk = 256;
 inline std::int64_t chunks(std::int64_t n) { return (n + chunk - 1) / chunk; }
 /// Keys per tile of the window softmax statistics.
 inline constexpr std::int64_t key_tile = 256;
+inline std::int64_t tiles(std::int64_t n) { return (n + key_tile - 1) / key_tile; }
+
+// Scratch layouts, one function each, used by the steps and by scratch_bytes alike.
+
+/// Window softmax statistics: per (query row, key tile) max and normaliser, per row the max and
+/// the normaliser's inverse.
+struct softmax_scratch {
+  float *tmax, *tsum, *rmax, *rcoef;
+  static softmax_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<float>(rows * tiles(n)), c.take<float>(rows * tiles(n)), c.take<float>(rows), c.take<float>(rows)};
+  }
+};
+/// KeyDiff: per (head, chunk) sums of unit keys, the anchors, their inverse norms.
+struct keydiff_scratch {
+  float *part, *anchor, *inv_an;
+  static keydiff_scratch carve(carver& c, std::int64_t heads, std::int64_t n, std::int64_t d) {
+    return {c.take<float>(heads * chunks(n) * d), c.take<float>(heads * d), c.take<float>(heads)};
+  }
+};
+/// fill_tail: per (row, chunk) sums and the row means.
+struct tail_scratch {
+  double* part;
+  float* mean;
+  static tail_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<double>(rows * chunks(n)), c.take<float>(rows)};
+  }
+};
+/// The attention bias: each slot's age value, per chunk the new positions (then the ranks
+/// before it) and the value range, the newest value and span, per (row, chunk) sums, row factors.
+struct bias_scratch {
+  double* when;
+  std::int64_t* counts;
+  double *lo, *hi, *range, *row_part, *row_inv;
+  static bias_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<double>(n), c.take<std::int64_t>(chunks(n)), c.take<double>(chunks(n)), c.take<double>(chunks(n)),
+            c.take<double>(2), c.take<double>(rows * chunks(n)), c.take<double>(rows)};
+  }
+};
+/// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie
+/// rank, per unit the kept offsets, AdaKV's shares; the sort's own scratch follows.
+struct sort_scratch {
+  std::uint64_t *keys, *kout;
+  std::int64_t *vals, *vout, *rank, *kept;
+  double* share;
+  static sort_scratch carve(carver& c, std::int64_t items, std::int64_t n, std::int64_t units) {
+    return {c.take<std::uint64_t>(items), c.take<std::uint64_t>(items), c.take<std::int64_t>(items),
+            c.take<std::int64_t>(items),  c.take<std::int64_t>(n),      c.take<std::int64_t>(units + 1),
+            c.take<double>(3 * units)};
+  }
+};
 
 }  // namespace detail
 
@@ -174,36 +224,27 @@ struct basic_backend {
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
     check_sort_bits(units, n);
+    const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);  // score rows at most
     std::size_t need = 0;
-    const auto consider = [&](detail::carver c) { need = std::max(need, c.at); };
-    {  // score
-      detail::carver c{nullptr, 64};
-      if (spec.source == score_source::key_diversity) {
-        c.take<float>(hkv * detail::chunks(n) * shape.head_dim), c.take<float>(hkv * shape.head_dim), c.take<float>(hkv);
-      } else if (spec.source == score_source::window_attention || spec.source == score_source::last_query) {
-        const std::int64_t rows = std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries);
-        c.take<float>(rows * (n + detail::key_tile - 1) / detail::key_tile), c.take<float>(rows * (n + detail::key_tile - 1) / detail::key_tile);
-        c.take<float>(rows), c.take<float>(rows);
+    const auto consider = [&](auto&& carve) {
+      detail::carver c{nullptr, 64};  // after the status word
+      carve(c);
+      need = std::max(need, c.at);
+    };
+    if (spec.source == score_source::key_diversity)
+      consider([&](detail::carver& c) { detail::keydiff_scratch::carve(c, hkv, n, shape.head_dim); });
+    if (spec.source == score_source::window_attention || spec.source == score_source::last_query)
+      consider([&](detail::carver& c) {
+        detail::softmax_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n);
         if (spec.source == score_source::last_query) c.take<float>(hkv * n);
-      }
-      consider(c);
-    }
-    {  // pool, fill_tail, bias: one row of temporaries per score row
-      const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);
-      detail::carver c{nullptr, 64};
-      c.take<float>(rows * n), c.take<double>(rows * detail::chunks(n)), c.take<double>(rows * 2);
-      c.take<double>(n), c.take<std::int64_t>(3 * detail::chunks(n)), c.take<double>(2 * detail::chunks(n) + 2);
-      consider(c);
-    }
-    {  // select and allocate
-      detail::carver c{nullptr, 64};
-      const std::int64_t items = units * n;
-      c.take<std::uint64_t>(items), c.take<std::uint64_t>(items), c.take<std::int64_t>(items),
-          c.take<std::int64_t>(items), c.take<std::int64_t>(n), c.take<std::int64_t>(units + 1);
-      c.take<double>(3 * units);
-      c.take<std::byte>(std::int64_t(L::sort_scratch_bytes(items)));
-      consider(c);
-    }
+      });
+    consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
+    consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
+    consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
+    consider([&](detail::carver& c) {  // time order, select, allocate
+      detail::sort_scratch::carve(c, units * n, n, units);
+      c.take<std::byte>(std::int64_t(L::sort_scratch_bytes(units * n)));
+    });
     return need;
   }
 
@@ -223,15 +264,15 @@ struct basic_backend {
     launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
     if (n == 0) return;
     detail::carver c{scratch.data(), 64};
-    auto* keys = c.take<std::uint64_t>(n);
-    auto* kout = c.take<std::uint64_t>(n);
-    auto* vals = c.take<std::int64_t>(n);
+    const auto w = detail::sort_scratch::carve(c, n, n, 1);
     const token* t = tokens.data();
+    std::uint64_t* keys = w.keys;
+    std::int64_t* vals = w.vals;
     launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
       if (t[i].pos < 0) detail::record(st, encode(fault::negative_position, 0, 0, i));
       keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
     });
-    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, kout, vals, order, n, 64);
+    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, w.kout, vals, order, n, 64);
   }
 
   template <row_source R>
@@ -253,10 +294,8 @@ struct basic_backend {
         return;
       case score_source::last_query: {  // every KV head's mass, then the mean over the heads
         const std::int64_t hkv = in.keys.n_heads;
-        detail::carver c{scratch.data(), 64};
-        const std::int64_t rows = std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots);
-        const std::int64_t tiles = (n + detail::key_tile - 1) / detail::key_tile;
-        c.take<float>(rows * tiles), c.take<float>(rows * tiles), c.take<float>(rows), c.take<float>(rows);
+        detail::carver c{scratch.data(), 64};  // after window_attention's statistics
+        detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots), n);
         const score_view heads{c.take<float>(hkv * n), hkv, n, n};
         window_attention(in, spec.queries, false, heads, scratch, 64);
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
@@ -277,9 +316,8 @@ struct basic_backend {
     const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
     status_word* st = status_of(scratch);
     detail::carver c{scratch.data(), 64};
-    float* part = c.take<float>(hkv * nc * d);
-    float* anchor = c.take<float>(hkv * d);
-    float* inv_an = c.take<float>(hkv);
+    const auto w = detail::keydiff_scratch::carve(c, hkv, n, d);
+    float *part = w.part, *anchor = w.anchor, *inv_an = w.inv_an;
     launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
       const auto h = std::int32_t(i / n);
       const std::int64_t j = i % n;
@@ -340,16 +378,14 @@ struct basic_backend {
     const tensor_view q = in.queries;
     const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
     const std::int64_t w = std::min(window, q.n_slots), q0 = q.n_slots - w, rows = hq * w;
-    const std::int64_t tiles = (n + detail::key_tile - 1) / detail::key_tile;
+    const std::int64_t tiles = detail::tiles(n);
     const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
     const token* tok = in.tokens.data();
     const std::int64_t* qpos = in.query_pos.data();
     status_word* st = status_of(scratch);
     detail::carver c{scratch.data(), offset};
-    float* tmax = c.take<float>(rows * tiles);
-    float* tsum = c.take<float>(rows * tiles);
-    float* rmax = c.take<float>(rows);
-    float* rcoef = c.take<float>(rows);
+    const auto stats = detail::softmax_scratch::carve(c, rows, n);
+    float *tmax = stats.tmax, *tsum = stats.tsum, *rmax = stats.rmax, *rcoef = stats.rcoef;
     // Row r = query head * w + i (query q0 + i); its KV head is (r / w) / group.
     launch.for_each(rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t r = x / tiles, t = x % tiles, qh = r / w, i = r % w;
@@ -438,8 +474,9 @@ struct basic_backend {
     const std::int64_t n = s.cols, len = n - std::min(tail, n), nc = detail::chunks(len);
     if (len == 0 || len == n) return;
     detail::carver c{scratch.data(), 64};
-    double* part = c.take<double>(s.rows * nc);
-    float* mean = c.take<float>(s.rows);
+    const auto w = detail::tail_scratch::carve(c, s.rows, len);
+    double* part = w.part;
+    float* mean = w.mean;
     launch.for_each(s.rows * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t r = x / nc, cc = x % nc;
       double sum = 0;
@@ -465,13 +502,9 @@ struct basic_backend {
     if (b.beta == 0.0 || s.cols == 0) return;
     const token* t = tokens.data();
     detail::carver c{scratch.data(), 64};
-    double* when = c.take<double>(n);
-    std::int64_t* counts = c.take<std::int64_t>(nc);  // new positions per chunk, then the ranks before it
-    double* lo = c.take<double>(nc);
-    double* hi = c.take<double>(nc);
-    double* range = c.take<double>(2);  // newest, span
-    double* row_part = c.take<double>(s.rows * nc);
-    double* row_inv = c.take<double>(s.rows);
+    const auto w = detail::bias_scratch::carve(c, s.rows, n);
+    double *when = w.when, *lo = w.lo, *hi = w.hi, *range = w.range, *row_part = w.row_part, *row_inv = w.row_inv;
+    std::int64_t* counts = w.counts;  // new positions per chunk, then the ranks before it
     const auto value = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t rank) {
       return b.unit == age_unit::ranks ? double(rank) : b.unit == age_unit::positions ? double(t[order[i]].pos)
                                                                                         : double(t[order[i]].segment);
@@ -547,12 +580,10 @@ struct basic_backend {
     const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
     status_word* st = status_of(scratch);
     detail::carver c{scratch.data(), 64};
-    auto* keys = c.take<std::uint64_t>(items);
-    auto* kout = c.take<std::uint64_t>(items);
-    auto* vals = c.take<std::int64_t>(items);
-    auto* vout = c.take<std::int64_t>(items);
-    c.take<std::int64_t>(n), c.take<std::int64_t>(rows + 1);
-    double* share = c.take<double>(3 * rows);
+    const auto w = detail::sort_scratch::carve(c, items, n, rows);
+    std::uint64_t* keys = w.keys;
+    std::int64_t *vals = w.vals, *vout = w.vout;
+    double* share = w.share;
     launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t r = x / n, i = x % n;
       const float v = s(r, order[i]);
@@ -563,7 +594,7 @@ struct basic_backend {
                           : ~std::uint64_t{0};
       vals[x] = r;
     });
-    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, kout, vals, vout, items, 64);
+    launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, w.kout, vals, vout, items, 64);
     const double alpha = a.alpha;
     launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
       double* wins = share;
@@ -609,12 +640,9 @@ struct basic_backend {
     const token* t = tokens.data();
     const std::int64_t items = units * n;
     detail::carver c{scratch.data(), 64};
-    auto* keys = c.take<std::uint64_t>(items);
-    auto* kout = c.take<std::uint64_t>(items);
-    auto* vals = c.take<std::int64_t>(items);
-    auto* vout = c.take<std::int64_t>(items);
-    auto* rank = c.take<std::int64_t>(n);
-    auto* kept = c.take<std::int64_t>(units + 1);  // offsets of each unit's kept slots
+    const auto w = detail::sort_scratch::carve(c, items, n, units);
+    std::uint64_t *keys = w.keys, *kout = w.kout;
+    std::int64_t *vals = w.vals, *vout = w.vout, *rank = w.rank, *kept = w.kept;  // kept: offsets of each unit's slots
     const auto sorter = launch.sort_scratch(scratch.subspan(c.at));
     // Tie rank: newer position first, then the lower slot (a stable sort of inverted positions).
     launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) { keys[j] = ~std::uint64_t(t[j].pos), vals[j] = j; });
