@@ -4,10 +4,12 @@
 // Normal layout (GPT-J / llama.cpp "norm"): pairs (2i, 2i+1); NeoX layout: pairs (i, i + dims/2).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "error.hpp"
 #include "tokens.hpp"
 
 namespace infkv {
@@ -22,6 +24,15 @@ struct rope {
   std::int32_t dims = 0;
   rope_style style = rope_style::normal;
   double freq_scale = 1.0;
+
+  /// Checks the parameters for keys of `head_dim` and returns the rotary dimensions.
+  std::int32_t checked_dims(std::int32_t head_dim) const {
+    const std::int32_t d = dims == 0 ? head_dim : dims;
+    INFKV_REQUIRE(d > 0 && d <= head_dim && d % 2 == 0, "rope.dims", dims, "must be even and in [0, head_dim = ", head_dim, "]");
+    INFKV_REQUIRE(std::isfinite(theta) && theta > 0, "rope.theta", theta, "must be > 0");
+    INFKV_REQUIRE(std::isfinite(freq_scale) && freq_scale > 0, "rope.freq_scale", freq_scale, "must be > 0");
+    return d;
+  }
 };
 
 /// Compact position mode: gives the slots positions first, first + 1, ... in time order and

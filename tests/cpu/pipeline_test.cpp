@@ -17,18 +17,6 @@ using namespace infkv_test;
 
 #define CHECK_ERROR(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), infkv::invalid_argument)
 
-namespace {
-
-struct buffers {
-  cpu::workspace ws;
-  std::vector<std::int64_t> offsets, slots;
-  keep_view out;
-  explicit buffers(const plan& p)
-      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size())), slots(std::size_t(p.kept_total)),
-        out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
-};
-
-}  // namespace
 
 TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into one decision") {
   const layer ly(make_problem(5, 120, 2, 2, 8, 6)), ly2(make_problem(6, 120, 2, 2, 8, 6));  // two layers
@@ -43,7 +31,7 @@ TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into
     const plan pl = make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
     CHECK(pl.units == 1);
     CHECK(pl.kept_total == protect(pol, b).keep_count(p.n));
-    buffers buf(pl);
+    plan_buffers buf(pl);
     const std::vector<layer_inputs<>> layers{l0, l1};
     run(pl, be, std::span<const layer_inputs<>>(layers), buf.ws.span(), buf.out);
     CHECK(buf.offsets[1] == pl.kept_total);
@@ -64,7 +52,7 @@ TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the prote
     CAPTURE(alpha);
     const snapkv pol{.window = 5, .kernel = 3};
     const plan pl = make_plan(be, pol, b, shape_of(in), {.g = granularity::per_head, .adakv_alpha = alpha});
-    buffers buf(pl);
+    plan_buffers buf(pl);
     run(pl, be, std::span<const layer_inputs<>>(&in, 1), buf.ws.span(), buf.out);
     const auto keep = keep_set::from_view(buf.out);
     // The same capacities as adakv::allocate on the same scores, and the same selection.
@@ -90,7 +78,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     INFO(name);
     const auto l0 = cpu::inputs_for(pol, in);
     const plan pl = make_plan(be, pol, b, shape_of(l0));
-    buffers buf(pl);
+    plan_buffers buf(pl);
     const auto one = std::span<const layer_inputs<>>(&l0, 1);
     CHECK_ERROR(run(pl, be, one, buf.ws.span().first(pl.workspace_bytes - 1), buf.out), "workspace.size()");
     cpu::workspace roomy(pl.workspace_bytes + 64);
@@ -116,7 +104,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
       fewer.query_pos = fewer.query_pos.last(1);
       if (pol.spec().source == score_source::window_attention) {
         const plan small = make_plan(be, pol, b, shape_of(fewer));
-        buffers sbuf(small);
+        plan_buffers sbuf(small);
         CHECK_ERROR(run(small, be, one, sbuf.ws.span(), sbuf.out), "layers[0].queries.n_slots = 4");
       }
       CHECK_NOTHROW(run(pl, be, std::span<const layer_inputs<>>(&fewer, 1), buf.ws.span(), buf.out));
@@ -147,7 +135,7 @@ TEST_CASE("pipeline: PyramidKV's layer budgets are plain budgets, one plan per l
     CAPTURE(l);
     const plan pl = make_plan(be, inf_mllm{.window = 6}, budgets[l], shape_of(in), {.g = granularity::per_layer});
     CHECK(pl.kept_total == budgets[l].capacity);
-    buffers buf(pl);
+    plan_buffers buf(pl);
     run(pl, be, std::span<const layer_inputs<>>(&in, 1), buf.ws.span(), buf.out);
     CHECK(keep_set::from_view(buf.out) == cpu::select(inf_mllm{.window = 6}, budgets[l], in, granularity::per_layer));
     if (l) CHECK(budgets[l].capacity <= budgets[l - 1].capacity);  // the pyramid narrows with depth

@@ -368,6 +368,41 @@ inline ref_matrix ref_scores(const problem& p, const infkv::cpu::h2o_state& s) {
   return ref_h2o(std::span<const problem>(&p, 1), s.config());
 }
 
+/// A plan's workspace and keep-set buffers (poisoned: -7 everywhere before a run).
+struct plan_buffers {
+  infkv::cpu::workspace ws;
+  std::vector<std::int64_t> offsets, slots;
+  infkv::keep_view out;
+  explicit plan_buffers(const infkv::plan& p)
+      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size()), -7), slots(std::size_t(p.kept_total), -7),
+        out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
+};
+
+/// n tokens at random positions in [0, n + 3) (repeats and holes), in slot order.
+inline std::vector<token> random_tokens(std::mt19937_64& gen, std::int64_t n) {
+  std::vector<token> t(static_cast<std::size_t>(n));
+  for (auto& x : t) x = {std::int64_t(gen() % std::uint64_t(n + 3)), 0, infkv::modality::text};
+  return t;
+}
+
+/// rows x n scores drawn mostly from a few levels (-0 and +0, Inf included): massive ties.
+inline infkv::score_matrix tied_scores(std::mt19937_64& gen, std::int64_t rows, std::int64_t n) {
+  const float levels[] = {-1.f, -0.f, 0.f, 0.5f, 2.f, std::numeric_limits<float>::infinity(), -3.f};
+  infkv::score_matrix s(rows, n);
+  for (auto& x : s.data) x = gen() % 3 == 0 ? std::ldexp(float(gen() % 1000), -7) : levels[gen() % 7];
+  return s;
+}
+
+/// m distinct slots of n, increasing.
+inline std::vector<std::int64_t> random_slots(std::mt19937_64& gen, std::int64_t n, std::int64_t m) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+  std::iota(all.begin(), all.end(), std::int64_t{0});
+  std::shuffle(all.begin(), all.end(), gen);
+  all.resize(std::size_t(m));
+  std::ranges::sort(all);
+  return all;
+}
+
 /// Checks |got - want| <= rtol * |want| + atol * max|want row| element by element; names the
 /// first mismatch.
 inline void check_close(const infkv::score_matrix& got, const ref_matrix& want, double rtol, double atol,

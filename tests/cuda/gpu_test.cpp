@@ -162,14 +162,8 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
     CAPTURE(round);
     const std::int64_t n = 1 + std::int64_t(gen() % (round % 4 == 3 && !small() ? 130000 : 900));
     const auto heads = std::int32_t(1 + gen() % 8);
-    std::vector<token> tokens(static_cast<std::size_t>(n));
-    for (auto& t : tokens) t = {std::int64_t(gen() % std::uint64_t(n + 3)), 0, modality::text};
-    const float levels[] = {-1.f, -0.f, 0.f, 0.5f, 2.f, std::numeric_limits<float>::infinity(), -3.f};
-    std::vector<score_matrix> acc;
-    for (int l = 0; l < 2; ++l) {
-      acc.emplace_back(heads, n);
-      for (auto& x : acc.back().data) x = gen() % 3 == 0 ? std::ldexp(float(gen() % 1000), -7) : levels[gen() % 7];
-    }
+    const auto tokens = random_tokens(gen, n);
+    const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
     policy_spec spec{.name = "fixed", .source = score_source::accumulated};
     if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
     const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4, .sinks = std::int64_t(gen() % 3),
@@ -212,11 +206,7 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     stored k = store(p.k, n, heads, d, t, lay), v = store(p.k_exact, n, heads, d, t, lay);
     const device_tensor dk(k), dv(v);
     const std::int64_t m = 1 + std::int64_t(gen() % std::uint64_t(n));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    std::shuffle(all.begin(), all.end(), gen);
-    all.resize(std::size_t(m));
-    std::ranges::sort(all);
+    const auto all = random_slots(gen, n, m);
     keep_set keep(n);
     keep.add_unit(all);
     std::vector<token> tokens = p.tokens;
@@ -261,11 +251,7 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     const device_tensor dc(a);
     a.paged.v.data = nullptr;
     const std::int64_t m = std::int64_t(gen() % std::uint64_t(n + 1));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    std::shuffle(all.begin(), all.end(), gen);
-    all.resize(std::size_t(m));
-    std::ranges::sort(all);
+    const auto all = random_slots(gen, n, m);
     keep_set keep(n);
     keep.add_unit(all);
     std::vector<token> t1 = p.tokens;

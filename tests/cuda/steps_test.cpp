@@ -24,16 +24,6 @@ using namespace infkv_test;
 
 namespace {
 
-/// A plan's workspace and keep-set buffers.
-struct run_buffers {
-  cpu::workspace ws;
-  std::vector<std::int64_t> offsets, slots;
-  keep_view out;
-  explicit run_buffers(const plan& p)
-      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size()), -7), slots(std::size_t(p.kept_total), -7),
-        out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
-};
-
 template <class B, class R>
 score_matrix finished(const B& be, const policy_spec& spec, const layer_inputs<R>& in) {
   const plan pl = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(in));
@@ -49,7 +39,7 @@ template <class B, class R>
 keep_set keep_of(const B& be, const policy_spec& spec, const budget& b, std::span<const layer_inputs<R>> layers,
                  plan_options opt, cuda::status* st = nullptr) {
   const plan pl = make_plan(be, spec, b, shape_of(layers[0]), opt);
-  run_buffers buf(pl);
+  plan_buffers buf(pl);
   run(pl, be, layers, buf.ws.span(), buf.out);
   if (st) *st = cuda::decode(*reinterpret_cast<const cuda::status_word*>(buf.ws.span().data() + pl.backend));
   return keep_set::from_view(buf.out);
@@ -95,17 +85,8 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
     const host_cuda_backend gpu_be{host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
     const std::int64_t n = 1 + std::int64_t(gen() % 700);
     const auto heads = std::int32_t(1 + gen() % 4);
-    const auto tokens = [&] {  // shuffled slots, repeated positions
-      std::vector<token> t(static_cast<std::size_t>(n));
-      for (std::int64_t j = 0; j < n; ++j) t[std::size_t(j)] = {std::int64_t(gen() % std::uint64_t(n + 3)), 0, modality::text};
-      return t;
-    }();
-    const float levels[] = {-1.f, -0.f, 0.f, 0.5f, 2.f, std::numeric_limits<float>::infinity(), -3.f};
-    std::vector<score_matrix> acc;
-    for (int l = 0; l < 2; ++l) {
-      acc.emplace_back(heads, n);
-      for (auto& x : acc.back().data) x = gen() % 3 == 0 ? std::ldexp(float(gen() % 1000), -7) : levels[gen() % 7];
-    }
+    const auto tokens = random_tokens(gen, n);
+    const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
     policy_spec spec{.name = "fixed", .source = score_source::accumulated};
     if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
     if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
@@ -175,14 +156,7 @@ TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguo
     const std::int64_t m = 1 + std::int64_t(gen() % std::uint64_t(n));
     const bool per_head = heads > 1 && round % 2 == 0;
     keep_set keep(n);
-    for (std::int32_t u = 0; u < (per_head ? heads : 1); ++u) {
-      std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-      std::iota(all.begin(), all.end(), std::int64_t{0});
-      std::shuffle(all.begin(), all.end(), gen);
-      all.resize(std::size_t(m));
-      std::ranges::sort(all);
-      keep.add_unit(all);
-    }
+    for (std::int32_t u = 0; u < (per_head ? heads : 1); ++u) keep.add_unit(random_slots(gen, n, m));
     std::vector<token> tok1 = p.tokens;
     if (per_head) {  // one token list per head
       tok1.clear();
@@ -211,13 +185,8 @@ TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguo
     a.paged.v = a.paged.k, c.paged.v = c.paged.k;  // V shares K's storage here: moved once per tensor, as the CPU does
     a.paged.v.data = nullptr, c.paged.v.data = nullptr;
     const std::int64_t m = std::int64_t(gen() % std::uint64_t(n + 1));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    std::shuffle(all.begin(), all.end(), gen);
-    all.resize(std::size_t(m));
-    std::ranges::sort(all);
     keep_set keep(n);
-    keep.add_unit(all);
+    keep.add_unit(random_slots(gen, n, m));
     std::vector<token> t1 = p.tokens, t2 = p.tokens;
     const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
     std::vector<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)) + 1, -1);

@@ -28,11 +28,7 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
   validate(keys, "keys");
   INFKV_REQUIRE(std::int64_t(delta.size()) == keys.n_slots, "delta.size()", delta.size(),
                 "must equal keys.n_slots (", keys.n_slots, ")");
-  const std::int32_t dims = r.dims == 0 ? keys.head_dim : r.dims;
-  INFKV_REQUIRE(dims > 0 && dims <= keys.head_dim && dims % 2 == 0, "rope.dims", r.dims,
-                "must be even and in [0, head_dim = ", keys.head_dim, "]");
-  INFKV_REQUIRE(std::isfinite(r.theta) && r.theta > 0, "rope.theta", r.theta, "must be > 0");
-  INFKV_REQUIRE(std::isfinite(r.freq_scale) && r.freq_scale > 0, "rope.freq_scale", r.freq_scale, "must be > 0");
+  const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2;
   std::vector<double> freq(static_cast<std::size_t>(half));
   for (std::int32_t i = 0; i < half; ++i) freq[std::size_t(i)] = r.freq_scale * std::pow(r.theta, -2.0 * i / dims);

@@ -915,11 +915,7 @@ void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::i
 template <class L, row_source R>
 void rerotate_steps(const L& launch, const R& keys, const std::int64_t* delta, const rope& r) {
   validate(keys, "keys");
-  const std::int32_t dims = r.dims == 0 ? keys.head_dim : r.dims;
-  INFKV_REQUIRE(dims > 0 && dims <= keys.head_dim && dims % 2 == 0, "rope.dims", r.dims,
-                "must be even and in [0, head_dim = ", keys.head_dim, "]");
-  INFKV_REQUIRE(std::isfinite(r.theta) && r.theta > 0, "rope.theta", r.theta, "must be > 0");
-  INFKV_REQUIRE(std::isfinite(r.freq_scale) && r.freq_scale > 0, "rope.freq_scale", r.freq_scale, "must be > 0");
+  const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2;
   const bool neox = r.style == rope_style::neox;
   const double theta = r.theta, fs = r.freq_scale;
