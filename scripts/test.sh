@@ -2,7 +2,7 @@
 # Runs every test: the Release build (vectorised paths, llama.cpp adapter and a short real-model
 # streaming run included; the CUDA backend compiled for sm_80 and sm_90 when nvcc is installed,
 # its GPU tests reported skipped without a device) and the ASan + UBSan build (portable paths,
-# the CUDA backend's steps run on the host). Installs what it needs
+# the CUDA backend's steps run on the host), then every fuzz target briefly (clang, libFuzzer). Installs what it needs
 # first; llama.cpp is built once into ~/.cache/infkv (about 6 minutes on 2 cores), the model and
 # text are fetched once, and all are reused afterwards.
 set -euo pipefail
@@ -22,3 +22,5 @@ for preset in release sanitize; do
   cmake --build --preset "$preset" -j "$jobs"
   ctest --preset "$preset" -j "$jobs"
 done
+echo "== infkv fuzz targets: 20 s each ==" >&2
+scripts/fuzz.sh 20

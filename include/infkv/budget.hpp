@@ -25,8 +25,9 @@ struct budget {
                   "must be in [0, 1]");
     INFKV_REQUIRE((capacity > 0) != (ratio > 0.0), "budget.capacity", capacity,
                   "set exactly one of capacity (> 0) and ratio (> 0); ratio = ", ratio);
-    INFKV_REQUIRE(sinks >= 0, "budget.sinks", sinks, "must be >= 0");
-    INFKV_REQUIRE(recent >= 0, "budget.recent", recent, "must be >= 0");
+    constexpr std::int64_t most = std::int64_t(1) << 62;  // sinks + recent never overflows
+    INFKV_REQUIRE(sinks >= 0 && sinks < most, "budget.sinks", sinks, "must be in [0, 2^62)");
+    INFKV_REQUIRE(recent >= 0 && recent < most, "budget.recent", recent, "must be in [0, 2^62)");
     if (capacity > 0)
       INFKV_REQUIRE(capacity >= sinks + recent, "budget.capacity", capacity,
                     "cannot hold its protected tokens: sinks (", sinks, ") + recent (", recent, ")");

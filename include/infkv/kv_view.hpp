@@ -15,6 +15,14 @@
 
 namespace infkv {
 
+namespace detail {
+/// a * b for a, b >= 0 when the product is at most 2^62; -1 when it is larger.
+constexpr std::int64_t product(std::int64_t a, std::int64_t b) {
+  if (a == 0 || b == 0) return 0;
+  return a > (std::int64_t(1) << 62) / b ? -1 : a * b;
+}
+}  // namespace detail
+
 /// One cache tensor (K or V of one layer, one sequence): element (slot, head, d) lives at
 /// `data + (slot * slot_stride + head * head_stride + d) * size_of(type)`; strides in elements.
 struct tensor_view {
@@ -161,10 +169,19 @@ void validate(const R& r, const char* name) {
     const std::int64_t outer_count = heads_inner ? r.n_slots : r.n_heads;
     INFKV_REQUIRE(inner_count <= 1 || inner >= r.head_dim, std::string(name) + (heads_inner ? ".head_stride" : ".slot_stride"),
                   inner, "rows of head_dim = ", r.head_dim, " elements would overlap");
-    INFKV_REQUIRE(outer_count <= 1 || outer >= inner_count * std::max<std::int64_t>(inner, r.head_dim),
+    const std::int64_t block = detail::product(inner_count, std::max<std::int64_t>(inner, r.head_dim));
+    INFKV_REQUIRE(outer_count <= 1 || (block >= 0 && outer >= block),
                   std::string(name) + (heads_inner ? ".slot_stride" : ".head_stride"), outer,
                   "must span the ", inner_count, heads_inner ? " heads" : " slots", " of stride ", inner,
                   " (rows would overlap)");
+    // The last element's offset in bytes must be representable (no address arithmetic overflows).
+    const std::int64_t last_slot = detail::product(std::max<std::int64_t>(r.n_slots - 1, 0), std::max<std::int64_t>(r.slot_stride, 0));
+    const std::int64_t last_head = detail::product(r.n_heads - 1, std::max<std::int64_t>(r.head_stride, 0));
+    constexpr std::int64_t limit = std::int64_t(1) << 62;
+    INFKV_REQUIRE(last_slot >= 0 && last_head >= 0 && last_slot <= limit - last_head - r.head_dim &&
+                      detail::product(last_slot + last_head + r.head_dim, std::int64_t(size_of(r.type))) >= 0,
+                  std::string(name) + ".slot_stride", r.slot_stride, "the view would span more than 2^62 bytes (head_stride = ",
+                  r.head_stride, ", n_slots = ", r.n_slots, ")");
   }
 }
 
@@ -179,9 +196,9 @@ inline void validate(const paged_view& p, const char* name) {
   INFKV_REQUIRE(p.n_pages >= 0, std::string(name) + ".n_pages", p.n_pages, "must be >= 0");
   INFKV_REQUIRE(p.indptr[0] == 0, std::string(name) + ".indptr[0]", p.indptr[0], "must be 0");
   for (std::int32_t s = 0; s < p.n_seqs; ++s) {
-    const std::int32_t pages = p.indptr[s + 1] - p.indptr[s];
-    INFKV_REQUIRE(pages >= 0, std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
+    INFKV_REQUIRE(p.indptr[s + 1] >= p.indptr[s], std::string(name) + ".indptr[" + std::to_string(s + 1) + "]",
                   p.indptr[s + 1], "must not be below indptr[", s, "] = ", p.indptr[s]);
+    const std::int64_t pages = std::int64_t(p.indptr[s + 1]) - p.indptr[s];
     const std::int32_t last = p.last_page_len[s];
     INFKV_REQUIRE(pages == 0 ? last == 0 : (last >= 1 && last <= p.page_size),
                   std::string(name) + ".last_page_len[" + std::to_string(s) + "]", last,
@@ -190,6 +207,20 @@ inline void validate(const paged_view& p, const char* name) {
   for (std::int32_t i = 0; i < p.indptr[p.n_seqs]; ++i)
     INFKV_REQUIRE(p.indices[i] >= 0 && p.indices[i] < p.n_pages, std::string(name) + ".indices[" + std::to_string(i) + "]",
                   p.indices[i], "must be a page of the pool: in [0, n_pages = ", p.n_pages, ")");
+  // Each storage: the rows of a page must not overlap and must fit in page_stride.
+  for (const page_storage* st : {&p.k, &p.v}) {
+    if (st->data == nullptr) continue;
+    const std::string at = std::string(name) + (st == &p.k ? ".k" : ".v");
+    const tensor_view page{st->data, p.type, p.page_size, p.n_heads, p.head_dim, st->slot_stride, st->head_stride};
+    validate(page, at.c_str());
+    const std::int64_t extent = (p.page_size - 1) * page.slot_stride + std::int64_t(p.n_heads - 1) * page.head_stride + p.head_dim;
+    INFKV_REQUIRE(st->page_stride >= extent, at + ".page_stride", st->page_stride, "must hold a page's rows: ", extent,
+                  " elements (page_size ", p.page_size, ", slot_stride ", st->slot_stride, ", head_stride ",
+                  st->head_stride, ")");
+    INFKV_REQUIRE(detail::product(p.n_pages, st->page_stride) >= 0 &&
+                      detail::product(detail::product(p.n_pages, st->page_stride), std::int64_t(size_of(p.type))) >= 0,
+                  at + ".page_stride", st->page_stride, "the pool of ", p.n_pages, " pages would span more than 2^62 bytes");
+  }
 }
 
 }  // namespace infkv

@@ -45,7 +45,7 @@ struct layer_shape {
 template <row_source R>
 layer_shape shape_of(const layer_inputs<R>& in) {
   const std::int32_t heads = !in.keys.empty() ? in.keys.n_heads
-                             : in.accumulated.data != nullptr ? std::int32_t(in.accumulated.rows)
+                             : in.accumulated.rows > 0 ? std::int32_t(in.accumulated.rows)
                                                               : 1;
   return {std::int64_t(in.tokens.size()), heads, in.queries.n_heads, in.keys.head_dim, in.queries.n_slots};
 }
@@ -194,7 +194,7 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
                   " window queries: plan with the largest query count the layers will have");
   }
   if (p.spec.source == score_source::accumulated)
-    INFKV_REQUIRE(in.accumulated.data != nullptr && in.accumulated.rows == p.shape.kv_heads &&
+    INFKV_REQUIRE((in.accumulated.data != nullptr || p.shape.n_slots == 0) && in.accumulated.rows == p.shape.kv_heads &&
                   in.accumulated.cols == p.shape.n_slots,
                   at("accumulated.rows"), in.accumulated.rows, "must be ", p.shape.kv_heads, " x ", p.shape.n_slots,
                   " accumulated scores; cols = ", in.accumulated.cols);

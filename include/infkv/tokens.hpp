@@ -57,13 +57,16 @@ inline std::vector<std::int64_t> time_order(std::span<const token> tokens) {
   return order;
 }
 
-/// Checks that `tokens` describes exactly `n_slots` slots with non-negative positions.
+/// The largest position a token may have: runs [p, p + 1) and position arithmetic never overflow.
+inline constexpr std::int64_t max_position = std::int64_t(1) << 62;
+
+/// Checks that `tokens` describes exactly `n_slots` slots with positions in [0, max_position].
 inline void validate_tokens(std::span<const token> tokens, std::int64_t n_slots, const char* name = "tokens") {
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, std::string(name) + ".size()", tokens.size(),
                 "must equal the number of cached slots (", n_slots, ")");
   for (std::size_t i = 0; i < tokens.size(); ++i)
-    INFKV_REQUIRE(tokens[i].pos >= 0, std::string(name) + "[" + std::to_string(i) + "].pos",
-                  tokens[i].pos, "positions must be >= 0");
+    INFKV_REQUIRE(tokens[i].pos >= 0 && tokens[i].pos <= max_position, std::string(name) + "[" + std::to_string(i) + "].pos",
+                  tokens[i].pos, "positions must be in [0, 2^62]");
 }
 
 }  // namespace infkv

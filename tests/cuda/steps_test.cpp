@@ -260,7 +260,7 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
     cuda::status st;
     keep_of(be, spec, budget{.capacity = 30}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
-    CHECK((st.kind == cuda::fault::negative_position && st.b == 17));
+    CHECK((st.kind == cuda::fault::bad_position && st.b == 17));
     t[17].pos = 4000;
     keep_of(be, spec, budget{.capacity = 30}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
     CHECK((st.kind == cuda::fault::nan_score && st.b == 33));

@@ -46,7 +46,7 @@ enum class fault : std::uint8_t {
   none = 0,
   bad_keep = 1,           ///< a keep set that does not fit the cache (a = unit, b = entry)
   bad_pages = 2,          ///< a page table that does not match the sequence (b = the sequence's slots)
-  negative_position = 3,  ///< b = slot
+  bad_position = 3,       ///< a position outside [0, max_position] (b = slot)
   key_not_finite = 4,     ///< a = head, e = element, b = slot
   query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
   nan_score = 6,          ///< a = row, b = column
@@ -83,7 +83,7 @@ inline void raise_if(status s, const char* what) {
     case fault::bad_pages:
       fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
            s.a == 0 ? " slots (n_slots)" : "] is not a page of the pool [0, n_pages)", "; nothing was moved");
-    case fault::negative_position: fail("infkv: ", what, ": tokens[", s.b, "].pos < 0: positions must be >= 0");
+    case fault::bad_position: fail("infkv: ", what, ": tokens[", s.b, "].pos: positions must be in [0, 2^62]");
     case fault::key_not_finite:
       fail("infkv: ", what, ": keys[slot ", s.b, ", head ", s.a, "][", s.e,
            "] is not finite: keys must be finite (a NaN or Inf would silently distort every score of the layer)");
@@ -152,7 +152,7 @@ struct carver {
   T* take(std::int64_t count) {
     const std::size_t start = (at + 63) / 64 * 64;
     at = start + std::size_t(std::max<std::int64_t>(count, 0)) * sizeof(T);
-    return reinterpret_cast<T*>(base + start);
+    return base ? reinterpret_cast<T*>(base + start) : nullptr;  // null base: sizing only
   }
 };
 
@@ -269,7 +269,7 @@ struct basic_backend {
     std::uint64_t* keys = w.keys;
     std::int64_t* vals = w.vals;
     launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-      if (t[i].pos < 0) detail::record(st, encode(fault::negative_position, 0, 0, i));
+      if (t[i].pos < 0 || t[i].pos > max_position) detail::record(st, encode(fault::bad_position, 0, 0, i));
       keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
     });
     launch.sort_scratch(scratch.subspan(c.at)).sort_pairs(keys, w.kout, vals, order, n, 64);
