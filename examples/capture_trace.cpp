@@ -20,6 +20,7 @@
 
 #include <infkv/adapters/llama_cpp.hpp>
 
+#include "cli_util.hpp"
 #include "errors.hpp"
 #include "stream_text/llama_util.hpp"
 #include "trace_io.hpp"
@@ -136,13 +137,13 @@ int main(int argc, char** argv) {
   app.add_option("--text", text_path, "text file (e.g. the path scripts/kjv.sh prints)")
       ->required()->check(CLI::ExistingFile);
   app.add_option("--tokens", tokens, "tokens from the start of the text")->check(CLI::Range(16, 1 << 20));
-  app.add_option("--layers", layers, "layers to record (comma list)")->delimiter(',')->check(CLI::NonNegativeNumber);
+  app.add_option("--layers", layers, "layers to record (comma list)")->delimiter(',')->check(infkv_examples::at_least(0));
   app.add_option("--segment-tokens", segment_tokens,
                  "segments: a new one starts at the first line break after this many tokens")
-      ->check(CLI::PositiveNumber);
+      ->check(infkv_examples::at_least(1));
   app.add_option("--source", source, "description of the text for the metadata (default: the file name)");
-  app.add_option("--out", out_path, "trace file to write (.safetensors)");
-  app.add_option("--threads", threads, "llama.cpp threads")->check(CLI::PositiveNumber);
+  app.add_option("--out", out_path, "trace file to write (.safetensors)")->check(infkv_examples::writable_file());
+  app.add_option("--threads", threads, "llama.cpp threads")->check(infkv_examples::at_least(1, true, 1024));
   app.add_flag("--survey", do_survey, "print where each layer's attention goes");
   app.add_flag("--check", do_check, "compare the attention of the recorded layers with llama.cpp's output");
   CLI11_PARSE(app, argc, argv);

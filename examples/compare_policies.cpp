@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
   compare::settings s;
   app.add_option("--policy", policy_names, "policies to run (repeatable or comma list; default: all)")->delimiter(',');
   app.add_option("--budget", budgets, "cache budgets in tokens (repeatable or comma list; default 256,512,1024)")
-      ->delimiter(',');
+      ->delimiter(',')->check(at_least(1));
   app.add_option("--block", block, "prefill block size in tokens (blocks end at segment changes)")
       ->check(at_least(1));
   auto* trace_opt = app.add_option("--trace", trace_path,
@@ -204,7 +204,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "stream length (default: the whole trace; synthetic: 8192)")
       ->check(at_least(1));
   app.add_option("--seed", seed, "synthetic workload seed");
-  app.add_option("--threads", threads, "worker threads")->check(at_least(1));
+  app.add_option("--threads", threads, "worker threads")->check(at_least(1, true, 1024));
   app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm)")
       ->check(at_least(0));
   app.add_option("--recent", s.recent, "protected recent tokens (scored policies)")
@@ -214,7 +214,8 @@ int main(int argc, char** argv) {
   app.add_option("--probes", s.probes, "queries of the next block that measure fidelity")
       ->check(at_least(1));
   app.add_option("--beta", s.beta, "attention bias of inf_mllm_bias")->check(at_least(0, false));
-  app.add_option("--json", json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)");
+  app.add_option("--json", json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)")
+      ->check(infkv_examples::writable_file());
   app.add_flag("--list-policies", list, "list the policies and exit");
   CLI11_PARSE(app, argc, argv);
 

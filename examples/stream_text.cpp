@@ -71,7 +71,7 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
   app.add_option("--skip", o.skip, "start the stream after this many tokens of the text (e.g. to compare a slice "
                                    "with the recompute oracle); CSV token counts include them")->check(nonneg);
-  app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(pos);
+  app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
   app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*)")->check(nonneg);
   app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
   app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
@@ -79,9 +79,12 @@ void add_options(CLI::App& app, options& o) {
       ->check(at_least(0, false));
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
-  app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE");
-  app.add_option("--csv", o.csv, "write the per-block (or per-trial) records as CSV to FILE");
-  app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)");
+  app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
+      ->check(infkv_examples::writable_file());
+  app.add_option("--csv", o.csv, "write the per-block (or per-trial) records as CSV to FILE")
+      ->check(infkv_examples::writable_file());
+  app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)")
+      ->check(infkv_examples::writable_file());
   app.add_flag("--keep-positions", o.s.keep_positions, "evicting policies leave holes at the original positions "
                                                       "instead of compacting them (positions then grow with the stream)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
@@ -96,6 +99,9 @@ void add_options(CLI::App& app, options& o) {
 std::vector<stream::policy_info> check(const options& o) {
   if (o.model.empty()) usage_error("--model is required");
   if (o.passkey == 0 && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
+  if (o.passkey > 0 && o.gen > o.s.block)
+    usage_error("--gen = " + std::to_string(o.gen) + ": the answer must fit in one block (--block = " +
+                std::to_string(o.s.block) + "): the cache is evicted only between blocks");
   if (o.skip > 0 && o.passkey > 0) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not --passkey");
   if (!o.plot.empty() && o.passkey > 0) usage_error("--plot = " + o.plot + ": plots are for the text stream, not --passkey");
   std::vector<stream::policy_info> chosen;

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Every option of infkv-compare, infkv-stream and infkv-capture given wrong values (negative,
+zero, huge, wrong type, a missing or non-GGUF or empty or binary file, an unwritable output path):
+each run must exit non-zero, print a one-line error naming the option, and leave no output file.
+
+Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT]
+       [--list] (print the cases and exit). Exit status 1 when a case misbehaves."""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+HUGE = "99999999999999999999"
+
+
+def cases(a, tmp):
+    """(program, args, option named in the error, output file that must not appear)."""
+    out = []
+    missing = os.path.join(tmp, "no_such_file")
+    unwritable = "/nonexistent-dir/out"
+    empty = os.path.join(tmp, "empty.txt")
+    binary = os.path.join(tmp, "binary.txt")
+    truncated = os.path.join(tmp, "truncated.gguf")
+    open(empty, "w").close()
+    with open(binary, "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    if a.model:
+        with open(a.model, "rb") as f, open(truncated, "wb") as g:
+            g.write(f.read(4096))
+
+    def ints(prog, base, opt, bad):
+        for v in bad:
+            out.append((prog, base + [opt, v], opt, None))
+
+    cmp = [a.compare, "--tokens", "2048"]
+    out.append((a.compare, cmp + ["--policy", "no_such_policy"], "--policy", None))
+    ints(a.compare, cmp, "--budget", ["-1", "0", "20", HUGE, "abc"])
+    ints(a.compare, cmp, "--block", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--layer", ["-1", "99", "abc"])
+    ints(a.compare, [a.compare], "--tokens", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--threads", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--sinks", ["-1", HUGE, "abc"])
+    ints(a.compare, cmp, "--recent", ["-1", HUGE, "abc"])
+    ints(a.compare, cmp, "--window", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--probes", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--beta", ["-1", "nan", "inf", "abc"])
+    for f in (missing, empty, binary):
+        out.append((a.compare, cmp + ["--trace", f], "--trace", None))
+    out.append((a.compare, cmp + ["--json", unwritable + ".json"], "--json", unwritable + ".json"))
+    if not a.stream:
+        return out
+
+    st = [a.stream, "--model", a.model, "--text", a.text, "--tokens", "600", "--budget", "256", "--block", "64",
+          "--policy", "streaming_llm"]
+    for f in (missing, empty, binary, truncated):
+        out.append((a.stream, st + ["--model", f], "--model", None))
+    for f in (missing, empty, binary):
+        out.append((a.stream, st + ["--text", f], "--text", None))
+    out.append((a.stream, st + ["--policy", "no_such_policy"], "--policy", None))
+    ints(a.stream, st, "--budget", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--block", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--tokens", ["-1", HUGE, "abc"])
+    ints(a.stream, st, "--skip", ["-1", HUGE, "abc"])
+    ints(a.stream, st, "--threads", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--sinks", ["-1", HUGE, "abc"])
+    ints(a.stream, st, "--recent", ["-1", HUGE, "abc"])
+    ints(a.stream, st, "--window", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--beta", ["-1", "nan", "inf", "abc"])
+    ints(a.stream, st, "--smooth", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--progress", ["-1", HUGE, "abc"])
+    ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])
+    ints(a.stream, st + ["--passkey", "300"], "--trials", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st + ["--passkey", "300"], "--gen", ["-1", "0", HUGE, "abc"])
+    for opt, ext in (("--json", ".json"), ("--csv", ".csv"), ("--plot", ".png")):
+        out.append((a.stream, st + [opt, unwritable + ext], opt, unwritable + ext))
+
+    cap = [a.capture, "--model", a.model, "--text", a.text, "--tokens", "64", "--layers", "0", "--out",
+           os.path.join(tmp, "capture.safetensors")]
+    for f in (missing, empty, binary, truncated):
+        out.append((a.capture, cap + ["--model", f], "--model", None))
+    for f in (missing, empty, binary):
+        out.append((a.capture, cap + ["--text", f], "--text", None))
+    ints(a.capture, cap, "--tokens", ["-1", "0", "15", HUGE, "abc"])
+    ints(a.capture, cap, "--layers", ["-1", "999", "abc"])
+    ints(a.capture, cap, "--segment-tokens", ["-1", HUGE, "abc"])
+    ints(a.capture, cap, "--threads", ["-1", "0", HUGE, "abc"])
+    out.append((a.capture, cap + ["--out", unwritable + ".safetensors"], "--out", unwritable + ".safetensors"))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("compare", "stream", "capture", "model", "text"):
+        p.add_argument("--" + name)
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args()
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        todo = cases(a, tmp)
+        for prog, args, opt, product in todo:
+            shown = " ".join(os.path.basename(x) if x == prog else x for x in args)
+            if a.list:
+                print(shown)
+                continue
+            try:
+                r = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp)
+            except subprocess.TimeoutExpired:
+                print(f"FAIL {shown}: still running after 120 s")
+                bad += 1
+                continue
+            lines = [l for l in r.stderr.splitlines() if l.strip()]
+            problems = []
+            if r.returncode == 0:
+                problems.append("exit status 0")
+            if r.returncode < 0 or r.returncode >= 128:
+                problems.append(f"killed by signal (status {r.returncode})")
+            if not any(opt in l for l in lines):
+                problems.append(f"no error line names {opt}")
+            errors = [l for l in lines if "error" in l.lower()]
+            if len(errors) > 1:
+                problems.append(f"{len(errors)} error lines")
+            for f in [product, os.path.join(tmp, "capture.safetensors")]:
+                if f and os.path.exists(f):
+                    problems.append(f"left {f} behind")
+                    os.remove(f)
+            if problems:
+                bad += 1
+                tail = " | ".join(lines[-3:])
+                print(f"FAIL {shown}: {'; '.join(problems)} (stderr: {tail[:300]})")
+        if not a.list:
+            print(f"cli sweep: {len(todo) - bad} of {len(todo)} bad invocations refused cleanly")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
