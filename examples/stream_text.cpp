@@ -156,6 +156,10 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
 int run_text(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const double load0 = load_average();
   auto toks = stream::tokenize_file(m, o.text, o.tokens > 0 ? o.skip + o.tokens : 0);
+  if (o.tokens > 0 && std::int64_t(toks.size()) < o.skip + o.tokens)
+    usage_error("--tokens = " + std::to_string(o.tokens) + ": the text has " + std::to_string(toks.size()) +
+                " tokens" + (o.skip > 0 ? " (--skip = " + std::to_string(o.skip) + ")" : std::string()) +
+                "; --tokens 0 streams the whole text");
   if (std::int64_t(toks.size()) < o.skip + 2)
     usage_error("--skip = " + std::to_string(o.skip) + ": the text has " + std::to_string(toks.size()) +
                 " tokens, fewer than 2 remain");

@@ -25,9 +25,13 @@ def cases(a, tmp):
     open(empty, "w").close()
     with open(binary, "wb") as f:
         f.write(bytes(range(256)) * 64)
+    small = os.path.join(tmp, "small.txt")
     if a.model:
         with open(a.model, "rb") as f, open(truncated, "wb") as g:
             g.write(f.read(4096))
+    if a.text:
+        with open(a.text, "rb") as f, open(small, "wb") as g:
+            g.write(f.read(3000))
 
     def ints(prog, base, opt, bad):
         for v in bad:
@@ -61,6 +65,8 @@ def cases(a, tmp):
     ints(a.stream, st, "--budget", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--block", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--tokens", ["-1", HUGE, "abc"])
+    out.append((a.stream, [a.stream, "--model", a.model, "--text", small, "--tokens", "100000", "--budget", "256"],
+                "--tokens", None))  # beyond the text
     ints(a.stream, st, "--skip", ["-1", HUGE, "abc"])
     ints(a.stream, st, "--threads", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--sinks", ["-1", HUGE, "abc"])
