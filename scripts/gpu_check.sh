@@ -36,8 +36,10 @@ step() {  # step NAME COMMAND...: output to OUT_DIR/NAME.log, a line of steps.js
   return 0
 }
 b=build/gpu
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
 step gpu nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv
-step configure cmake -S . -B $b -G Ninja -DCMAKE_BUILD_TYPE=Release -DINFKV_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+step configure cmake -S . -B $b "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DINFKV_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DINFKV_BUILD_TESTS=ON -DINFKV_BUILD_EXAMPLES=ON -DINFKV_BUILD_BENCH=ON -DINFKV_NVCC_HEADER_CHECK=OFF "${prefix[@]}"
 step build cmake --build $b -j "$(nproc)" --target infkv_gpu_tests infkv_tests infkv_bench_cuda infkv_cuda_paged
 step gpu_tests env REQUIRE_GPU=1 ctest --test-dir $b -L gpu --output-on-failure
