@@ -1,5 +1,5 @@
 // infkv CUDA backend: cuda::backend's primitives, compaction and re-rotation, each the steps of
-// cuda/steps.hpp run by the device launcher (one kernel per step).
+// cuda/steps.hpp and cuda/cache_steps.hpp run by the device launcher (one kernel per step).
 #include <infkv/cuda/backend.hpp>
 
 #include "launcher.cuh"

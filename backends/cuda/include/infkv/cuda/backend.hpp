@@ -20,7 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "steps.hpp"
+#include "cache_steps.hpp"
 
 namespace infkv::cuda {
 
