@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Every option of infkv-compare, infkv-stream and infkv-capture given wrong values (negative,
-zero, huge, wrong type, a missing or non-GGUF or empty or binary file, an unwritable output path):
-each run must exit non-zero, print a one-line error naming the option, and leave no output file.
+zero, huge, wrong type, a missing or non-GGUF or empty or binary or non-UTF-8 file, an unwritable
+output path): each run must exit non-zero, print a one-line error naming the option, and leave no
+output file. Each bad value replaces the value of a base command line that must succeed (checked
+first), so a case fails only because of its own option.
 
 Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT]
        [--list] (print the cases and exit). Exit status 1 when a case misbehaves."""
@@ -14,13 +16,24 @@ import tempfile
 HUGE = "99999999999999999999"
 
 
+def with_opt(base, opt, value):
+    """`base` with `opt` set to `value`: replaces the option's value where `base` has it."""
+    if opt in base:
+        i = base.index(opt)
+        return base[:i + 1] + [value] + base[i + 2:]
+    return base + [opt, value]
+
+
 def cases(a, tmp):
-    """(program, args, option named in the error, output file that must not appear)."""
-    out = []
+    """Base command lines that must succeed, and the bad cases: (program, args, option named in
+    the error, output file that must not appear)."""
+    out, bases = [], []
     missing = os.path.join(tmp, "no_such_file")
     unwritable = "/nonexistent-dir/out"
     empty = os.path.join(tmp, "empty.txt")
     binary = os.path.join(tmp, "binary.txt")
+    latin1 = os.path.join(tmp, "latin1.txt")
+    nul = os.path.join(tmp, "nul.txt")
     truncated = os.path.join(tmp, "truncated.gguf")
     open(empty, "w").close()
     with open(binary, "wb") as f:
@@ -30,43 +43,52 @@ def cases(a, tmp):
         with open(a.model, "rb") as f, open(truncated, "wb") as g:
             g.write(f.read(4096))
     if a.text:
-        with open(a.text, "rb") as f, open(small, "wb") as g:
-            g.write(f.read(3000))
+        with open(a.text, "rb") as f:
+            head = f.read(40000)
+        with open(small, "wb") as g:
+            g.write(head[:1000])  # about 250 tokens
+        # Real prose, one accented letter in Latin-1 (not UTF-8) far into it; and a NUL byte.
+        with open(latin1, "wb") as g:
+            g.write(head[:20000] + "Caf\xe9 ".encode("latin-1") + head[20000:])
+        with open(nul, "wb") as g:
+            g.write(head[:20000] + b"\x00" + head[20000:])
 
     def ints(prog, base, opt, bad):
         for v in bad:
-            out.append((prog, base + [opt, v], opt, None))
+            out.append((prog, with_opt(base, opt, v), opt, None))
+
+    def files(prog, base, opt, bad):
+        for f in bad:
+            out.append((prog, with_opt(base, opt, f), opt, None))
 
     cmp = [a.compare, "--tokens", "2048"]
-    out.append((a.compare, cmp + ["--policy", "no_such_policy"], "--policy", None))
+    bases.append(cmp)
+    ints(a.compare, cmp, "--policy", ["no_such_policy"])
     ints(a.compare, cmp, "--budget", ["-1", "0", "20", HUGE, "abc"])
     ints(a.compare, cmp, "--block", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--layer", ["-1", "99", "abc"])
-    ints(a.compare, [a.compare], "--tokens", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--tokens", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--threads", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--sinks", ["-1", HUGE, "abc"])
     ints(a.compare, cmp, "--recent", ["-1", HUGE, "abc"])
     ints(a.compare, cmp, "--window", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--probes", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--beta", ["-1", "nan", "inf", "abc"])
-    for f in (missing, empty, binary):
-        out.append((a.compare, cmp + ["--trace", f], "--trace", None))
+    files(a.compare, cmp, "--trace", [missing, empty, binary])
     out.append((a.compare, cmp + ["--json", unwritable + ".json"], "--json", unwritable + ".json"))
     if not a.stream:
-        return out
+        return bases, out
 
     st = [a.stream, "--model", a.model, "--text", a.text, "--tokens", "600", "--budget", "256", "--block", "64",
-          "--policy", "streaming_llm"]
-    for f in (missing, empty, binary, truncated):
-        out.append((a.stream, st + ["--model", f], "--model", None))
-    for f in (missing, empty, binary):
-        out.append((a.stream, st + ["--text", f], "--text", None))
-    out.append((a.stream, st + ["--policy", "no_such_policy"], "--policy", None))
+          "--policy", "streaming_llm", "--threads", "1"]
+    bases.append(st)
+    files(a.stream, st, "--model", [missing, empty, binary, truncated])
+    files(a.stream, st, "--text", [missing, empty, binary, latin1, nul])
+    ints(a.stream, st, "--policy", ["no_such_policy"])
     ints(a.stream, st, "--budget", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--block", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--tokens", ["-1", HUGE, "abc"])
-    out.append((a.stream, [a.stream, "--model", a.model, "--text", small, "--tokens", "100000", "--budget", "256"],
-                "--tokens", None))  # beyond the text
+    out.append((a.stream, with_opt(st, "--text", small), "--tokens", None))  # 600 tokens: beyond the text
     ints(a.stream, st, "--skip", ["-1", HUGE, "abc"])
     ints(a.stream, st, "--threads", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--sinks", ["-1", HUGE, "abc"])
@@ -81,18 +103,17 @@ def cases(a, tmp):
     for opt, ext in (("--json", ".json"), ("--csv", ".csv"), ("--plot", ".png")):
         out.append((a.stream, st + [opt, unwritable + ext], opt, unwritable + ext))
 
-    cap = [a.capture, "--model", a.model, "--text", a.text, "--tokens", "64", "--layers", "0", "--out",
-           os.path.join(tmp, "capture.safetensors")]
-    for f in (missing, empty, binary, truncated):
-        out.append((a.capture, cap + ["--model", f], "--model", None))
-    for f in (missing, empty, binary):
-        out.append((a.capture, cap + ["--text", f], "--text", None))
+    cap = [a.capture, "--model", a.model, "--text", a.text, "--tokens", "64", "--layers", "0", "--threads", "1",
+           "--out", os.path.join(tmp, "capture.safetensors")]
+    bases.append(cap)
+    files(a.capture, cap, "--model", [missing, empty, binary, truncated])
+    files(a.capture, cap, "--text", [missing, empty, binary, latin1, nul])
     ints(a.capture, cap, "--tokens", ["-1", "0", "15", HUGE, "abc"])
     ints(a.capture, cap, "--layers", ["-1", "999", "abc"])
     ints(a.capture, cap, "--segment-tokens", ["-1", HUGE, "abc"])
     ints(a.capture, cap, "--threads", ["-1", "0", HUGE, "abc"])
-    out.append((a.capture, cap + ["--out", unwritable + ".safetensors"], "--out", unwritable + ".safetensors"))
-    return out
+    out.append((a.capture, with_opt(cap, "--out", unwritable + ".safetensors"), "--out", unwritable + ".safetensors"))
+    return bases, out
 
 
 def main():
@@ -103,7 +124,14 @@ def main():
     a = p.parse_args()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        todo = cases(a, tmp)
+        bases, todo = cases(a, tmp)
+        for args in bases if not a.list else []:
+            r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp)
+            if r.returncode != 0:
+                print(f"FAIL base command {' '.join(args)}: exit {r.returncode} ({r.stderr.strip()[-300:]})")
+                return 1
+            if os.path.exists(os.path.join(tmp, "capture.safetensors")):
+                os.remove(os.path.join(tmp, "capture.safetensors"))
         for prog, args, opt, product in todo:
             shown = " ".join(os.path.basename(x) if x == prog else x for x in args)
             if a.list:

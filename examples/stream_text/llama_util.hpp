@@ -10,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <unistd.h>
@@ -76,6 +77,28 @@ inline std::vector<llama_token> tokenize(const llama_model* m, const std::string
   return out;
 }
 
+/// Refuses what is not UTF-8 text (the tokenizer would take any bytes and the perplexity would
+/// mean nothing): a NUL byte, or a byte that starts no valid UTF-8 sequence (overlong forms and
+/// surrogates included), named by its offset.
+inline void check_utf8_text(const std::string& path, std::string_view text) {
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(text[i]); };
+  for (std::size_t i = 0; i < text.size();) {
+    const unsigned c = byte(i);
+    if (c == 0) infkv_examples::fail("--text = {}: a NUL byte at offset {}: the file is not text", path, i);
+    const std::size_t len = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    bool ok = len != 0 && i + len <= text.size();
+    for (std::size_t k = 1; ok && k < len; ++k) ok = (byte(i + k) & 0xC0) == 0x80;
+    if (ok && len > 2) {  // the second byte's range: no overlong forms, surrogates or code points past U+10FFFF
+      const unsigned d = byte(i + 1);
+      ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0) && !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d >= 0x90);
+    }
+    if (!ok)
+      infkv_examples::fail("--text = {}: byte 0x{:02x} at offset {} is not UTF-8 (convert the file, e.g. "
+                           "iconv -f latin1 -t utf-8)", path, c, i);
+    i += len;
+  }
+}
+
 /// The first `limit` tokens of the file `path` (all of it when limit <= 0). Tokenizes a growing
 /// prefix, cut at a line end, so that a short run does not tokenize a whole book.
 inline std::vector<llama_token> tokenize_file(const llama_model* m, const std::string& path, std::int64_t limit) {
@@ -83,6 +106,7 @@ inline std::vector<llama_token> tokenize_file(const llama_model* m, const std::s
   if (!f) infkv_examples::fail("--text = {}: cannot open the file", path);
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   if (text.empty()) infkv_examples::fail("--text = {}: the file is empty", path);
+  check_utf8_text(path, text);
   for (std::size_t bytes = limit > 0 ? std::size_t(limit) * 6 + 4096 : text.size();; bytes *= 2) {
     std::size_t cut = std::min(bytes, text.size());
     if (cut < text.size()) cut = text.rfind('\n', cut) == std::string::npos ? cut : text.rfind('\n', cut) + 1;

@@ -4,10 +4,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -104,6 +106,20 @@ inline int plain_decode(llama_context* ctx, const std::vector<llama_token>& toke
   return rc;
 }
 
+/// A caller's own eval callback that requests an abort while the second micro-batch computes.
+struct abort_after_first_ubatch {
+  int kcur0_seen = 0;
+  bool abort = false;
+  static bool eval(ggml_tensor* t, bool ask, void* user) {
+    auto* self = static_cast<abort_after_first_ubatch*>(user);
+    const bool want = t->op == GGML_OP_ROPE && std::string(ggml_get_name(t)) == "Kcur-0";
+    if (ask) return want;
+    if (want && ++self->kcur0_seen == 2) self->abort = true;
+    return true;
+  }
+  static bool should_abort(void* user) { return static_cast<abort_after_first_ubatch*>(user)->abort; }
+};
+
 /// Checks the session's bookkeeping against the llama memory directly.
 inline void check_memory_matches(const infkv::llama_cpp::session& s) {
   llama_memory_t mem = llama_get_memory(s.context());
@@ -117,6 +133,19 @@ inline void check_memory_matches(const infkv::llama_cpp::session& s) {
   for (const auto& t : s.tokens()) lo = std::min(lo, t.pos), hi = std::max(hi, t.pos);
   CHECK(llama_memory_seq_pos_min(mem, seq) == lo);
   CHECK(llama_memory_seq_pos_max(mem, seq) == hi);
+}
+
+/// Checks that the llama memory holds exactly the session's cells: decoding the remaining room,
+/// llama_n_ctx - size(), succeeds and one token more does not fit. Fills the context.
+inline void check_room(infkv::llama_cpp::session& s, unsigned seed = 99) {
+  const auto room = std::int64_t(llama_n_ctx(s.context())) - s.size();
+  REQUIRE(room > 0);
+  const auto fill = random_tokens(std::size_t(room), seed);
+  const std::size_t step = llama_n_batch(s.context());
+  for (std::size_t i = 0; i < fill.size(); i += step)
+    REQUIRE(s.decode(std::span(fill).subspan(i, std::min(step, fill.size() - i))) == 0);
+  CHECK(s.decode(random_tokens(1, seed + 1)) == 1);
+  check_memory_matches(s);
 }
 
 }  // namespace infkv_test

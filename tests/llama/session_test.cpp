@@ -138,24 +138,6 @@ TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory
   check_memory_matches(s);
 }
 
-namespace {
-
-/// A caller's own eval callback that requests an abort while the second micro-batch computes.
-struct abort_after_first_ubatch {
-  int kcur0_seen = 0;
-  bool abort = false;
-  static bool eval(ggml_tensor* t, bool ask, void* user) {
-    auto* self = static_cast<abort_after_first_ubatch*>(user);
-    const bool want = t->op == GGML_OP_ROPE && std::string(ggml_get_name(t)) == "Kcur-0";
-    if (ask) return want;
-    if (want && ++self->kcur0_seen == 2) self->abort = true;
-    return true;
-  }
-  static bool should_abort(void* user) { return static_cast<abort_after_first_ubatch*>(user)->abort; }
-};
-
-}  // namespace
-
 TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_eval still runs") {
   auto model = tiny_model(2);
   lc::session s(model.get());

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -32,6 +33,15 @@ enum class position_mode : std::uint8_t {
   keep,     ///< original positions, holes left (M-RoPE models, or by choice)
 };
 
+/// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
+/// that wraps its memory passes its own; tests pass failing ones to check that the session's
+/// bookkeeping still follows the memory when the engine refuses.
+struct memory_calls {
+  std::function<bool(llama_memory_t, llama_seq_id, llama_pos, llama_pos)> seq_rm = llama_memory_seq_rm;
+  std::function<void(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos)> seq_add = llama_memory_seq_add;
+  std::function<bool(llama_memory_t)> can_shift = llama_memory_can_shift;
+};
+
 /// Session configuration.
 struct session_options {
   llama_seq_id seq = 0;                              ///< the sequence the session owns
@@ -42,6 +52,7 @@ struct session_options {
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
   cpu::executor executor{};                          ///< threads for scoring and re-rotation
   float scale = 0.f;                                 ///< attention scale; 0 = 1/sqrt(head_dim)
+  memory_calls memory{};                             ///< how the cache is changed (llama.h by default)
 };
 
 /// Metadata given to the tokens of one decode call.
@@ -70,6 +81,8 @@ class session {
                   "must be f32 or f16");
     INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
     if (opt_.track_h2o) opt_.track_h2o->validate();
+    INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory",
+                  "empty", "every call must be set (the defaults are llama.h's)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
     rope_ = model_rope(model);
   }
@@ -91,9 +104,12 @@ class session {
     ctx_ = ctx;
     mem_ = llama_get_memory(ctx);
     if (mem_ == nullptr) infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    // llama.cpp asserts (ends the process) on a sequence id beyond the context's.
+    INFKV_REQUIRE(opt_.seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.seq", opt_.seq,
+                  "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
     const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
     INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
-    shift_ = opt_.positions == position_mode::compact && llama_memory_can_shift(mem_) &&
+    shift_ = opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) &&
              (rope_.supported || !rope_.has_rope);
   }
 
@@ -148,6 +164,9 @@ class session {
   std::int32_t decode(const llama_batch& batch, token_meta meta = {}) {
     INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before decoding");
     INFKV_REQUIRE(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
+    // llama.cpp asserts (ends the process) on a batch larger than n_batch.
+    INFKV_REQUIRE(std::uint32_t(batch.n_tokens) <= llama_n_batch(ctx_), "batch.n_tokens", batch.n_tokens,
+                  "exceeds the context's n_batch = ", llama_n_batch(ctx_), ": split it into several decodes");
     INFKV_REQUIRE(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
     INFKV_REQUIRE(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
                   "the session needs explicit sequence ids");
@@ -169,7 +188,7 @@ class session {
                 " tokens; was the context created from attach()ed parameters?";
       }
     if (rc != 0 || !why.empty()) {
-      rollback();
+      rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);
       if (!why.empty()) throw engine_error(why);
       return rc;
     }
@@ -219,7 +238,7 @@ class session {
     res.removed = keep.evicted_runs(tokens_);
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
-      if (!llama_memory_seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end))) {
+      if (!opt_.memory.seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end))) {
         const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
         std::vector<std::int64_t> left;
         for (std::size_t s = 0; s < tokens_.size(); ++s)
@@ -294,11 +313,17 @@ class session {
     return std::max_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
   }
 
-  /// After a failed decode: removes whatever llama.cpp kept of the batch beyond the bookkeeping.
-  void rollback() {
+  /// After a decode the session cannot follow (`why`): removes whatever llama.cpp kept of the
+  /// batch beyond the bookkeeping. When the memory refuses, the session cannot follow it (the
+  /// batch's keys were not captured) and says so.
+  void rollback(const std::string& why) {
     const llama_pos p0 = tokens_.empty() ? -1 : llama_pos(max_pos() + 1);
-    if (llama_memory_seq_pos_max(mem_, opt_.seq) >= std::max<llama_pos>(p0, 0))
-      llama_memory_seq_rm(mem_, opt_.seq, p0, -1);
+    const llama_pos kept = llama_memory_seq_pos_max(mem_, opt_.seq);
+    if (kept >= std::max<llama_pos>(p0, 0) && !opt_.memory.seq_rm(mem_, opt_.seq, p0, -1))
+      infkv::detail::raise<engine_error>(
+          "infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0, ", p1 = -1) = false while rolling back a decode (",
+          why, "): the memory keeps positions up to ", kept, ", which the session never captured; clear the "
+          "sequence and start a new session");
   }
 
   void observe_h2o(const std::vector<layer_rows>& rows, std::span<const std::int64_t> pos) {
@@ -340,7 +365,7 @@ class session {
       std::size_t j = i;
       while (j < order.size() && delta[std::size_t(order[j])] == d) ++j;
       if (d != 0) {
-        llama_memory_seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
+        opt_.memory.seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
                              llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
         moved = true;
       }
