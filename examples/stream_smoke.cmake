@@ -1,7 +1,8 @@
 # Runs infkv-stream (EXE). MODE smoke: 2000 tokens of TEXT through MODEL with budget 256, block
 # 64 for streaming_llm and inf_mllm, one thread (robust on a loaded machine); the JSON (OUT) must
 # hold one record per block, a cache that never exceeded budget + block nor kept more than the
-# budget, and finite perplexities.
+# budget, and finite perplexities; its CSV must pass scripts/stream_soak_check.py (SOAK_CHECK, run
+# with PYTHON): cache, host copies and RSS flat after the warm-up.
 # MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
 # every token of the key statement at the question, StreamingLLM none; and a --skip run whose
 # block token counts start after the skipped tokens.
@@ -26,7 +27,14 @@ if(MODE STREQUAL "smoke")
   set(budget 256)
   set(block 64)
   run_stream("" --model ${MODEL} --text ${TEXT} --tokens ${tokens} --budget ${budget} --block ${block}
-             --policy streaming_llm,inf_mllm)
+             --policy streaming_llm,inf_mllm --csv ${OUT}.csv)
+  if(SOAK_CHECK)
+    execute_process(COMMAND ${PYTHON} ${SOAK_CHECK} ${OUT}.csv RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0)
+      message(FATAL_ERROR "stream_soak_check failed (${rc}):\n${out}\n${err}")
+    endif()
+    message(STATUS "${out}")
+  endif()
   string(JSON n_runs LENGTH "${json}" runs)
   if(NOT n_runs EQUAL 2)
     message(FATAL_ERROR "expected 2 runs (streaming_llm, inf_mllm), got ${n_runs}")

@@ -98,6 +98,7 @@ TEST_CASE("llama prefill: a failing decode stops the prefill and leaves the sess
   CHECK(rest.decoded == 3 * 26);
   CHECK(s.size() == 40);
   check_memory_matches(s);
+  check_room(s);  // the engine holds exactly the session's cells
 }
 
 TEST_CASE("llama prefill: invalid arguments are reported before anything is decoded") {

@@ -90,6 +90,7 @@ TEST_CASE("llama session: keep mode leaves holes and continues after the newest 
   REQUIRE(s.decode(random_tokens(3, 4)) == 0);
   CHECK(s.tokens().back().pos == 52);
   check_memory_matches(s);
+  check_room(s);  // the engine holds exactly the session's cells
 }
 
 TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory unchanged") {
@@ -136,6 +137,7 @@ TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory
   REQUIRE(s.decode(random_tokens(2, 8)) == 0);
   CHECK(s.tokens().back().pos == 21);
   check_memory_matches(s);
+  check_room(s);  // the engine holds exactly the session's cells
 }
 
 TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_eval still runs") {
@@ -164,6 +166,7 @@ TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_e
   REQUIRE(s.decode(random_tokens(24, 10)) == 0);
   CHECK(s.size() == 28);
   check_memory_matches(s);
+  check_room(s);  // the engine holds exactly the session's cells
 }
 
 TEST_CASE("llama session: a context whose cb_eval was replaced is detected and rolled back") {
