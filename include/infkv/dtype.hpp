@@ -89,46 +89,57 @@ INFKV_HOST_DEVICE inline std::uint16_t f32_to_bf16(float f) {
   return std::uint16_t(x >> 16);
 }
 
-/// Converts n elements of type t at src to f32 (F16C path when the compiler targets it).
+namespace detail {
+/// The i-th 16-bit element at `p`, at any alignment (buffers read from files need not be aligned).
+inline std::uint16_t load_u16(const void* p, std::int64_t i) {
+  std::uint16_t v;
+  std::memcpy(&v, static_cast<const unsigned char*>(p) + 2 * i, 2);
+  return v;
+}
+inline void store_u16(void* p, std::int64_t i, std::uint16_t v) {
+  std::memcpy(static_cast<unsigned char*>(p) + 2 * i, &v, 2);
+}
+}  // namespace detail
+
+/// Converts n elements of type t at src (any alignment) to f32 (F16C path when the compiler
+/// targets it).
 inline void to_f32(dtype t, const void* src, float* dst, std::int64_t n) {
   switch (t) {
     case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
     case dtype::f16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
       std::int64_t i = 0;
 #ifdef INFKV_HAVE_F16C
+      const auto* bytes = static_cast<const unsigned char*>(src);
       for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 2 * i))));
 #endif
-      for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      for (; i < n; ++i) dst[i] = f16_to_f32(detail::load_u16(src, i));
       return;
     }
     case dtype::bf16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
-      for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(detail::load_u16(src, i));
       return;
     }
   }
 }
 
-/// Converts n f32 values to type t (round to nearest even).
+/// Converts n f32 values to type t at dst (any alignment), rounding to nearest even.
 inline void from_f32(dtype t, const float* src, void* dst, std::int64_t n) {
   switch (t) {
     case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
     case dtype::f16: {
-      auto* d = static_cast<std::uint16_t*>(dst);
       std::int64_t i = 0;
 #ifdef INFKV_HAVE_F16C
+      auto* bytes = static_cast<unsigned char*>(dst);
       for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + 2 * i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
-      for (; i < n; ++i) d[i] = f32_to_f16(src[i]);
+      for (; i < n; ++i) detail::store_u16(dst, i, f32_to_f16(src[i]));
       return;
     }
     case dtype::bf16: {
-      auto* d = static_cast<std::uint16_t*>(dst);
-      for (std::int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+      for (std::int64_t i = 0; i < n; ++i) detail::store_u16(dst, i, f32_to_bf16(src[i]));
       return;
     }
   }

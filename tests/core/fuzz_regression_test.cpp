@@ -1,5 +1,6 @@
 // Inputs the fuzz targets (fuzz/, scripts/fuzz.sh) found to overflow, read out of bounds or be
 // refused wrongly, each now an error naming the argument (or accepted, where it was valid).
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -65,4 +66,20 @@ TEST_CASE("fuzz select: an empty cache with an accumulated (H2O-style) source pl
   std::vector<std::int64_t> offsets(std::size_t(p.offsets_size()), -1);
   run(p, be, std::span<const layer_inputs<>>(&in, 1), ws.span(), {nullptr, offsets.data(), 3, 0});
   CHECK(offsets == std::vector<std::int64_t>{0, 0, 0, 0});
+}
+
+TEST_CASE("fuzz trace: 16-bit conversions read and write at any alignment") {
+  // fuzz_trace: to_f32 loaded f16 values through a misaligned uint16_t pointer (UBSan).
+  const std::vector<float> x = {1.f, -2.f, 0.5f, 3.25f, -0.125f, 65504.f, 1e-3f, 7.f, -9.5f, 0.f, 2.f};
+  for (dtype t : {dtype::f16, dtype::bf16}) {
+    std::vector<unsigned char> aligned(2 * x.size()), odd(2 * x.size() + 1);
+    from_f32(t, x.data(), aligned.data(), std::int64_t(x.size()));
+    from_f32(t, x.data(), odd.data() + 1, std::int64_t(x.size()));
+    CHECK(std::equal(aligned.begin(), aligned.end(), odd.begin() + 1));
+    std::vector<float> a(x.size()), b(x.size());
+    to_f32(t, aligned.data(), a.data(), std::int64_t(x.size()));
+    to_f32(t, odd.data() + 1, b.data(), std::int64_t(x.size()));
+    CHECK(a == b);
+    CHECK(a[2] == 0.5f);
+  }
 }
