@@ -5,7 +5,8 @@ than --tolerance, and the time per block must not trend up (median of the last t
 blocks within --time-ratio of the first tenth's). `full` and `recompute` runs are skipped. Prints one line per policy and, with --json,
 writes the figures. Exit status 1 when a policy fails.
 
-Usage: stream_soak_check.py CSV [--warmup 0.05] [--tolerance 0.05] [--time-ratio 2.0] [--json OUT]"""
+Usage: stream_soak_check.py CSV [--warmup 0.05] [--tolerance 0.05] [--time-ratio 2.0] [--json OUT]
+       stream_soak_check.py --self-test   (a flat synthetic stream passes; growth in each column fails)"""
 import argparse
 import csv
 import json
@@ -54,7 +55,35 @@ def check(rows, warmup, tolerance, time_ratio):
     return figures, problems
 
 
+def self_test():
+    """A flat synthetic stream passes; each kind of growth fails."""
+    def stream(rss_growth=0, host_growth=0, time_growth=1.0, slots_jump=False):
+        rows = []
+        for b in range(400):
+            full = b >= 9
+            rows.append({"policy": "p", "tokens": str((b + 1) * 128), "evicted": "128" if full else "0",
+                         "slots": str(1024 if full else (b + 1) * 128),
+                         "slots_peak": str(1152 if full else (b + 1) * 128) if not (slots_jump and b == 300) else "1153",
+                         "kv_state_bytes": "1000", "host_bytes": str(500 + (host_growth * b if full else 0)),
+                         "rss_bytes": str(2**28 + rss_growth * b), "seconds": str(1.0 + (time_growth - 1.0) * b / 400),
+                         "running_ppl": "10"})
+        return rows
+    cases = [("flat", stream(), True), ("RSS +10%", stream(rss_growth=2**28 // 4000), False),
+             ("host copies grow", stream(host_growth=8), False), ("time x3", stream(time_growth=3.0), False),
+             ("one block over the peak", stream(slots_jump=True), False)]
+    bad = 0
+    for name, rows, want in cases:
+        _, problems = check(rows, 0.05, 0.05, 2.0)
+        if (not problems) != want:
+            print(f"self-test FAIL: {name}: problems {problems}, expected {'none' if want else 'some'}")
+            bad += 1
+    print(f"self-test: {len(cases) - bad} of {len(cases)} cases as expected")
+    return 1 if bad else 0
+
+
 def main():
+    if sys.argv[1:] == ["--self-test"]:
+        return self_test()
     p = argparse.ArgumentParser()
     p.add_argument("csv")
     p.add_argument("--warmup", type=float, default=0.05)
