@@ -23,6 +23,7 @@ set ylabel 'cached tokens'
 set yrange [0:1300]
 plot '$out/soak_llama.csv' using (\$3/1e6):8 with lines title 'after decoding the block', \
      '' using (\$3/1e6):9 with lines title 'after the eviction'
+set key top right
 set ylabel 'seconds per block of 128'
 set xlabel 'tokens streamed (millions)'
 set yrange [0:*]
