@@ -35,18 +35,12 @@ struct injected {
   }
 };
 
-std::set<std::int64_t> positions(const lc::session& s) {
-  std::set<std::int64_t> p;
-  for (const auto& t : s.tokens()) p.insert(t.pos);
-  return p;
-}
-
 /// The logits after decoding `more` in the session equal a fresh context fed the cached ids and
 /// `more` at positions 0, 1, ... (the session must be in compact mode with positions 0..n-1; one
 /// layer: deeper layers' keys depend on the evicted tokens, a fresh context's do not).
 void check_logits_against_fresh(llama_model* m, lc::session& s, const std::vector<llama_token>& cached,
                                 const std::vector<llama_token>& more) {
-  REQUIRE(positions(s) == [&] { std::set<std::int64_t> p; for (std::int64_t i = 0; i < s.size(); ++i) p.insert(i); return p; }());
+  REQUIRE(positions(s) == range_set(s.size()));
   REQUIRE(s.decode(more) == 0);
   const auto got = last_logits(s.context());
   std::vector<llama_token> all = cached;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -104,6 +105,20 @@ inline int plain_decode(llama_context* ctx, const std::vector<llama_token>& toke
   const int rc = llama_decode(ctx, b);
   llama_batch_free(b);
   return rc;
+}
+
+/// The positions the session holds.
+inline std::set<std::int64_t> positions(const infkv::llama_cpp::session& s) {
+  std::set<std::int64_t> p;
+  for (const auto& t : s.tokens()) p.insert(t.pos);
+  return p;
+}
+
+/// The positions 0..n-1.
+inline std::set<std::int64_t> range_set(std::int64_t n) {
+  std::set<std::int64_t> p;
+  for (std::int64_t i = 0; i < n; ++i) p.insert(i);
+  return p;
 }
 
 /// A caller's own eval callback that requests an abort while the second micro-batch computes.

@@ -8,22 +8,6 @@
 using namespace infkv_test;
 namespace lc = infkv::llama_cpp;
 
-namespace {
-
-std::set<std::int64_t> positions(const lc::session& s) {
-  std::set<std::int64_t> p;
-  for (const auto& t : s.tokens()) p.insert(t.pos);
-  return p;
-}
-
-std::set<std::int64_t> range_set(std::int64_t n) {
-  std::set<std::int64_t> p;
-  for (std::int64_t i = 0; i < n; ++i) p.insert(i);
-  return p;
-}
-
-}  // namespace
-
 TEST_CASE("llama session: bookkeeping follows decodes and evictions in compact mode") {
   auto model = tiny_model(2);
   bool fa = false;
