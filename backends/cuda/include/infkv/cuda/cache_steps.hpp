@@ -52,7 +52,7 @@ void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg
   float* seen = c.take<float>(n);
   auto* status = reinterpret_cast<status_word*>(scratch.data());
   launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *status = status_ok; });
-  be.window_attention(in, nq, false, mass, scratch, 64);
+  detail::window_attention_steps(launch, in, nq, false, mass, scratch, 64);
   const token* t = in.tokens.data();
   const std::int64_t* qpos = in.query_pos.data();
   launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
