@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
       ->check(at_least(1));
   app.add_option("--seed", seed, "synthetic workload seed");
   app.add_option("--threads", threads, "worker threads")->check(at_least(1, true, 1024));
-  app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm)")
+  app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")
       ->check(at_least(0));
   app.add_option("--recent", s.recent, "protected recent tokens (scored policies)")
       ->check(at_least(0));
@@ -214,6 +214,8 @@ int main(int argc, char** argv) {
   app.add_option("--probes", s.probes, "queries of the next block that measure fidelity")
       ->check(at_least(1));
   app.add_option("--beta", s.beta, "attention bias of inf_mllm_bias")->check(at_least(0, false));
+  app.add_option("--ea-window", s.ea_window, "queries whose mean and covariance expected_attention uses")
+      ->check(at_least(1));
   app.add_option("--json", json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)")
       ->check(infkv_examples::writable_file());
   app.add_flag("--list-policies", list, "list the policies and exit");
@@ -221,7 +223,7 @@ int main(int argc, char** argv) {
 
   if (list) {
     for (const auto& p : infkv_examples::policy_catalog)
-      if (compare::compared(p.k)) fmt::print("{:<15} {}\n", p.name, p.about);
+      if (compare::compared(p.k)) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;
   }
   // Policies in the table's order, each once.
@@ -260,6 +262,11 @@ int main(int argc, char** argv) {
     }
     if (layer >= 0 && std::none_of(trace->layers.begin(), trace->layers.end(), [&](auto& l) { return l.layer == layer; }))
       usage_error("--layer = " + std::to_string(layer) + ": not in the trace (layers " + trace_io::layer_list(*trace) + ")");
+    try {
+      s.rotary = compare::trace_rope(*trace);
+    } catch (const infkv::error& e) {
+      usage_error(std::string("--trace = ") + trace_path + ": " + e.what());
+    }
     if (tokens == 0) tokens = trace->n_tokens;
     if (tokens > trace->n_tokens)
       usage_error("--tokens = " + std::to_string(tokens) + ": the trace has " + std::to_string(trace->n_tokens));
@@ -280,7 +287,7 @@ int main(int argc, char** argv) {
     for (const auto& p : chosen) names.emplace_back(p.name);
     nlohmann::json j;
     j["settings"] = {{"block", block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
-                     {"probes", s.probes}, {"beta", s.beta}};
+                     {"probes", s.probes}, {"beta", s.beta}, {"ea_window", s.ea_window}};
     const bool text = json_path != "-";
     std::vector<record> recs;
     std::size_t n_blocks = 0;

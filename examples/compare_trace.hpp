@@ -6,16 +6,39 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include <infkv/error.hpp>
+#include <infkv/rope.hpp>
 #include <infkv/synthetic.hpp>
 
 #include "trace_io.hpp"
 
 namespace compare {
+
+/// The RoPE a trace's queries and keys carry, from the metadata infkv-capture writes (rope_type,
+/// rope_theta, rope_dims, rope_freq_scale); nullopt for "none" or a trace that does not say.
+/// Expected Attention turns the queries back to before RoPE with it.
+inline std::optional<infkv::rope> trace_rope(const trace_io::trace& t) {
+  const auto get = [&](const char* k) { return t.metadata.count(k) ? t.metadata.at(k) : std::string(); };
+  const std::string kind = get("rope_type");
+  if (kind.empty() || kind == "none") return std::nullopt;
+  INFKV_REQUIRE(kind == "norm" || kind == "neox", "trace metadata rope_type", kind,
+                "expected_attention can turn back normal and NeoX RoPE only");
+  const auto number = [&](const char* k, double fallback) {
+    const std::string v = get(k);
+    char* end = nullptr;
+    const double x = v.empty() ? fallback : std::strtod(v.c_str(), &end);
+    INFKV_REQUIRE(v.empty() || (end && *end == '\0'), std::string("trace metadata ") + k, v, "must be a number");
+    return x;
+  };
+  return infkv::rope{.theta = number("rope_theta", 10000.0), .dims = std::int32_t(number("rope_dims", 0.0)),
+                     .style = kind == "neox" ? infkv::rope_style::neox : infkv::rope_style::normal,
+                     .freq_scale = number("rope_freq_scale", 1.0)};
+}
 
 /// The first `tokens` tokens of one recorded layer as a workload: keys and values per KV head,
 /// queries per query head (head h * group + g belongs to KV head h, as llama.cpp groups them),

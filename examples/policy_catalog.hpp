@@ -14,7 +14,9 @@
 namespace infkv_examples {
 
 /// The policies the example programs know (infkv-compare runs all but `recompute`).
-enum class policy_kind { full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, recompute };
+enum class policy_kind {
+  full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, inf_mllm_v, expected_attention, recompute
+};
 
 /// A policy's name on the command line and a one-line description.
 struct policy_entry {
@@ -24,7 +26,7 @@ struct policy_entry {
 };
 
 /// Every policy, in `policy_kind` order.
-inline constexpr std::array<policy_entry, 10> policy_catalog{{
+inline constexpr std::array<policy_entry, 12> policy_catalog{{
     {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
     {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
     {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
@@ -34,6 +36,9 @@ inline constexpr std::array<policy_entry, 10> policy_catalog{{
     {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent"},
     {"inf_mllm", policy_kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias"},
     {"inf_mllm_bias", policy_kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)"},
+    {"inf_mllm_v", policy_kind::inf_mllm_v, "inf_mllm_bias with attention times |v| (value-aware saddles)"},
+    {"expected_attention", policy_kind::expected_attention,
+     "attention expected from the next queries (mean + covariance of --ea-window queries) x |v|"},
     {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
 }};
 
@@ -46,11 +51,28 @@ inline std::optional<policy_entry> find_policy(std::string_view name) {
 
 /// The knobs the policies share.
 struct policy_knobs {
-  std::int64_t sinks = 4;   ///< protected first tokens (streaming_llm, keydiff, inf_mllm*)
-  std::int64_t recent = 32; ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*)
+  std::int64_t sinks = 4;   ///< protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)
+  std::int64_t recent = 32; ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)
   std::int64_t window = 32; ///< queries that score the cache (snapkv, inf_mllm*)
   double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, age in ranks)
+  std::int64_t ea_window = 128;  ///< queries whose statistics expected_attention uses
+  std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
+
+/// The queries a policy reads: what a session must keep per layer.
+inline std::int64_t policy_window(policy_kind k, const policy_knobs& s) {
+  switch (k) {
+    case policy_kind::snapkv: case policy_kind::inf_mllm: case policy_kind::inf_mllm_bias: case policy_kind::inf_mllm_v:
+      return s.window;
+    case policy_kind::expected_attention: return s.ea_window;
+    default: return 1;
+  }
+}
+
+/// True when the policy weights scores by value norms (its inputs need the values).
+inline bool policy_reads_values(policy_kind k) {
+  return k == policy_kind::inf_mllm_v || k == policy_kind::expected_attention;
+}
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
 inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t capacity, const policy_knobs& s) {
@@ -63,7 +85,8 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
     case policy_kind::snapkv:
       b = infkv::protect(infkv::snapkv{.window = s.window}, {.capacity = capacity, .recent = s.recent});
       break;
-    case policy_kind::keydiff: case policy_kind::inf_mllm: case policy_kind::inf_mllm_bias:
+    case policy_kind::keydiff: case policy_kind::inf_mllm: case policy_kind::inf_mllm_bias: case policy_kind::inf_mllm_v:
+    case policy_kind::expected_attention:
       b.sinks = s.sinks, b.recent = s.recent;
       break;
   }
@@ -84,6 +107,11 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
     case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
       return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
+    case policy_kind::inf_mllm_v:
+      return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks},
+                               .value_norm = true});
+    case policy_kind::expected_attention:  // kvpress's defaults; its n_sink = the protected sinks
+      return f(infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks});
     case policy_kind::full: case policy_kind::recompute: break;
   }
   fail("policy {}: full and recompute have no policy object (they never evict)", int(k));

@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
       const auto b = *infkv_examples::policy_budget(entry->k, o.budget, knobs);
       results.push_back(infkv_examples::with_policy(entry->k, knobs, [&](const auto& p) { return soak(name, p, b, o); }));
       const result& r = results.back();
-      fmt::print("{:<14} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} us "
+      fmt::print("{:<18} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} us "
                  "(median, first / last tenth): {}\n",
                  r.policy, o.tokens, r.evictions, double(r.rss_warm) / 1048576.0, double(r.rss_max) / 1048576.0,
                  r.us_first, r.us_last, r.flat ? "flat" : "GREW: " + r.why);

@@ -4,8 +4,9 @@
 # budget, and finite perplexities; its CSV must pass scripts/stream_soak_check.py (SOAK_CHECK, run
 # with PYTHON): cache, host copies and RSS flat after the warm-up.
 # MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
-# every token of the key statement at the question, StreamingLLM none; and a --skip run whose
-# block token counts start after the skipped tokens.
+# every token of the key statement at the question, StreamingLLM none; the same for three needle
+# trials in TEXT (one of each kind; expected_attention runs them too, through the values it
+# captures); and a --skip run whose block token counts start after the skipped tokens.
 # MODE bad_flag: bad values must fail with a message naming the flag. MODE too_big: a budget no
 # machine holds is refused at once, naming --budget.
 # Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
@@ -79,6 +80,21 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "key statement of ${key_tokens} tokens: full kept ${full_kept} (all expected), "
                         "streaming_llm ${window_kept} (none expected)")
   endif()
+  run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+             --policy full,streaming_llm,expected_attention)
+  set(kinds number word fact)
+  foreach(t RANGE 2)
+    string(JSON kind GET "${json}" runs 0 trials ${t} kind)
+    list(GET kinds ${t} want)
+    string(JSON full_kept GET "${json}" runs 0 trials ${t} key_kept)
+    string(JSON key_tokens GET "${json}" runs 0 trials ${t} key_tokens)
+    string(JSON window_kept GET "${json}" runs 1 trials ${t} key_kept)
+    string(JSON ea_answer GET "${json}" runs 2 trials ${t} answer)  # fails unless expected_attention ran the trial
+    if(NOT kind STREQUAL want OR key_tokens LESS 4 OR NOT full_kept EQUAL key_tokens OR NOT window_kept EQUAL 0)
+      message(FATAL_ERROR "needle trial ${t}: kind ${kind} (${want} expected), statement of ${key_tokens} tokens: "
+                          "full kept ${full_kept} (all expected), streaming_llm ${window_kept} (none expected)")
+    endif()
+  endforeach()
   run_stream(--skip --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32 --policy streaming_llm)
   string(JSON first GET "${json}" runs 0 blocks 0 tokens)
   string(JSON last GET "${json}" runs 0 blocks 2 tokens)

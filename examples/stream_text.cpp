@@ -1,4 +1,5 @@
-// infkv-stream: streams a real text (or a passkey prompt) through a llama.cpp model whose KV
+// infkv-stream: streams a real text (or a retrieval prompt: a passkey in repeated filler, a needle
+// in real prose) through a llama.cpp model whose KV
 // cache is bounded: n_ctx = budget + block cells, evicted back to the budget with an infkv policy
 // after every block. Reports per-block perplexity, memory and speed, a summary per policy, and
 // optionally CSV, JSON and a PNG plot. See --help.
@@ -55,7 +56,8 @@ struct options {
   std::string model, text, json, csv, plot;
   std::vector<std::string> policy_names;
   stream::settings s;
-  std::int64_t tokens = 0, skip = 0, passkey = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
+  std::int64_t tokens = 0, skip = 0, passkey = 0, needle = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
+  std::vector<std::string> needle_kinds;
   std::uint64_t seed = 1;
   bool list = false;
 };
@@ -72,11 +74,12 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--skip", o.skip, "start the stream after this many tokens of the text (e.g. to compare a slice "
                                    "with the recompute oracle); CSV token counts include them")->check(nonneg);
   app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
-  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*)")->check(nonneg);
-  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*)")->check(nonneg);
+  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")->check(nonneg);
+  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)")->check(nonneg);
   app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
   app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
       ->check(at_least(0, false));
+  app.add_option("--ea-window", o.s.ea_window, "queries whose mean and covariance expected_attention uses")->check(pos);
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
@@ -90,20 +93,28 @@ void add_options(CLI::App& app, options& o) {
   app.add_flag("--list-policies", o.list, "list the policies and exit");
   app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: DISTANCE tokens of filler between "
                                          "the key and the question")->check(pos);
-  app.add_option("--trials", o.trials, "passkey trials per policy (numbers and key positions seeded)")->check(pos);
-  app.add_option("--gen", o.gen, "passkey answer tokens decoded greedily")->check(pos);
-  app.add_option("--seed", o.seed, "passkey seed");
+  app.add_option("--needle", o.needle, "needle retrieval in real text: a needle statement planted into the --text "
+                                       "prose, DISTANCE tokens of it, then the question")->check(pos)->excludes("--passkey");
+  app.add_option("--needle-kind", o.needle_kinds, "needle kinds the trials cycle through (number, word, fact; default "
+                                                  "all three)")->delimiter(',')->check(CLI::IsMember({"number", "word", "fact"}));
+  app.add_option("--trials", o.trials, "retrieval trials per policy (needles and their positions seeded)")->check(pos);
+  app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(pos);
+  app.add_option("--seed", o.seed, "retrieval seed");
 }
 
 /// Checks what CLI11 cannot: the combination of flags. Exits with status 2 naming the flag.
 std::vector<stream::policy_info> check(const options& o) {
   if (o.model.empty()) usage_error("--model is required");
+  const bool retrieval = o.passkey > 0 || o.needle > 0;
+  const std::string mode = o.passkey > 0 ? "--passkey" : "--needle";
   if (o.passkey == 0 && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
-  if (o.passkey > 0 && o.gen > o.s.block)
+  if (retrieval && o.gen > o.s.block)
     usage_error("--gen = " + std::to_string(o.gen) + ": the answer must fit in one block (--block = " +
                 std::to_string(o.s.block) + "): the cache is evicted only between blocks");
-  if (o.skip > 0 && o.passkey > 0) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not --passkey");
-  if (!o.plot.empty() && o.passkey > 0) usage_error("--plot = " + o.plot + ": plots are for the text stream, not --passkey");
+  if (o.skip > 0 && retrieval) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not " + mode);
+  if (o.tokens > 0 && retrieval) usage_error("--tokens = " + std::to_string(o.tokens) + ": only for the text stream, not " + mode);
+  if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
+  if (!o.needle_kinds.empty() && o.needle == 0) usage_error("--needle-kind: only with --needle DISTANCE");
   std::vector<stream::policy_info> chosen;
   std::set<std::string> seen;
   for (const auto& n : o.policy_names.empty() ? std::vector<std::string>{"streaming_llm"} : o.policy_names) {
@@ -149,7 +160,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
                            {"head_dim", sh.head_dim}, {"vocab", sh.vocab}, {"n_ctx_train", sh.n_ctx_train}}},
           {"text", o.text},
           {"settings", {{"budget", o.s.budget}, {"block", o.s.block}, {"sinks", o.s.sinks}, {"recent", o.s.recent},
-                        {"window", o.s.window}, {"beta", o.s.beta}, {"threads", o.s.threads}, {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
+                        {"window", o.s.window}, {"beta", o.s.beta}, {"ea_window", o.s.ea_window}, {"threads", o.s.threads}, {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
 
@@ -211,17 +222,41 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
   return 0;
 }
 
+/// The retrieval prompts of --passkey or --needle, one per trial.
+std::vector<stream::passkey_prompt> retrieval_prompts(const options& o, const llama_model* m) {
+  std::vector<stream::passkey_prompt> prompts;
+  if (o.passkey > 0) {
+    for (std::int64_t t = 0; t < o.trials; ++t) prompts.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
+    return prompts;
+  }
+  std::vector<std::string> kinds = o.needle_kinds;
+  if (kinds.empty()) kinds.assign(stream::needle_kinds.begin(), stream::needle_kinds.end());
+  const auto text = stream::tokenize_file(m, o.text, 0);
+  const std::int64_t need = stream::needle_text_needed(o.needle);
+  if (std::int64_t(text.size()) <= need)
+    usage_error(fmt::format("--needle = {}: --text = {} has {} tokens; the prompt takes up to {} tokens of its prose",
+                            o.needle, o.text, text.size(), need));
+  std::vector<bool> line_start(text.size(), false);
+  for (std::size_t i = 1; i < text.size(); ++i) {
+    const std::string prev = stream::piece(m, text[i - 1]);
+    line_start[i] = !prev.empty() && prev.back() == '\n';
+  }
+  for (std::int64_t t = 0; t < o.trials; ++t)
+    prompts.push_back(stream::make_needle(m, text, line_start, o.needle, kinds[std::size_t(t) % kinds.size()], t, o.seed));
+  return prompts;
+}
+
 int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const double load0 = load_average();
   const stream::model_shape sh(m);
-  std::vector<stream::passkey_prompt> prompts;
-  for (std::int64_t t = 0; t < o.trials; ++t) prompts.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
+  const std::vector<stream::passkey_prompt> prompts = retrieval_prompts(o, m);
   std::size_t shortest = SIZE_MAX, longest = 0;
   for (const auto& p : prompts)
     shortest = std::min(shortest, p.context.size() + p.question.size()),
     longest = std::max(longest, p.context.size() + p.question.size());
-  fmt::print(stderr, "infkv-stream: passkey, distance {}, {} trials, prompts of {}..{} tokens; budget {}, block {}; "
-             "load average {:.2f}\n", o.passkey, o.trials, shortest, longest, o.s.budget, o.s.block, load0);
+  fmt::print(stderr, "infkv-stream: {}, distance {}, {} trials, prompts of {}..{} tokens; budget {}, block {}; "
+             "load average {:.2f}\n", o.passkey > 0 ? "passkey" : "needle in " + o.text, o.passkey > 0 ? o.passkey : o.needle,
+             o.trials, shortest, longest, o.s.budget, o.s.block, load0);
   std::vector<stream::passkey_run> runs;
   for (const auto& p : chosen) {
     stream::passkey_run run;
@@ -237,8 +272,8 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
       run.trials.push_back(stream::run_passkey(m, p.k, o.s, pr, t, o.gen));
       const auto& tr = run.trials.back();
       if (o.progress > 0)
-        fmt::print(stderr, "[{}] trial {}: key {} at token {}, distance {}, {}/{} key tokens cached: \"{}\" {} ({:.1f} s)\n",
-                   p.name, t, pr.number, pr.key_at, pr.distance, tr.key_kept, pr.key_tokens(), tr.answer,
+        fmt::print(stderr, "[{}] trial {}: {} {} at token {}, distance {}, {}/{} key tokens cached: \"{}\" {} ({:.1f} s)\n",
+                   p.name, t, pr.kind, pr.needle, pr.key_at, pr.distance, tr.key_kept, pr.key_tokens(), tr.answer,
                    tr.success ? "ok" : "miss", tr.seconds);
     }
     runs.push_back(std::move(run));
@@ -246,7 +281,8 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
   stream::print_passkey_table(runs);
   if (!o.json.empty()) {
     auto j = stream::passkey_json(head(o, m, load0), runs);
-    j["passkey"] = {{"distance", o.passkey}, {"trials", o.trials}, {"gen", o.gen}, {"seed", o.seed}};
+    j[o.passkey > 0 ? "passkey" : "needle"] = {{"distance", o.passkey > 0 ? o.passkey : o.needle}, {"trials", o.trials},
+                                                {"gen", o.gen}, {"seed", o.seed}};
     j["load_average_end"] = stream::num(load_average());
     stream::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -257,7 +293,7 @@ int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-stream: perplexity (or passkey retrieval) of a real model streaming text through a KV cache "
+  CLI::App app{"infkv-stream: perplexity (or passkey / needle retrieval) of a real model streaming text through a KV cache "
                "bounded to --budget + --block cells, evicted by infkv policies"};
   app.name("infkv-stream");
   app.option_defaults()->always_capture_default();
@@ -267,14 +303,14 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.list) {
     for (const auto& p : infkv_examples::policy_catalog)
-      fmt::print("{:<14} {}\n", p.name, p.about);
+      fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;
   }
   const auto chosen = check(o);
   try {
     const auto model = stream::load_model(o.model);
     check_memory(o, chosen, model.get());
-    return o.passkey > 0 ? run_passkey(o, chosen, model.get()) : run_text(o, chosen, model.get());
+    return o.passkey > 0 || o.needle > 0 ? run_passkey(o, chosen, model.get()) : run_text(o, chosen, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-stream: error: " << e.what() << '\n';
     return 1;

@@ -74,6 +74,7 @@ def cases(a, tmp):
     ints(a.compare, cmp, "--window", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--probes", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--beta", ["-1", "nan", "inf", "abc"])
+    ints(a.compare, cmp, "--ea-window", ["-1", "0", HUGE, "abc"])
     files(a.compare, cmp, "--trace", [missing, empty, binary])
     out.append((a.compare, cmp + ["--json", unwritable + ".json"], "--json", unwritable + ".json"))
     if not a.stream:
@@ -97,9 +98,22 @@ def cases(a, tmp):
     ints(a.stream, st, "--beta", ["-1", "nan", "inf", "abc"])
     ints(a.stream, st, "--smooth", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--progress", ["-1", HUGE, "abc"])
-    ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])
-    ints(a.stream, st + ["--passkey", "300"], "--trials", ["-1", "0", HUGE, "abc"])
-    ints(a.stream, st + ["--passkey", "300"], "--gen", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--ea-window", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])  # --tokens belongs to the text stream
+    pk = [a.stream, "--model", a.model, "--passkey", "300", "--trials", "1", "--budget", "256", "--block", "64",
+          "--policy", "streaming_llm", "--threads", "1"]
+    bases.append(pk)
+    ints(a.stream, pk, "--trials", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, pk, "--gen", ["-1", "0", HUGE, "abc"])
+    out.append((a.stream, pk + ["--tokens", "100"], "--tokens", None))
+    nd = [a.stream, "--model", a.model, "--text", a.text, "--needle", "300", "--trials", "1", "--budget", "256",
+          "--block", "64", "--policy", "streaming_llm", "--threads", "1"]
+    bases.append(nd)
+    ints(a.stream, nd, "--needle", ["-1", "0", HUGE, "abc"])
+    out.append((a.stream, with_opt(nd, "--text", small), "--needle", None))  # beyond the text
+    out.append((a.stream, nd + ["--needle-kind", "color"], "--needle-kind", None))
+    out.append((a.stream, st + ["--needle-kind", "word"], "--needle-kind", None))  # without --needle
+    out.append((a.stream, pk + ["--needle", "300"], "--needle", None))  # not with --passkey
     for opt, ext in (("--json", ".json"), ("--csv", ".csv"), ("--plot", ".png")):
         out.append((a.stream, st + [opt, unwritable + ext], opt, unwritable + ext))
 

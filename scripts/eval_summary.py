@@ -4,12 +4,13 @@
 Per-block CSVs (several policies, concatenated): perplexity over all blocks, over the first and
 last 10% of the blocks after warm-up, and, where a reference policy (default: recompute, the
 sliding window with recompute) ran on slices of the same text, each policy's perplexity on exactly
-the reference's blocks divided by the reference's. Passkey CSVs (--passkey runs, concatenated):
-success rate and share of the key statement's tokens still cached at the question, per policy and
-distance.
+the reference's blocks divided by the reference's. Retrieval CSVs (--passkey or --needle runs,
+concatenated): success rate and share of the key statement's tokens still cached at the question,
+per policy and distance; for needles of several kinds, then the success per kind.
 
     scripts/eval_summary.py docs/evaluation/kjv200k.csv [--reference recompute] [--warmup 1152]
     scripts/eval_summary.py docs/evaluation/passkey.csv
+    scripts/eval_summary.py docs/evaluation/needle.csv
 """
 import argparse
 import csv
@@ -44,6 +45,19 @@ def passkey_table(rows):
             else:
                 line += " |"
         print(line)
+    kinds = sorted({r.get("kind", "passkey") for r in rows})
+    if len(kinds) > 1:
+        print()
+        print("| policy | " + " | ".join(f"{d}K {k}" for d in distances for k in kinds) + " |")
+        print("|---|" + "---|" * (len(distances) * len(kinds)))
+        for name in cells:
+            line = f"| {name} |"
+            for d in distances:
+                for k in kinds:
+                    sel = [r for r in rows if r["policy"] == name and r.get("kind") == k
+                           and round(int(r["distance"]) / 1000) == d]
+                    line += f" {sum(int(r['success']) for r in sel)}/{len(sel)} |" if sel else " |"
+            print(line)
     return 0
 
 

@@ -1,25 +1,34 @@
-// infkv-stream --passkey: a random 5-digit pass key stated once, DISTANCE tokens of neutral
-// filler, then the question. The prompt streams through the bounded cache in blocks with
-// eviction exactly as the text stream does (the question is the last block); the answer is
-// decoded greedily and succeeds when it contains the number.
+// infkv-stream's retrieval tests. --passkey: a random 5-digit pass key stated once, DISTANCE tokens
+// of a repeated filler sentence, then the question (a sanity check: anything that differs from
+// the filler stands out). --needle: a needle statement (a number, a word or a short fact) planted
+// into real prose from --text, DISTANCE tokens of that prose after it, then the question. Either
+// prompt streams through the bounded cache in blocks with eviction exactly as the text stream
+// does (the question is the last block); the answer is decoded greedily and succeeds when it
+// contains the needle (case-insensitive).
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runner.hpp"
 
 namespace stream {
 
-/// One passkey prompt, already tokenized.
+/// One retrieval prompt, already tokenized.
 struct passkey_prompt {
-  std::string number;
+  std::string kind = "passkey";       ///< passkey, or the needle's kind: number, word, fact
+  std::string needle;                 ///< what the answer must contain
   std::vector<llama_token> context;   ///< intro, filler, the key, DISTANCE tokens of filler
   std::vector<llama_token> question;  ///< the last block
-  std::int64_t prefix_units = 0;      ///< filler sentences before the key (varies per trial)
+  std::int64_t prefix = 0;            ///< filler sentences (passkey) or prose tokens (needle) before the key
   std::int64_t key_at = 0;            ///< token index where the key statement starts
   std::int64_t distance = 0;          ///< tokens from the end of the key statement to the question
   /// Tokens of the key statement.
@@ -52,16 +61,16 @@ struct passkey_run {
 inline passkey_prompt make_passkey(const llama_model* m, std::int64_t distance, std::int64_t trial, std::uint64_t seed) {
   std::mt19937_64 rng(seed * 1000003u + std::uint64_t(trial));
   passkey_prompt p;
-  p.number = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+  p.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
   const std::string intro =
       "There is an important piece of information hidden inside a lot of irrelevant text. Find it and remember it.";
   const std::string filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
-  const std::string key = " The pass key is " + p.number + ". Remember it. " + p.number + " is the pass key.";
+  const std::string key = " The pass key is " + p.needle + ". Remember it. " + p.needle + " is the pass key.";
   const std::int64_t unit = std::int64_t(tokenize(m, filler, false).size());
   const std::int64_t reps = std::max<std::int64_t>(1, (distance + unit - 1) / unit);
-  p.prefix_units = std::uniform_int_distribution<std::int64_t>(0, reps / 4)(rng);
+  p.prefix = std::uniform_int_distribution<std::int64_t>(0, reps / 4)(rng);
   std::string before = intro;
-  for (std::int64_t i = 0; i < p.prefix_units; ++i) before += filler;
+  for (std::int64_t i = 0; i < p.prefix; ++i) before += filler;
   std::string text = before + key;
   p.key_at = std::int64_t(tokenize(m, before, true).size());
   const std::int64_t key_end = std::int64_t(tokenize(m, text, true).size());
@@ -70,6 +79,73 @@ inline passkey_prompt make_passkey(const llama_model* m, std::int64_t distance, 
   p.distance = std::int64_t(p.context.size()) - key_end;
   p.question = tokenize(m, " What is the pass key? The pass key is", false);
   return p;
+}
+
+/// The needle kinds, in the order trials cycle through them.
+inline constexpr std::array<std::string_view, 3> needle_kinds{"number", "word", "fact"};
+
+/// Tokens of prose at least this many before the needle's random start (and the least --text
+/// must hold beyond the prompt's prose).
+inline std::int64_t needle_text_needed(std::int64_t distance) { return distance + distance / 4 + 64; }
+
+/// The prompt of needle trial `trial` of kind `kind`: an intro, `prefix` tokens of prose (drawn
+/// in [0, distance / 4]) from a random line start of `text`, the needle statement on its own
+/// line, the next `distance` tokens of prose, the question. `line_start[i]`: token i of `text`
+/// begins a line.
+inline passkey_prompt make_needle(const llama_model* m, std::span<const llama_token> text,
+                                  const std::vector<bool>& line_start, std::int64_t distance, std::string_view kind,
+                                  std::int64_t trial, std::uint64_t seed) {
+  static constexpr std::array<std::string_view, 12> words{"pineapple", "telescope", "violin", "umbrella", "volcano", "penguin",
+                                                          "lantern", "bicycle", "saxophone", "avocado", "kangaroo", "helicopter"};
+  static constexpr std::array<std::string_view, 8> names{"Marta", "Tobias", "Ingrid", "Kenji", "Amara", "Lukas", "Priya", "Mateo"};
+  static constexpr std::array<std::string_view, 8> cities{"Lisbon", "Oslo", "Nairobi", "Kyoto", "Toronto", "Santiago",
+                                                          "Helsinki", "Melbourne"};
+  std::mt19937_64 rng(seed * 1000003u + std::uint64_t(trial) + 7777u);
+  const auto pick = [&](const auto& list) { return std::string(list[std::size_t(rng() % list.size())]); };
+  passkey_prompt p;
+  p.kind = std::string(kind);
+  std::string statement, question;
+  if (kind == "number") {
+    p.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+    statement = "The magic number is " + p.needle + ".";
+    question = "\nWhat is the magic number? The magic number is";
+  } else if (kind == "word") {
+    p.needle = pick(words);
+    statement = "The secret word is " + p.needle + ".";
+    question = "\nWhat is the secret word? The secret word is";
+  } else {
+    const std::string name = pick(names);
+    p.needle = pick(cities);
+    statement = name + " lives in " + p.needle + ".";
+    question = "\nWhere does " + name + " live? " + name + " lives in";
+  }
+  p.prefix = std::uniform_int_distribution<std::int64_t>(0, distance / 4)(rng);
+  const auto n = std::int64_t(text.size());
+  const std::int64_t span = p.prefix + distance + 64;  // prose used, plus room to reach a line start
+  if (n <= span) infkv_examples::fail("--needle = {}: the --text has {} tokens, the prompt needs {} of its prose", distance, n, span);
+  std::int64_t at = std::uniform_int_distribution<std::int64_t>(1, n - span)(rng);
+  while (at < n - span + 32 && !line_start[std::size_t(at)]) ++at;
+  std::int64_t cut = at + p.prefix;  // the needle goes at the line start nearest after the prefix
+  while (cut < at + p.prefix + 32 && !line_start[std::size_t(cut)]) ++cut;
+  p.prefix = cut - at;
+  p.context = tokenize(m, "There is an important fact hidden inside a long text. Find it and remember it.\n", true);
+  p.context.insert(p.context.end(), text.begin() + at, text.begin() + cut);
+  p.key_at = std::int64_t(p.context.size());
+  const auto stmt = tokenize(m, statement + "\n", false);
+  p.context.insert(p.context.end(), stmt.begin(), stmt.end());
+  p.context.insert(p.context.end(), text.begin() + cut, text.begin() + cut + distance);
+  p.distance = distance;
+  p.question = tokenize(m, question, false);
+  return p;
+}
+
+/// True when the answer contains the needle, ignoring case.
+inline bool contains_needle(std::string answer, std::string needle) {
+  const auto lower = [](std::string& x) {
+    for (auto& c : x) c = char(std::tolower(static_cast<unsigned char>(c)));
+  };
+  lower(answer), lower(needle);
+  return answer.find(needle) != std::string::npos;
 }
 
 /// Runs one trial through a fresh runner of policy `k`, generating up to `gen` tokens.
@@ -97,7 +173,7 @@ inline passkey_trial run_passkey(const llama_model* m, kind k, const settings& s
     out.answer += piece(m, t);
     if (g + 1 < gen) r->feed(std::vector<llama_token>{t}, true), last = 0;
   }
-  out.success = out.answer.find(out.prompt.number) != std::string::npos;
+  out.success = contains_needle(out.answer, out.prompt.needle);
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }

@@ -82,7 +82,7 @@ inline nlohmann::json to_json(const run_summary& s) {
 inline const char* memory_note =
     "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim * 2 bytes (f16 cache); "
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
-    "host_bytes: computed, the session's f16 key copies and f32 window queries; rss_bytes: /proc/self/statm";
+    "host_bytes: computed, the session's f16 key (and value) copies and f32 window queries; rss_bytes: /proc/self/statm";
 
 inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<stream_run>& runs, const settings& s) {
   nlohmann::json j = head;
@@ -98,11 +98,11 @@ inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<
 }
 
 inline void print_stream_table(const std::vector<stream_run>& runs, const settings& s) {
-  fmt::print("{:<14} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>8}\n", "policy", "tokens", "blocks", "ppl",
+  fmt::print("{:<18} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>8}\n", "policy", "tokens", "blocks", "ppl",
              "ppl_early", "ppl_late", "tok/s", "slots", "kv_MiB", "rss_MiB", "evicts");
   for (const auto& r : runs) {
     const auto m = summarise(r, s);
-    fmt::print("{:<14} {:7} {:6} {} {} {} {} {:6} {} {} {:8}{}\n", r.policy, r.tokens, r.blocks.size(),
+    fmt::print("{:<18} {:7} {:6} {} {} {} {} {:6} {} {} {:8}{}\n", r.policy, r.tokens, r.blocks.size(),
                cell(m.ppl, 9, 3), cell(m.early_ppl, 9, 3), cell(m.late_ppl, 9, 3), cell(m.tok_per_s, 7, 1),
                m.max_slots, cell(double(m.kv_alloc_bytes) / 1048576.0, 8, 2),
                cell(double(m.peak_rss) / 1048576.0, 8, 1), m.evictions, note_suffix(r.note));
@@ -118,7 +118,7 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
   for (const auto& r : runs) {
     nlohmann::json trials = nlohmann::json::array();
     for (const auto& t : r.trials)
-      trials.push_back({{"trial", t.trial}, {"number", t.prompt.number}, {"prefix_units", t.prompt.prefix_units},
+      trials.push_back({{"trial", t.trial}, {"kind", t.prompt.kind}, {"needle", t.prompt.needle}, {"prefix", t.prompt.prefix},
                         {"key_at", t.prompt.key_at}, {"distance", t.prompt.distance},
                         {"prompt_tokens", t.prompt.context.size() + t.prompt.question.size()},
                         {"key_tokens", t.prompt.key_tokens()}, {"key_kept", t.key_kept}, {"answer", t.answer},
@@ -131,13 +131,14 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
 
 inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
-  os << "policy,trial,number,key_at,distance,prompt_tokens,key_tokens,key_kept,success,seconds,answer\n";
+  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,seconds,answer\n";
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
       std::string a = t.answer;
       for (auto& c : a)
         if (c == '"' || c == '\n' || c == ',') c = ' ';
-      os << r.policy << ',' << t.trial << ',' << t.prompt.number << ',' << t.prompt.key_at << ',' << t.prompt.distance
+      os << r.policy << ',' << t.trial << ',' << t.prompt.kind << ',' << t.prompt.needle << ',' << t.prompt.key_at << ','
+         << t.prompt.distance
          << ',' << t.prompt.context.size() + t.prompt.question.size() << ',' << t.prompt.key_tokens() << ','
          << t.key_kept << ',' << int(t.success) << ','
          << t.seconds << ",\"" << a << "\"\n";
@@ -146,12 +147,12 @@ inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
 }
 
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
-  fmt::print("{:<14} {:>7} {:>8} {:>9} {:>9}\n", "policy", "trials", "success", "key_kept", "s/trial");
+  fmt::print("{:<18} {:>7} {:>8} {:>9} {:>9}\n", "policy", "trials", "success", "key_kept", "s/trial");
   for (const auto& r : runs) {
     double sec = 0, kept = 0;
     for (const auto& t : r.trials) sec += t.seconds, kept += double(t.key_kept) / double(t.prompt.key_tokens());
     const double n = r.trials.empty() ? NAN : double(r.trials.size());
-    fmt::print("{:<14} {:7} {:>7.0f}% {:>8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
+    fmt::print("{:<18} {:7} {:>7.0f}% {:>8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
                cell(sec / n, 9, 2), note_suffix(r.note));
   }
 }

@@ -116,6 +116,11 @@ class session_runner final : public runner {
     budget_.validate();
     auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
     session_.attach(p);
+    const auto& rope = session_.rope();
+    if (k == kind::expected_attention && rope.has_rope && !rope.supported)
+      infkv_examples::fail("--policy expected_attention: the model's RoPE ({}) is not one infkv can turn back "
+                           "(normal and NeoX only); its queries cannot be taken to before RoPE", rope.kind);
+    set_.rotary = rope.has_rope ? std::optional(rope.params) : std::nullopt;
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", cap_);
     session_.bind(ctx_.get());
@@ -152,9 +157,10 @@ class session_runner final : public runner {
 
   std::int64_t slots() const override { return session_.size(); }
 
-  /// Keys (f16) of every layer plus the window queries (f32), as the session holds them.
+  /// Keys (f16; values too where the policy reads them) of every layer plus the window queries
+  /// (f32), as the session holds them.
   std::int64_t host_bytes() const override {
-    const std::int64_t keys = shape_.key_copy_bytes(session_.size());
+    const std::int64_t keys = shape_.key_copy_bytes(session_.size()) * (session_.options().values ? 2 : 1);
     const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) *
                                  shape_.layers * shape_.heads * shape_.head_dim * 4;
     return keys + queries;
@@ -163,7 +169,8 @@ class session_runner final : public runner {
  private:
   static infkv::llama_cpp::session_options options(kind k, const settings& s) {
     infkv::llama_cpp::session_options o;
-    o.window = std::max<std::int64_t>(1, k == kind::snapkv || k == kind::inf_mllm || k == kind::inf_mllm_bias ? s.window : 1);
+    o.window = std::max<std::int64_t>(1, infkv_examples::policy_window(k, s));
+    o.values = infkv_examples::policy_reads_values(k);
     o.key_type = infkv::dtype::f16;
     o.positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact;
     if (k == kind::h2o) o.track_h2o = infkv::h2o{};

@@ -13,6 +13,7 @@
 #include "rope.hpp"
 #include "policies/allocation.hpp"
 #include "policies/attention_bias.hpp"
+#include "policies/expected_attention.hpp"
 #include "policies/h2o.hpp"
 #include "policies/inf_mllm.hpp"
 #include "policies/keydiff.hpp"

@@ -1,7 +1,7 @@
 // infkv: the one policy pipeline every backend and engine adapter runs:
 //
 //   tokens -> time order
-//   per layer: score (the spec's source) -> pool along time, observation window left out (per
+//   per layer: score (the spec's source) -> times |v| (value_norm) -> pool along time, observation window left out (per
 //              query head for max, then the GQA group mean) -> window gets the row's mean ->
 //              attention bias -> fold into the reduction (per layer / token)
 //   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
@@ -90,6 +90,7 @@ concept backend = requires(const B& b, const policy_spec& spec, const layer_shap
   { b.scratch_bytes(spec, shape, opt) } -> std::convertible_to<std::size_t>;
   b.time_order(tokens, order, scratch);
   b.score(spec, in, corder, s, scratch);
+  b.value_norm(s, in.values, scratch);
   b.pool(s, corder, spec, scratch);
   b.group_mean(s, s);
   b.fill_tail(s, corder, std::int64_t{0}, scratch);
@@ -125,6 +126,7 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
                 "must be odd and >= 1");
   INFKV_REQUIRE(spec.pool_tail >= 0, std::string(spec.name) + ".pool_tail", spec.pool_tail, "must be >= 0");
   spec.bias.validate();
+  if (spec.source == score_source::expected_attention) spec.expect.validate(spec.name);
   if (spec.needs() & needs_queries) {
     INFKV_REQUIRE(spec.queries >= 1, std::string(spec.name) + ".window", spec.queries, "must be >= 1");
     INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, spec.name, " needs at least one query");
@@ -133,6 +135,8 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   }
   const std::int64_t n = shape.n_slots;
   const bool one_row = spec.source == score_source::recency || spec.source == score_source::last_query;
+  INFKV_REQUIRE(!spec.value_norm || !one_row, std::string(spec.name) + ".value_norm", "true",
+                "value norms weight per-KV-head scores; ", spec.name, " scores one row for all heads");
   p.source_rows = one_row ? 1 : spec.pools_per_query_head() ? shape.q_heads : shape.kv_heads;
   p.finished_rows = one_row ? 1 : shape.kv_heads;
   const bool per_head = opt.g == granularity::per_head;
@@ -193,6 +197,12 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
                   "the plan's workspace holds ", planned,
                   " window queries: plan with the largest query count the layers will have");
   }
+  if (p.spec.needs() & needs_values) {
+    INFKV_REQUIRE(!in.values.empty(), at("values.data"), "null", p.spec.name, " weights scores by value norms");
+    INFKV_REQUIRE(in.values.n_slots == s.n_slots && in.values.n_heads == s.kv_heads, at("values.n_slots"),
+                  in.values.n_slots, "values must have the keys' ", s.n_slots, " slots and ", s.kv_heads,
+                  " KV heads; values.n_heads = ", in.values.n_heads);
+  }
   if (p.spec.source == score_source::accumulated)
     INFKV_REQUIRE((in.accumulated.data != nullptr || p.shape.n_slots == 0) && in.accumulated.rows == p.shape.kv_heads &&
                   in.accumulated.cols == p.shape.n_slots,
@@ -239,6 +249,7 @@ score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, c
   const score_view src{detail::at<float>(ws, p.scores), p.source_rows, n, n};
   const auto scratch = detail::scratch(p, ws);
   be.score(p.spec, in, order, src, scratch);
+  if (p.spec.value_norm) be.value_norm(src, in.values, scratch);
   score_view out = src;
   if (p.spec.pools_per_query_head()) {  // pool each query head, then average the group
     be.pool(src, order, p.spec, scratch);

@@ -2,6 +2,7 @@
 // from (one of five score sources a backend implements once), how they are finished (pooling
 // along time, attention bias) and what it always keeps. The pipeline (pipeline.hpp) runs any
 // spec on any backend. Also the per-layer inputs a backend scores from.
+// Sources and finish steps are shared: a new policy is usually a new parameter set of them.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include "budget.hpp"
 #include "kv_view.hpp"
 #include "policies/attention_bias.hpp"
+#include "rope.hpp"
 #include "scores.hpp"
 #include "tokens.hpp"
 
@@ -22,6 +24,7 @@ namespace infkv {
 enum input : unsigned {
   needs_nothing = 0,
   needs_keys = 1u << 0,       ///< cached keys
+  needs_values = 1u << 1,     ///< cached values (value-norm weighting)
   needs_queries = 1u << 2,    ///< a window of recent (post-RoPE) queries
   needs_attention = 1u << 3,  ///< attention probabilities of every decode step (stateful)
 };
@@ -33,6 +36,26 @@ enum class score_source : std::uint8_t {
   window_attention,  ///< attention mass from the last `queries` queries, per KV head (SnapKV, Inf-MLLM)
   last_query,        ///< attention of the last query, mean over every head of the layer: one row (TOVA)
   accumulated,       ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
+  expected_attention,  ///< attention future queries are expected to give, from the window's statistics
+};
+
+/// Expected Attention's parameters (Devoto et al., arXiv 2510.00636; kvpress's ExpectedAttentionPress):
+/// the window queries are turned back to before RoPE, their mean mu and covariance Sigma per query
+/// head model the next queries, RoPE is averaged over the next `future` positions (R = mean of
+/// the rotations), and key j scores softmax_j(s mu'.k_j + s^2 k_j' Sigma' k_j / 2), mu' = R mu,
+/// Sigma' = R Sigma R', s the attention scale; the mean over each KV head's query group.
+struct expectation {
+  rope rotary{};              ///< the model's RoPE (captured queries are post-RoPE)
+  bool rotated = true;        ///< false: the model has no RoPE (queries taken as they are)
+  std::int64_t future = 512;  ///< future positions the rotation is averaged over
+  std::int64_t sinks = 4;     ///< first slots in time order left out of the softmax; they score 1
+  bool covariance = true;     ///< false: the mean term only
+
+  void validate(std::string_view policy) const {
+    INFKV_REQUIRE(future >= 1, std::string(policy) + ".future", future, "must be >= 1");
+    INFKV_REQUIRE(sinks >= 0, std::string(policy) + ".sinks", sinks, "must be >= 0");
+    if (rotated) (void)rotary.checked_dims(rotary.dims == 0 ? 2 : rotary.dims);
+  }
 };
 
 /// A policy as data: score source, finish (pooling along time with the observation window left
@@ -47,14 +70,18 @@ struct policy_spec {
   attention_bias bias{};
   std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
   granularity natural = granularity::per_token;
+  bool value_norm = false;          ///< scores times |v_j| of their KV head, before pooling
+  expectation expect{};             ///< expected_attention's parameters
+
 
   /// Inputs the source reads.
   constexpr unsigned needs() const {
     switch (source) {
       case score_source::recency: return needs_nothing;
-      case score_source::key_diversity: return needs_keys;
-      case score_source::window_attention: case score_source::last_query: return needs_keys | needs_queries;
-      case score_source::accumulated: return needs_attention;
+      case score_source::key_diversity: return needs_keys | (value_norm ? needs_values : 0u);
+      case score_source::window_attention: case score_source::last_query: case score_source::expected_attention:
+        return needs_keys | needs_queries | (value_norm ? needs_values : 0u);
+      case score_source::accumulated: return needs_attention | (value_norm ? needs_values : 0u);
     }
     return needs_nothing;
   }

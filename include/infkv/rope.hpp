@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "config.hpp"
 #include "error.hpp"
 #include "tokens.hpp"
 
@@ -34,6 +35,17 @@ struct rope {
     return d;
   }
 };
+
+/// Frequency (radians per position) of rotary pair i of `dims` rotary dimensions.
+INFKV_HOST_DEVICE inline double rope_frequency(const rope& r, std::int32_t i, std::int32_t dims) {
+  return r.freq_scale * ::pow(r.theta, -2.0 * double(i) / double(dims));
+}
+
+/// The two dimensions rotary pair i of `dims` rotary dimensions turns: (2i, 2i + 1) or (i, i + dims / 2).
+INFKV_HOST_DEVICE inline void rope_pair(rope_style s, std::int32_t i, std::int32_t dims, std::int32_t& a, std::int32_t& b) {
+  a = s == rope_style::normal ? 2 * i : i;
+  b = s == rope_style::normal ? a + 1 : i + dims / 2;
+}
 
 /// Compact position mode: gives the slots positions first, first + 1, ... in time order and
 /// returns each slot's delta (new - old) for `rerotate`. Slots sharing a position keep sharing it.

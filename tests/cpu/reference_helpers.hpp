@@ -225,7 +225,9 @@ inline ref_matrix ref_window_mass(const problem& p, std::int64_t first = 0) {
 /// window's slots, protected anyway, get the mean score of the rest of their row (kvpress pads
 /// them with the maximum, to protect them; infkv protects them by position and keeps the row's
 /// mean, which the attention bias divides by, that of the pooled slots).
-inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::int32_t kernel, infkv::pooling kind) {
+/// `vnorm` (one row per KV head): the mass of each key times its value norm before pooling.
+inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::int32_t kernel, infkv::pooling kind,
+                                    const ref_matrix* vnorm = nullptr) {
   const std::int32_t g = p.hq / p.hkv;
   const std::int64_t first = std::max<std::int64_t>(0, p.nq - window);
   const auto o = ref_time_order(p.tokens);
@@ -238,6 +240,8 @@ inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::
       const auto pr = ref_probs(p, i, hq);
       for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] += pr[std::size_t(o[std::size_t(t)])];
     }
+    if (vnorm)
+      for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] *= (*vnorm)[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])];
     std::vector<double> head = mass;
     if (pooled)
       for (std::int64_t t = 0; t < prefix; ++t) {
@@ -290,8 +294,8 @@ inline ref_matrix ref_snapkv(const problem& p, const infkv::snapkv& c) {
   return ref_window_pooled(p, c.window, c.kernel, c.pool);
 }
 
-inline ref_matrix ref_inf_mllm(const problem& p, const infkv::inf_mllm& c) {
-  auto s = ref_window_pooled(p, c.window, c.kernel, c.pool);
+inline ref_matrix ref_inf_mllm(const problem& p, const infkv::inf_mllm& c, const ref_matrix* vnorm = nullptr) {
+  auto s = ref_window_pooled(p, c.window, c.kernel, c.pool, vnorm);
   ref_bias(s, p.tokens, c.bias);
   return s;
 }
@@ -357,6 +361,101 @@ inline ref_matrix ref_streaming_llm(const problem& p) {
   return out;
 }
 
+/// A d x d double matrix, row-major.
+using ref_square = std::vector<double>;
+
+/// The RoPE rotation by angle pos * frequency as a d x d matrix (pairs of `r`; other dimensions
+/// pass through), built element by element from the definition.
+inline ref_square ref_rotation(const infkv::rope& r, std::int32_t d, double pos) {
+  const std::int32_t dims = r.dims == 0 ? d : r.dims, half = dims / 2;
+  ref_square m(std::size_t(d * d), 0.0);
+  for (std::int32_t e = 0; e < d; ++e) m[std::size_t(e * d + e)] = 1.0;
+  for (std::int32_t i = 0; i < half; ++i) {
+    const std::int32_t a = r.style == infkv::rope_style::normal ? 2 * i : i;
+    const std::int32_t b = r.style == infkv::rope_style::normal ? 2 * i + 1 : i + half;
+    const double ang = pos * r.freq_scale * std::pow(r.theta, -2.0 * i / dims);
+    m[std::size_t(a * d + a)] = std::cos(ang), m[std::size_t(a * d + b)] = -std::sin(ang);
+    m[std::size_t(b * d + a)] = std::sin(ang), m[std::size_t(b * d + b)] = std::cos(ang);
+  }
+  return m;
+}
+
+/// Expected Attention as kvpress's ExpectedAttentionPress computes it, in matrices: queries
+/// turned back to before RoPE (R(-p) q), their mean mu and covariance Sigma (divided by the
+/// count), R = the mean of the rotation matrices over the next `future` positions, mu' = R mu,
+/// Sigma' = R Sigma R', z_j = s mu'.k_j + s^2 / 2 k_j' Sigma' k_j, a softmax over the keys
+/// without the first `sinks` in time order (they get 1), the mean over the query group, then
+/// times |v_j| when `vnorm` (one row per KV head, n entries each) is given.
+inline ref_matrix ref_expected(const problem& p, const infkv::expected_attention& c,
+                               const ref_matrix* vnorm = nullptr) {
+  const std::int32_t d = p.d, g = p.hq / p.hkv;
+  const std::int64_t first = std::max<std::int64_t>(0, p.nq - c.window), m = p.nq - first;
+  const infkv::rope r = c.rotary.value_or(infkv::rope{});
+  const bool rotated = c.rotary.has_value();
+  std::int64_t t0 = 0;
+  for (std::int64_t i = first; i < p.nq; ++i) t0 = std::max(t0, p.qpos[std::size_t(i)] + 1);
+  ref_square avg(std::size_t(d * d), 0.0);
+  for (std::int64_t t = t0; t < t0 + c.future; ++t) {
+    const auto rt = rotated ? ref_rotation(r, d, double(t)) : ref_rotation(r, d, 0.0);
+    for (std::size_t x = 0; x < avg.size(); ++x) avg[x] += rt[x] / double(c.future);
+  }
+  const auto o = ref_time_order(p.tokens);
+  const std::int64_t sinks = std::min<std::int64_t>(c.sinks, p.n);
+  std::vector<bool> sink(std::size_t(p.n), false);
+  for (std::int64_t i = 0; i < sinks; ++i) sink[std::size_t(o[std::size_t(i)])] = true;
+  ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+  for (std::int32_t hq = 0; hq < p.hq; ++hq) {
+    std::vector<std::vector<double>> x;
+    for (std::int64_t i = first; i < p.nq; ++i) {
+      const auto back = ref_rotation(r, d, rotated ? -double(p.qpos[std::size_t(i)]) : 0.0);
+      std::vector<double> v(std::size_t(d), 0.0);
+      for (std::int32_t a = 0; a < d; ++a)
+        for (std::int32_t b = 0; b < d; ++b)
+          v[std::size_t(a)] += back[std::size_t(a * d + b)] * double(p.q[std::size_t((i * p.hq + hq) * d + b)]);
+      x.push_back(v);
+    }
+    std::vector<double> mu(std::size_t(d), 0.0);
+    for (const auto& v : x)
+      for (std::int32_t a = 0; a < d; ++a) mu[std::size_t(a)] += v[std::size_t(a)] / double(m);
+    ref_square sigma(std::size_t(d * d), 0.0);
+    for (const auto& v : x)
+      for (std::int32_t a = 0; a < d; ++a)
+        for (std::int32_t b = 0; b < d; ++b)
+          sigma[std::size_t(a * d + b)] += (v[std::size_t(a)] - mu[std::size_t(a)]) * (v[std::size_t(b)] - mu[std::size_t(b)]) / double(m);
+    std::vector<double> mu2(std::size_t(d), 0.0);
+    ref_square tmp(std::size_t(d * d), 0.0), sigma2(std::size_t(d * d), 0.0);
+    for (std::int32_t a = 0; a < d; ++a)
+      for (std::int32_t b = 0; b < d; ++b) {
+        mu2[std::size_t(a)] += avg[std::size_t(a * d + b)] * mu[std::size_t(b)];
+        for (std::int32_t k = 0; k < d; ++k) tmp[std::size_t(a * d + b)] += avg[std::size_t(a * d + k)] * sigma[std::size_t(k * d + b)];
+      }
+    for (std::int32_t a = 0; a < d; ++a)
+      for (std::int32_t b = 0; b < d; ++b)
+        for (std::int32_t k = 0; k < d; ++k) sigma2[std::size_t(a * d + b)] += tmp[std::size_t(a * d + k)] * avg[std::size_t(b * d + k)];
+    std::vector<double> z(std::size_t(p.n), 0.0);
+    double mx = -std::numeric_limits<double>::infinity();
+    for (std::int64_t j = 0; j < p.n; ++j) {
+      const float* k = p.k.data() + (j * p.hkv + hq / g) * d;
+      double lin = 0, quad = 0;
+      for (std::int32_t a = 0; a < d; ++a) {
+        lin += mu2[std::size_t(a)] * double(k[a]);
+        for (std::int32_t b = 0; b < d; ++b) quad += double(k[a]) * sigma2[std::size_t(a * d + b)] * double(k[b]);
+      }
+      z[std::size_t(j)] = p.scale * lin + (c.covariance ? p.scale * p.scale * quad / 2 : 0.0);
+      if (!sink[std::size_t(j)]) mx = std::max(mx, z[std::size_t(j)]);
+    }
+    double sum = 0;
+    for (std::int64_t j = 0; j < p.n; ++j)
+      if (!sink[std::size_t(j)]) sum += std::exp(z[std::size_t(j)] - mx);
+    for (std::int64_t j = 0; j < p.n; ++j)
+      out[std::size_t(hq / g)][std::size_t(j)] += sink[std::size_t(j)] ? 1.0 / g : std::exp(z[std::size_t(j)] - mx) / sum / g;
+  }
+  if (vnorm)
+    for (std::size_t h = 0; h < out.size(); ++h)
+      for (std::size_t j = 0; j < out[h].size(); ++j) out[h][j] *= (*vnorm)[h][j];
+  return out;
+}
+
 /// The reference scores of any registered policy on problem p (H2O: the one step that the
 /// registry's state observed, p's own queries).
 inline ref_matrix ref_scores(const problem& p, const infkv::streaming_llm&) { return ref_streaming_llm(p); }
@@ -364,6 +463,7 @@ inline ref_matrix ref_scores(const problem& p, const infkv::tova&) { return ref_
 inline ref_matrix ref_scores(const problem& p, const infkv::keydiff&) { return ref_keydiff(p); }
 inline ref_matrix ref_scores(const problem& p, const infkv::snapkv& c) { return ref_snapkv(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::inf_mllm& c) { return ref_inf_mllm(p, c); }
+inline ref_matrix ref_scores(const problem& p, const infkv::expected_attention& c) { return ref_expected(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::cpu::h2o_state& s) {
   return ref_h2o(std::span<const problem>(&p, 1), s.config());
 }

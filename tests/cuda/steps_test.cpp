@@ -10,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -72,6 +73,36 @@ TEST_CASE("cuda steps (host): finished scores of every policy match the CPU back
             const auto want = finished(cpu_be, pol.spec(), inputs), got = finished(gpu_be, pol.spec(), inputs);
             check_close(got, as_ref(want), 2e-4, 2e-6,
                         name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay));
+          });
+        });
+      }
+}
+
+TEST_CASE("cuda steps (host): value-weighted scores (Expected Attention, inf_mllm) match the CPU's") {
+  const cpu::backend cpu_be{};
+  int i = 0;
+  for (const std::int32_t group : {1, 3})
+    for (const dtype t : {dtype::f32, dtype::bf16})
+      for (const layout lay : {layout::nhd, layout::paged}) {
+        const problem p = make_problem(500 + std::uint64_t(i++), 300, 2, group, 16, 9, t);
+        const host_cuda_backend gpu_be{host_launcher{.block = 1 + 50 * i}};
+        std::vector<float> v(std::size_t(p.n * p.hkv * 24));
+        for (std::size_t x = 0; x < v.size(); ++x) v[x] = round_to(t, std::sin(0.37f * float(x)) * float(1 + x % 5));
+        const stored keys = store(p.k, p.n, p.hkv, p.d, t, lay), values = store(v, p.n, p.hkv, 24, t, lay),
+                     queries = store_queries(p);
+        keys.visit([&](const auto& k) {
+          return values.visit([&](const auto& val) {
+            using R = std::decay_t<decltype(k)>;
+            if constexpr (std::is_same_v<R, std::decay_t<decltype(val)>>) {
+              const layer_inputs<R> in{k, val, queries.tensor, p.qpos, p.tokens, 0.f};
+              for (const policy_spec& spec : {expected_attention{.window = 6, .future = 40, .sinks = 5}.spec(),
+                                              expected_attention{.window = 9, .rotary = rope{.dims = 8, .style = rope_style::neox},
+                                                                 .covariance = false}.spec(),
+                                              inf_mllm{.window = 5, .kernel = 3, .value_norm = true}.spec()})
+                check_close(finished(gpu_be, spec, in), as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6,
+                            std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " G=" + std::to_string(group));
+            }
+            return 0;
           });
         });
       }
@@ -249,6 +280,19 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
             {}, &st);
     CHECK(st.kind == cuda::fault::query_not_finite);
     CHECK((st.b == 3 && st.a == 2 && st.e == 1));
+  }
+  SUBCASE("a NaN value names slot and head, before the NaN scores it makes") {
+    std::vector<float> v(std::size_t(80 * 2 * 8), 1.f);
+    v[std::size_t((29 * 2 + 1) * 8 + 2)] = std::numeric_limits<float>::quiet_NaN();
+    const stored values = store(v, 80, 2, 8, dtype::f32, layout::nhd);
+    layer_inputs<> in = ly.in();
+    in.values = values.tensor;
+    cuda::status st;
+    keep_of(be, expected_attention{.window = 4}.spec(), budget{.capacity = 30, .sinks = 4},
+            std::span<const layer_inputs<>>(&in, 1), {}, &st);
+    CHECK((st.kind == cuda::fault::value_not_finite && st.b == 29 && st.a == 1));
+    CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("values[slot 29, head 1] is not finite"),
+                         invalid_argument);
   }
   SUBCASE("a negative position and a NaN score") {
     std::vector<token> t = ly.p.tokens;

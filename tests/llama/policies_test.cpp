@@ -74,6 +74,21 @@ TEST_CASE("llama session: eviction works with every policy") {
     const auto sc = s.h2o_scores(0).scores();
     CHECK(sc(0, s.size() - 1) > 0.f);
   }
+  SUBCASE("expected_attention reads the values the session captures, and asks for them") {
+    lc::session none(model.get(), {.window = 16});
+    auto c0 = bound_context(model.get(), none);
+    REQUIRE(none.decode(random_tokens(30, 5)) == 0);
+    CHECK_THROWS_WITH_AS(none.evict(infkv::expected_attention{.window = 16, .rotary = none.rope().params},
+                                    {.capacity = 20, .sinks = 2}),
+                         doctest::Contains("session_options.values = false"), infkv::invalid_argument);
+    CHECK(none.size() == 30);
+    lc::session s(model.get(), {.window = 16, .key_type = infkv::dtype::f16, .values = true});
+    auto ctx = bound_context(model.get(), s, {.flash_attn = true});
+    evict_and_go_on(s, infkv::expected_attention{.window = 16, .rotary = s.rope().params});
+    lc::session v(model.get(), {.values = true});
+    auto cv = bound_context(model.get(), v);
+    evict_and_go_on(v, infkv::inf_mllm{.window = 8, .value_norm = true});
+  }
   SUBCASE("inf_mllm with attention bias") {
     lc::session s(model.get());
     auto ctx = bound_context(model.get(), s, {.flash_attn = true});

@@ -184,10 +184,10 @@ std::pair<float, float> row_diff(const infkv::tensor_view& a, const infkv::tenso
 
 }  // namespace
 
-TEST_CASE("llama session: captured keys and queries do not depend on batching or flash attention") {
+TEST_CASE("llama session: captured keys, values and queries do not depend on batching or flash attention") {
   auto model = tiny_model(2);
   const auto toks = random_tokens(20, 12);
-  lc::session one(model.get()), many(model.get()), flash(model.get());
+  lc::session one(model.get(), {.values = true}), many(model.get(), {.values = true}), flash(model.get(), {.values = true});
   auto c1 = bound_context(model.get(), one, {.n_ubatch = 8});
   auto c2 = bound_context(model.get(), many, {});
   auto c3 = bound_context(model.get(), flash, {.flash_attn = true, .n_ubatch = 8});
@@ -212,7 +212,49 @@ TEST_CASE("llama session: captured keys and queries do not depend on batching or
     const auto [fq, fmq] = row_diff(a.queries, f.queries);
     CHECK(fk <= (l == 0 ? 0.f : 1e-2f * fmk));
     CHECK(fq <= (l == 0 ? 0.f : 1e-2f * fmq));
+    REQUIRE(a.values.n_slots == 20);
+    CHECK(a.values.n_heads == 2);
+    const auto [dv, mv] = row_diff(a.values, b.values);
+    const auto [fv, fmv] = row_diff(a.values, f.values);
+    CHECK(mv > 0.1f);
+    CHECK(dv < 1e-5f * mv);
+    CHECK(fv <= (l == 0 ? 0.f : 1e-2f * fmv));
   }
+}
+
+TEST_CASE("llama session: captured values follow eviction and position compaction unchanged") {
+  auto model = tiny_model(2);
+  lc::session s(model.get(), {.window = 16, .values = true});
+  auto ctx = bound_context(model.get(), s, {.n_ubatch = 16});
+  REQUIRE(s.decode(random_tokens(40, 21)) == 0);
+  const std::size_t row = 2 * 16;
+  std::vector<std::vector<float>> before(2);  // per layer, rows by position (slot j holds position j)
+  for (int l = 0; l < 2; ++l) {
+    const auto v = s.inputs(l).values;
+    REQUIRE(v.n_slots == 40);
+    const auto* x = static_cast<const float*>(v.data);
+    before[std::size_t(l)].assign(x, x + 40 * row);
+  }
+  const auto r = s.evict(infkv::expected_attention{.window = 16, .rotary = s.rope().params},
+                         {.capacity = 20, .sinks = 2, .recent = 4});
+  REQUIRE(r.shifted);
+  std::vector<std::int64_t> kept;  // old positions of the kept tokens, ascending = their new positions
+  for (std::int64_t p = 0; p < 40; ++p)
+    if (std::none_of(r.removed.begin(), r.removed.end(), [&](const auto& run) { return p >= run.begin && p < run.end; }))
+      kept.push_back(p);
+  REQUIRE(kept.size() == 20);
+  for (int l = 0; l < 2; ++l) {
+    const auto in = s.inputs(l);
+    REQUIRE(in.values.n_slots == 20);
+    for (std::int64_t j = 0; j < 20; ++j) {
+      const auto old = kept[std::size_t(in.tokens[std::size_t(j)].pos)];
+      const auto* got = static_cast<const float*>(in.values.row(j, 0));
+      CHECK(std::equal(got, got + row, before[std::size_t(l)].begin() + std::ptrdiff_t(std::size_t(old) * row)));
+    }
+  }
+  check_memory_matches(s);
+  REQUIRE(s.decode(std::vector<llama_token>{5, 6, 7}) == 0);
+  CHECK(s.inputs(1).values.n_slots == 23);
 }
 
 TEST_CASE("llama session: invalid use is reported with the argument's name") {

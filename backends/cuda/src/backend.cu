@@ -31,6 +31,12 @@ void backend::score(const policy_spec& spec, const layer_inputs<paged_rows>& in,
                     score_view out, std::span<std::byte> scratch) const {
   impl(*this).score(spec, in, order, out, scratch);
 }
+void backend::value_norm(score_view s, const tensor_view& values, std::span<std::byte> scratch) const {
+  impl(*this).value_norm(s, values, scratch);
+}
+void backend::value_norm(score_view s, const paged_rows& values, std::span<std::byte> scratch) const {
+  impl(*this).value_norm(s, values, scratch);
+}
 void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
   impl(*this).pool(s, order, spec, scratch);
 }

@@ -20,6 +20,7 @@ struct inf_mllm {
   std::int32_t kernel = 5;         ///< local-sum width (odd): saddles come with their neighbours
   pooling pool = pooling::sum;
   attention_bias bias{};
+  bool value_norm = false;         ///< attention times |v_j| before the local sum (value-aware saddles)
 
   void validate() const {
     INFKV_REQUIRE(window >= 1, "inf_mllm.window", window, "must be >= 1");
@@ -31,7 +32,7 @@ struct inf_mllm {
   policy_spec spec() const {
     return {.name = name, .source = score_source::window_attention, .queries = window, .pool = pool,
             .kernel = kernel, .pool_tail = window, .bias = bias, .protect_recent = window,
-            .natural = granularity::per_head};
+            .natural = granularity::per_head, .value_norm = value_norm};
   }
 };
 

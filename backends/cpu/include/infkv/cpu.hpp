@@ -7,6 +7,7 @@
 #include "cpu/backend.hpp"
 #include "cpu/compact.hpp"
 #include "cpu/executor.hpp"
+#include "cpu/expected.hpp"
 #include "cpu/h2o.hpp"
 #include "cpu/rope.hpp"
 #include "cpu/score.hpp"

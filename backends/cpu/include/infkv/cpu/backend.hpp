@@ -1,6 +1,6 @@
 // infkv CPU backend: the pipeline's primitives on the host (pipeline.hpp runs them): time
-// order, the five score sources (recency, key diversity, window attention, last-query
-// attention, accumulated attention), pooling, GQA group mean, bias, reduction, AdaKV allocation
+// order, the six score sources (recency, key diversity, window attention, last-query
+// attention, accumulated attention, expected attention), value norms, pooling, GQA group mean, bias, reduction, AdaKV allocation
 // and top-k selection. Everything runs in the caller's workspace; with one thread nothing is
 // allocated.
 #pragma once
@@ -15,6 +15,7 @@
 
 #include "attention.hpp"
 #include "executor.hpp"
+#include "expected.hpp"
 #include "kernels.hpp"
 #include "workspace.hpp"
 
@@ -84,6 +85,10 @@ struct backend {
         if (spec.source == score_source::last_query) floats += detail::lines(std::int64_t(shape.kv_heads) * n);
         break;
       }
+      case score_source::expected_attention:
+        floats = expected_scratch_floats(workers, shape.q_heads / shape.kv_heads, std::min(spec.queries, shape.n_queries),
+                                         shape.head_dim, n);
+        break;
       case score_source::recency: case score_source::accumulated: break;
     }
     const std::int64_t units = opt.g == granularity::per_head ? shape.kv_heads : 1;
@@ -125,7 +130,16 @@ struct backend {
         for (std::int64_t r = 0; r < out.rows; ++r)
           std::copy(in.accumulated.row(r), in.accumulated.row(r) + n, out.row(r));
         return;
+      case score_source::expected_attention:
+        expected_attention_into(detail::last_queries(in, spec.queries), spec.expect, order, out, f, ex);
+        return;
     }
+  }
+
+  /// Scores times the value norms of their KV head (value_norm_into).
+  template <row_source R>
+  void value_norm(score_view s, const R& values, std::span<std::byte> = {}) const {
+    value_norm_into(s, values);
   }
 
   void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {

@@ -31,7 +31,7 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
   const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2;
   std::vector<double> freq(static_cast<std::size_t>(half));
-  for (std::int32_t i = 0; i < half; ++i) freq[std::size_t(i)] = r.freq_scale * std::pow(r.theta, -2.0 * i / dims);
+  for (std::int32_t i = 0; i < half; ++i) freq[std::size_t(i)] = rope_frequency(r, i, dims);
   parallel_for(ex, keys.n_slots, [&](std::int64_t j) {
     const std::int64_t dp = delta[std::size_t(j)];
     if (dp == 0) return;
@@ -44,11 +44,11 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
       void* row = keys.row(j, h);
       to_f32(keys.type, row, x.data(), keys.head_dim);
       for (std::int32_t i = 0; i < half; ++i) {
-        const std::size_t a = r.style == rope_style::normal ? std::size_t(2 * i) : std::size_t(i);
-        const std::size_t b = r.style == rope_style::normal ? a + 1 : std::size_t(i + half);
-        const float x0 = x[a], x1 = x[b];
-        x[a] = x0 * c[std::size_t(i)] - x1 * s[std::size_t(i)];
-        x[b] = x0 * s[std::size_t(i)] + x1 * c[std::size_t(i)];
+        std::int32_t a = 0, b = 0;
+        rope_pair(r.style, i, dims, a, b);
+        const float x0 = x[std::size_t(a)], x1 = x[std::size_t(b)];
+        x[std::size_t(a)] = x0 * c[std::size_t(i)] - x1 * s[std::size_t(i)];
+        x[std::size_t(b)] = x0 * s[std::size_t(i)] + x1 * c[std::size_t(i)];
       }
       from_f32(keys.type, x.data(), row, keys.head_dim);
     }

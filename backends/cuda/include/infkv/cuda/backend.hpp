@@ -37,6 +37,8 @@ struct backend {
              std::span<std::byte> scratch) const;
   void score(const policy_spec& spec, const layer_inputs<paged_rows>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const;
+  void value_norm(score_view s, const tensor_view& values, std::span<std::byte> scratch) const;
+  void value_norm(score_view s, const paged_rows& values, std::span<std::byte> scratch) const;
   void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const;
   void group_mean(score_view in, score_view out) const;
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const;

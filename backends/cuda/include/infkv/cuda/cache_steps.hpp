@@ -252,14 +252,15 @@ void rerotate_steps(const L& launch, const R& keys, const std::int64_t* delta, c
   validate(keys, "keys");
   const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2;
-  const bool neox = r.style == rope_style::neox;
-  const double theta = r.theta, fs = r.freq_scale;
+  const rope rot = r;
   launch.for_each(keys.n_slots * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    const std::int64_t j = x / half, i = x % half, dp = delta[j];
+    const std::int64_t j = x / half, dp = delta[j];
+    const auto i = std::int32_t(x % half);
     if (dp == 0) return;
-    const double a = double(dp) * (fs * pow(theta, -2.0 * double(i) / double(dims)));
+    const double a = double(dp) * rope_frequency(rot, i, dims);
     const auto cs = float(cos(a)), sn = float(sin(a));
-    const std::int64_t ea = neox ? i : 2 * i, eb = neox ? i + half : 2 * i + 1;
+    std::int32_t ea = 0, eb = 0;
+    rope_pair(rot.style, i, dims, ea, eb);
     for (std::int32_t h = 0; h < keys.n_heads; ++h) {
       void* row = keys.row(j, h);
       const float x0 = detail::load(keys.type, row, ea), x1 = detail::load(keys.type, row, eb);

@@ -35,7 +35,8 @@ enum class fault : std::uint8_t {
   bad_position = 3,       ///< a position outside [0, max_position] (b = slot)
   key_not_finite = 4,     ///< a = head, e = element, b = slot
   query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
-  nan_score = 6,          ///< a = row, b = column
+  value_not_finite = 6,   ///< a = head, b = slot
+  nan_score = 7,          ///< a = row, b = column
 };
 
 /// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
@@ -76,6 +77,9 @@ inline void raise_if(status s, const char* what) {
     case fault::query_not_finite:
       fail("infkv: ", what, ": queries[slot ", s.b, ", head ", s.a, "][", s.e,
            "] is not finite: queries must be finite (a NaN or Inf would silently distort every score of the layer)");
+    case fault::value_not_finite:
+      fail("infkv: ", what, ": values[slot ", s.b, ", head ", s.a,
+           "] is not finite: values must be finite (their norms weight the scores)");
     case fault::nan_score: fail("infkv: ", what, ": scores[", s.a, ", ", s.b, "] = nan: scores must not be NaN");
   }
   fail("infkv: ", what, ": unknown device status ", int(s.kind));
@@ -183,6 +187,19 @@ struct bias_scratch {
   static bias_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
     return {c.take<double>(n), c.take<std::int64_t>(chunks(n)), c.take<double>(chunks(n)), c.take<double>(chunks(n)),
             c.take<double>(2), c.take<double>(rows * chunks(n)), c.take<double>(rows)};
+  }
+};
+/// Expected Attention: rotation tables (each window query's, then the mean one), each query
+/// head's mean before the mean rotation, mu' and the centred queries, the logits, per (query
+/// head, chunk) maxima and sums, per query head the maximum and the normaliser's inverse.
+struct expected_scratch {
+  float *table, *mu, *stats, *z, *pmax;
+  double* psum;
+  float *rmax, *rinv;
+  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n) {
+    return {c.take<float>((m + 1) * d), c.take<float>(hq * d),          c.take<float>(hq * (m + 1) * d),
+            c.take<float>(hq * n),      c.take<float>(hq * chunks(n)),  c.take<double>(hq * chunks(n)),
+            c.take<float>(hq),          c.take<float>(hq)};
   }
 };
 /// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie

@@ -1,6 +1,7 @@
-// infkv CUDA backend: the two score sources with their own multi-step algorithms, as steps run
-// by a launcher L (see steps.hpp): KeyDiff's key diversity and windowed attention (SnapKV,
-// Inf-MLLM, TOVA's last query, H2O's step). basic_backend::score and h2o_observe_steps call them.
+// infkv CUDA backend: the score sources with their own multi-step algorithms, as steps run by a
+// launcher L (see steps.hpp): KeyDiff's key diversity, windowed attention (SnapKV, Inf-MLLM,
+// TOVA's last query, H2O's step) and Expected Attention. basic_backend::score and
+// h2o_observe_steps call them.
 #pragma once
 
 #include "common.hpp"
@@ -135,6 +136,145 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
       total += mass;
     }
     if (!per_query_head) out(h, j) = total / float(group);
+  });
+}
+
+/// Expected Attention (cpu::expected_attention_into's semantics) over every query of `in`: the
+/// rotation tables, each query head's mean before RoPE, mu' and the centred queries under the
+/// mean rotation, the logits, the sinks left out, a chunked softmax per query head, the group
+/// mean. `offset` is where the step's scratch starts.
+template <class L, row_source R>
+void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const expectation& e,
+                              const std::int64_t* order, score_view out, std::span<std::byte> scratch,
+                              std::size_t offset) {
+  validate(in.keys, "keys");
+  validate(in.queries, "queries");
+  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+                "must equal keys.head_dim (", in.keys.head_dim, ")");
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots && in.queries.n_slots >= 1, "query_pos.size()",
+                in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, "), at least one");
+  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+  const R keys = in.keys;
+  const tensor_view q = in.queries;
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
+  const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
+  const std::int32_t dims = e.rotated ? e.rotary.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
+  const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
+  const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
+  const bool cov = e.covariance;
+  const rope rot = e.rotary;
+  const std::int64_t* qpos = in.query_pos.data();
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  detail::carver c{scratch.data(), offset};
+  const auto w = detail::expected_scratch::carve(c, hq, m, d, n);
+  float *table = w.table, *mu = w.mu, *stats = w.stats, *z = w.z, *pmax = w.pmax, *rmax = w.rmax, *rinv = w.rinv;
+  double* psum = w.psum;
+  // Element el of query i of head qh turned back to before RoPE.
+  const auto pre = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t qh, std::int64_t el) {
+    const void* row = q.row(i, std::int32_t(qh));
+    for (std::int32_t p = 0; p < half; ++p) {
+      std::int32_t a = 0, b = 0;
+      rope_pair(rot.style, p, dims, a, b);
+      if (el != a && el != b) continue;
+      const float xa = detail::load(q.type, row, a), xb = detail::load(q.type, row, b);
+      const float cs = table[i * d + p], sn = -table[i * d + half + p];
+      return el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
+    }
+    return detail::load(q.type, row, el);
+  };
+  launch.for_each((m + 1) * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t i = x / half;
+    const auto p = std::int32_t(x % half);
+    const double fr = rope_frequency(rot, p, dims);
+    if (i < m) {
+      const double a = double(qpos[i]) * fr;
+      table[i * d + p] = float(cos(a)), table[i * d + half + p] = float(sin(a));
+      return;
+    }
+    std::int64_t t0 = 0;
+    for (std::int64_t k = 0; k < m; ++k) t0 = qpos[k] + 1 > t0 ? qpos[k] + 1 : t0;
+    double cs = 0, sn = 0;
+    for (std::int64_t t = t0; t < t0 + future; ++t) cs += cos(double(t) * fr), sn += sin(double(t) * fr);
+    table[m * d + p] = float(cs / double(future)), table[m * d + half + p] = float(sn / double(future));
+  });
+  launch.for_each(hq * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / d, el = x % d;
+    float s = 0.f;
+    for (std::int64_t i = 0; i < m; ++i) {
+      const float v = detail::load(q.type, q.row(i, std::int32_t(qh)), el);
+      if (!detail::finite(v)) detail::record(st, encode(fault::query_not_finite, qh, el, i));
+      s += pre(i, qh, el);
+    }
+    mu[x] = s / float(m);
+  });
+  // Row 0 of each query head: mu'; row i: c'_i (centred query i - 1 under the mean rotation).
+  launch.for_each(hq * (cov ? m + 1 : 1) * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t rows = cov ? m + 1 : 1, qh = x / (rows * d), r = (x / d) % rows, el = x % d;
+    const auto centred = [&](std::int64_t k) { return r == 0 ? mu[qh * d + k] : pre(r - 1, qh, k) - mu[qh * d + k]; };
+    float v = centred(el);
+    for (std::int32_t p = 0; p < half; ++p) {
+      std::int32_t a = 0, b = 0;
+      rope_pair(rot.style, p, dims, a, b);
+      if (el != a && el != b) continue;
+      const float xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
+      v = el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
+    }
+    stats[(qh * (m + 1) + r) * d + el] = v;
+  });
+  launch.for_each(hq * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / n, j = x % n;
+    const auto h = std::int32_t(qh / group);
+    const void* kr = keys.row(j, h);
+    const float* s0 = stats + qh * (m + 1) * d;
+    float lin = 0.f, quad = 0.f;
+    for (std::int64_t el = 0; el < d; ++el) {
+      const float k = detail::load(keys.type, kr, el);
+      if (!detail::finite(k)) detail::record(st, encode(fault::key_not_finite, h, el, j));
+      lin += s0[el] * k;
+    }
+    for (std::int64_t i = 1; cov && i <= m; ++i) {
+      const float proj = detail::dot(dtype::f32, s0 + i * d, keys.type, kr, d);
+      quad += proj * proj;
+    }
+    z[x] = scale * lin + cov_coef * quad;
+  });
+  launch.for_each(sinks * hq, [=] INFKV_HOST_DEVICE(std::int64_t x) { z[(x % hq) * n + order[x / hq]] = -INFINITY; });
+  launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / nc, cc = x % nc;
+    float mx = -INFINITY;
+    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j) mx = fmaxf(mx, z[qh * n + j]);
+    pmax[x] = mx;
+  });
+  launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
+    float mx = -INFINITY;
+    for (std::int64_t cc = 0; cc < nc; ++cc) mx = fmaxf(mx, pmax[qh * nc + cc]);
+    rmax[qh] = mx;
+  });
+  launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / nc, cc = x % nc;
+    double s = 0;
+    if (rmax[qh] != -INFINITY)
+      for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
+        s += exp(double(z[qh * n + j]) - double(rmax[qh]));
+    psum[x] = s;
+  });
+  launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
+    double s = 0;
+    for (std::int64_t cc = 0; cc < nc; ++cc) s += psum[qh * nc + cc];
+    rinv[qh] = s > 0 ? float(1.0 / s) : 0.f;
+  });
+  launch.for_each(keys.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t h = x / n, j = x % n;
+    if (z[h * group * n + j] == -INFINITY) {  // a sink, left out of the softmax
+      out(h, j) = 1.f;
+      return;
+    }
+    float s = 0.f;
+    for (std::int64_t g = 0; g < group; ++g) {
+      const std::int64_t qh = h * group + g;
+      s += float(exp(double(z[qh * n + j]) - double(rmax[qh]))) * rinv[qh];
+    }
+    out(h, j) = s / float(group);
   });
 }
 

@@ -47,6 +47,10 @@ struct basic_backend {
         detail::softmax_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n);
         if (spec.source == score_source::last_query) c.take<float>(hkv * n);
       });
+    if (spec.source == score_source::expected_attention)
+      consider([&](detail::carver& c) {
+        detail::expected_scratch::carve(c, shape.q_heads, std::min(spec.queries, shape.n_queries), shape.head_dim, n);
+      });
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
     consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
@@ -114,7 +118,39 @@ struct basic_backend {
         });
         return;
       }
+      case score_source::expected_attention: {
+        layer_inputs<R> last = in;  // the last spec.queries queries
+        const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - spec.queries);
+        last.queries.data = in.queries.row(drop, 0);
+        last.queries.n_slots -= drop;
+        last.query_pos = in.query_pos.subspan(std::size_t(drop));
+        detail::expected_attention_steps(launch, last, spec.expect, order, out, scratch, 64);
+        return;
+      }
     }
+  }
+
+  /// Scores times the value norms of their KV head: row r belongs to head r / (rows / heads).
+  template <row_source R>
+  void value_norm(score_view s, const R& values, std::span<std::byte> scratch) const {
+    validate(values, "values");
+    INFKV_REQUIRE(s.cols == values.n_slots && s.rows % values.n_heads == 0, "values.n_slots", values.n_slots,
+                  "value norms weight ", s.rows, " score rows of ", s.cols, " slots; values.n_heads = ", values.n_heads);
+    const std::int64_t n = s.cols, per = s.rows / values.n_heads, dv = values.head_dim;
+    status_word* st = status_of(scratch);
+    launch.for_each(values.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const auto h = std::int32_t(x / n);
+      const std::int64_t j = x % n;
+      const void* row = values.row(j, h);
+      double sum = 0;
+      for (std::int64_t e = 0; e < dv; ++e) {
+        const float v = detail::load(values.type, row, e);
+        if (!detail::finite(v)) detail::record(st, encode(fault::value_not_finite, h, 0, j));
+        sum += double(v) * double(v);
+      }
+      const auto norm = float(sqrt(sum));
+      for (std::int64_t r = h * per; r < (h + 1) * per; ++r) s(r, j) *= norm;
+    });
   }
 
   /// Pools every row along time order, the last `spec.pool_tail` slots left out (pool_row).

@@ -1,6 +1,6 @@
 // infkv llama.cpp adapter: the host-side copy one layer keeps so that any policy can score:
-// post-RoPE keys of the cached tokens (f32 or f16, in the session's slot order) and the last
-// `window` post-RoPE queries with their positions.
+// post-RoPE keys of the cached tokens (f32 or f16, in the session's slot order), their values
+// when the session captures them, and the last `window` post-RoPE queries with their positions.
 #pragma once
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 
 namespace infkv::llama_cpp {
 
-/// Keys of the cached tokens and a window of recent queries of one layer.
+/// Keys (and values) of the cached tokens and a window of recent queries of one layer.
 class layer_cache {
  public:
   layer_cache() = default;
@@ -37,13 +37,17 @@ class layer_cache {
   tensor_view keys() {
     return keys_.empty() ? tensor_view{} : nhd(keys_.data(), type_, n_slots_, n_head_kv_, head_dim_);
   }
+  /// Cached values [n_slots][n_head_kv][head_dim] (empty view unless values are captured).
+  tensor_view values() {
+    return values_.empty() ? tensor_view{} : nhd(values_.data(), type_, n_slots_, n_head_kv_, head_dim_);
+  }
   /// Window queries [n_queries][n_head][head_dim], f32.
   tensor_view queries() {
     return queries_.empty() ? tensor_view{} : nhd(queries_.data(), dtype::f32, n_queries(), n_head_, head_dim_);
   }
 
-  /// Appends the rows of one decode: keys of `rows.n_k` new slots and queries at `pos` (one per
-  /// token); the oldest queries beyond `window` leave.
+  /// Appends the rows of one decode: keys (and values, when captured) of `rows.n_k` new slots
+  /// and queries at `pos` (one per token); the oldest queries beyond `window` leave.
   void append(const layer_rows& rows, std::span<const std::int64_t> pos, std::int64_t window) {
     if (n_head_ == 0) n_head_ = rows.n_head, n_head_kv_ = rows.n_head_kv, head_dim_ = rows.head_dim;
     const std::size_t k_row = std::size_t(n_head_kv_) * std::size_t(head_dim_);
@@ -51,6 +55,10 @@ class layer_cache {
     const std::size_t at = keys_.size();
     keys_.resize(at + std::size_t(rows.n_k) * k_row * size_of(type_));
     from_f32(type_, rows.k.data(), keys_.data() + at, rows.n_k * std::int64_t(k_row));
+    if (rows.n_v > 0) {
+      values_.resize(at + std::size_t(rows.n_v) * k_row * size_of(type_));
+      from_f32(type_, rows.v.data(), values_.data() + at, rows.n_v * std::int64_t(k_row));
+    }
     n_slots_ += rows.n_k;
     const std::int64_t take = std::min<std::int64_t>(rows.n_q, window);
     const std::int64_t skip = rows.n_q - take;
@@ -65,10 +73,11 @@ class layer_cache {
   /// `tokens` are the slots' metadata before the eviction (left unchanged).
   void evict(const keep_set& keep, std::span<const token> tokens) {
     if (n_slots_ == 0) return;
-    kv_view kv{keys(), {}};
+    kv_view kv{keys(), values()};
     std::vector<token> scratch(tokens.begin(), tokens.end());
     const std::int64_t m = cpu::compact(kv, scratch, keep);
     keys_.resize(std::size_t(m) * std::size_t(n_head_kv_) * std::size_t(head_dim_) * size_of(type_));
+    if (!values_.empty()) values_.resize(keys_.size());
     n_slots_ = m;
   }
 
@@ -100,7 +109,7 @@ class layer_cache {
   dtype type_ = dtype::f32;
   std::int32_t n_head_ = 0, n_head_kv_ = 0, head_dim_ = 0;
   std::int64_t n_slots_ = 0;
-  std::vector<unsigned char> keys_;
+  std::vector<unsigned char> keys_, values_;
   std::vector<float> queries_;
   std::vector<std::int64_t> query_pos_;
 };

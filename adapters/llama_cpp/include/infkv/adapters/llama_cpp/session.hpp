@@ -1,6 +1,7 @@
 // infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
-// post-RoPE Q and K through `cb_eval`, keeps its own position <-> slot bookkeeping (llama.h has
-// no public cell -> position map) and a host copy of each layer's keys and recent queries, so
+// post-RoPE Q and K (and V on request) through `cb_eval`, keeps its own position <-> slot
+// bookkeeping (llama.h has no public cell -> position map) and a host copy of each layer's keys
+// (values) and recent queries, so
 // that every infkv policy can score; it evicts by removing position runs with
 // llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add (llama.cpp
 // re-rotates its K; the session re-rotates its own copy). Per-token granularity: head and layer
@@ -46,7 +47,8 @@ struct memory_calls {
 struct session_options {
   llama_seq_id seq = 0;                              ///< the sequence the session owns
   std::int64_t window = 32;                          ///< recent queries kept per layer
-  dtype key_type = dtype::f32;                       ///< host copy of the keys: f32 or f16
+  dtype key_type = dtype::f32;                       ///< host copy of the keys (and values): f32 or f16
+  bool values = false;                               ///< also copy the values (value-norm policies)
   reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
@@ -75,7 +77,7 @@ struct eviction_result {
 class session {
  public:
   explicit session(const llama_model* model, session_options opt = {})
-      : model_(model), opt_(opt), observer_(checked_layers(model)) {
+      : model_(model), opt_(opt), observer_(checked_layers(model), opt.values) {
     INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
     INFKV_REQUIRE(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
                   "must be f32 or f16");
@@ -126,11 +128,12 @@ class session {
   /// consecutive positions), or the stream's next position when nothing is cached.
   std::int64_t next_pos() const { return tokens_.empty() ? stream_next_ : max_pos() + 1; }
 
-  /// The inputs a policy scores for one layer: keys, window queries and their positions, tokens.
+  /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
+  /// their positions, tokens.
   layer_inputs<tensor_view> inputs(std::int32_t layer) {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
-    return {l.keys(), {}, l.queries(), l.query_pos(), tokens_, opt_.scale};
+    return {l.keys(), l.values(), l.queries(), l.query_pos(), tokens_, opt_.scale};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
@@ -182,10 +185,11 @@ class session {
     if (rc == 0 && why.empty())
       for (std::int32_t l = 0; l < n_layers(); ++l) {
         const auto& r = observer_.layers()[std::size_t(l)];
-        if (r.n_q != n || r.n_k != n)
+        if (r.n_q != n || r.n_k != n || (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
           why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
-                std::to_string(r.n_k) + " key rows for " + std::to_string(n) +
-                " tokens; was the context created from attach()ed parameters?";
+                std::to_string(r.n_k) + " key rows" +
+                (opt_.values ? " (" + std::to_string(r.n_v) + " value rows)" : std::string()) + " for " +
+                std::to_string(n) + " tokens; was the context created from attach()ed parameters?";
       }
     if (rc != 0 || !why.empty()) {
       rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);
@@ -280,6 +284,8 @@ class session {
   eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
     p.validate();
     const policy_spec spec = p.spec();
+    INFKV_REQUIRE(opt_.values || !(spec.needs() & needs_values), "session_options.values", "false", spec.name,
+                  " weights scores by value norms: create the session with values = true");
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) {

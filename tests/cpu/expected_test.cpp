@@ -1,0 +1,145 @@
+// Expected Attention and value-norm weighting on the CPU backend: against their float64
+// references (ref_expected builds kvpress's matrices: RoPE as d x d rotations, the covariance as
+// a d x d matrix; the backend never forms either), invariant to where the stream stands, and
+// refusing bad input by name. The CUDA steps are compared with these in cuda/steps_test.cpp.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <infkv/cpu.hpp>
+
+#include "cpu/reference_helpers.hpp"
+
+using namespace infkv;
+using namespace infkv_test;
+
+#define CHECK_ERROR(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), infkv::invalid_argument)
+
+namespace {
+
+/// Values [n][hkv][dv] of a problem, random, and their norms per KV head (double, as stored).
+struct values {
+  std::vector<float> v;
+  stored s;
+  ref_matrix norms;
+  values(const problem& p, std::int32_t dv, dtype t, layout l, std::uint64_t seed) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (std::int64_t i = 0; i < p.n * p.hkv * dv; ++i) v.push_back(round_to(t, normal(gen) * (1.f + float(i % 7))));
+    s = store(v, p.n, p.hkv, dv, t, l);
+    norms.assign(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+    for (std::int64_t j = 0; j < p.n; ++j)
+      for (std::int32_t h = 0; h < p.hkv; ++h) {
+        double sum = 0;
+        for (std::int32_t e = 0; e < dv; ++e) sum += std::pow(double(v[std::size_t((j * p.hkv + h) * dv + e)]), 2);
+        norms[std::size_t(h)][std::size_t(j)] = std::sqrt(sum);
+      }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("expected attention and value-weighted inf_mllm match their float64 references (values of another width)") {
+  std::uint64_t seed = 40;
+  for (const dtype t : {dtype::f32, dtype::f16})
+    for (const layout l : {layout::nhd, layout::paged})
+      for (const std::int32_t group : {1, 3}) {
+        const problem p = make_problem(seed++, 90, 2, group, 12, 7, t);
+        const layer ly(p);
+        const values val(p, 10, t, l, seed++);
+        const stored keys = store(p.k, p.n, p.hkv, p.d, t, l);
+        keys.visit([&](const auto& k) {
+          return val.s.visit([&](const auto& v) {
+            using R = std::decay_t<decltype(k)>;
+            if constexpr (std::is_same_v<R, std::decay_t<decltype(v)>>) {
+              const layer_inputs<R> in{k, v, ly.queries.tensor, p.qpos, p.tokens, 0.f};
+              const std::string label = std::string(to_string(t)) + "/" + to_string(l) + "/G=" + std::to_string(group);
+              INFO(label);
+              for (const auto& ea : {expected_attention{.window = 5, .future = 64, .sinks = 3},
+                                     expected_attention{.window = 7, .rotary = rope{.theta = 1e6, .style = rope_style::neox},
+                                                        .future = 3, .sinks = 0},
+                                     expected_attention{.window = 2, .rotary = std::nullopt, .sinks = 90}}) {
+                const auto got = cpu::layer_scores(ea, in);
+                check_close(got, ref_expected(p, ea, &val.norms), 2e-4, 2e-6, label + " expected_attention");
+                CHECK(cpu::layer_scores(ea, in, cpu::executor{2}).data == got.data);
+              }
+              const inf_mllm im{.window = 4, .kernel = 3, .bias = {.beta = 0.5}, .value_norm = true};
+              check_close(cpu::layer_scores(im, in), ref_inf_mllm(p, im, &val.norms), 2e-4, 2e-6, label + " inf_mllm");
+            }
+            return 0;
+          });
+        });
+      }
+}
+
+TEST_CASE("expected attention does not depend on where the stream stands: shifting every position changes nothing") {
+  // Keys and queries given before RoPE, rotated at positions p and at p + 5000: scores agree. Fails
+  // when the future positions do not start after the window's queries (a fixed origin) or the
+  // queries are turned back by anything but their own positions.
+  const problem base = make_problem(77, 60, 2, 2, 16, 6, dtype::f32, false);
+  const rope r{.theta = 10000.0};
+  const auto rotated = [&](std::int64_t shift) {
+    problem p = base;
+    const auto turn = [&](std::vector<float>& x, std::int64_t rows, std::int32_t heads, auto pos_of) {
+      for (std::int64_t j = 0; j < rows; ++j) {
+        const auto m = ref_rotation(r, p.d, double(pos_of(j) + shift));
+        for (std::int32_t h = 0; h < heads; ++h) {
+          float* row = x.data() + (j * heads + h) * p.d;
+          std::vector<double> out(std::size_t(p.d), 0.0);
+          for (std::int32_t a = 0; a < p.d; ++a)
+            for (std::int32_t b = 0; b < p.d; ++b) out[std::size_t(a)] += m[std::size_t(a * p.d + b)] * row[b];
+          for (std::int32_t a = 0; a < p.d; ++a) row[a] = float(out[std::size_t(a)]);
+        }
+      }
+    };
+    turn(p.k, p.n, p.hkv, [&](std::int64_t j) { return p.tokens[std::size_t(j)].pos; });
+    turn(p.q, p.nq, p.hq, [&](std::int64_t i) { return p.qpos[std::size_t(i)]; });
+    for (auto& t : p.tokens) t.pos += shift;
+    for (auto& q : p.qpos) q += shift;
+    return p;
+  };
+  const layer a(rotated(0)), b(rotated(5000));
+  const expected_attention ea{.window = 6, .rotary = r, .value_norm = false};
+  const auto sa = cpu::layer_scores(ea, a.in()), sb = cpu::layer_scores(ea, b.in());
+  check_close(sb, ref_expected(a.p, ea), 2e-3, 2e-5, "shifted by 5000 vs the reference at 0");
+  check_close(sa, ref_expected(a.p, ea), 2e-4, 2e-6, "at 0");
+}
+
+TEST_CASE("expected attention and value norms refuse bad input by name") {
+  const problem p = make_problem(5, 40, 2, 2, 8, 4);
+  const layer ly(p);
+  const values val(p, 8, dtype::f32, layout::nhd, 9);
+  const budget b{.capacity = 20, .sinks = 4, .recent = 4};
+  layer_inputs<> in = ly.in();
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "layers[0].values.data = null");
+  CHECK_ERROR(cpu::select(inf_mllm{.window = 4, .value_norm = true}, b, in), "layers[0].values.data = null");
+  in.values = val.s.tensor;
+  CHECK_NOTHROW(cpu::select(expected_attention{}, b, in));
+  CHECK_ERROR(cpu::select(expected_attention{.future = 0}, b, in), "expected_attention.future = 0");
+  CHECK_ERROR(cpu::select(expected_attention{.sinks = -1}, b, in), "expected_attention.sinks = -1");
+  CHECK_ERROR(cpu::select(expected_attention{.window = 0}, b, in), "expected_attention.window = 0");
+  CHECK_ERROR(cpu::select(expected_attention{.rotary = rope{.dims = 10}}, b, in), "rope.dims = 10");
+  CHECK_ERROR(cpu::select(expected_attention{.rotary = rope{.theta = -1}}, b, in), "rope.theta = -1");
+  layer_inputs<> narrow = in;
+  narrow.values.n_heads = 1;
+  CHECK_ERROR(cpu::select(expected_attention{}, b, narrow), "layers[0].values.n_slots");
+  std::vector<float> bad = val.v;
+  bad[std::size_t((17 * 2 + 1) * 8 + 3)] = std::numeric_limits<float>::quiet_NaN();
+  const stored bad_values = store(bad, p.n, p.hkv, 8, dtype::f32, layout::nhd);
+  in.values = bad_values.tensor;
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "values[slot 17, head 1][3] = nan");
+  in.values = val.s.tensor;
+  std::vector<float> qnan = p.q;
+  qnan[5] = std::numeric_limits<float>::infinity();
+  const stored bad_q = store(qnan, p.nq, p.hq, p.d, p.type, layout::nhd);
+  in.queries = bad_q.tensor;
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries[slot 0, head 0][5] = inf");
+  // A one-row score (all heads together) has no KV head to take value norms from.
+  const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};
+  CHECK_ERROR(make_plan(cpu::backend{}, tova_v, b, shape_of(ly.in())), "tova_v.value_norm = true");
+}
