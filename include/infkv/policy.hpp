@@ -125,6 +125,7 @@ struct layer_inputs {
   std::span<const token> tokens{};
   float scale = 0.f;
   score_view accumulated{};
+  const rope* rotary = nullptr;  ///< this layer's RoPE where layers differ (host memory); overrides expected_attention's
 };
 
 }  // namespace infkv

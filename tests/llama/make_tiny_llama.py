@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Writes a tiny random-weight llama-architecture GGUF for the llama.cpp adapter tests.
+"""Writes a tiny random-weight llama-architecture GGUF for the llama.cpp adapter tests; with
+--arch gemma3 a Gemma 3 one instead: Q/K norms, post-norms, and sliding-window attention on every
+layer but each --swa-pattern-th (window --swa), whose RoPE base (--swa-theta) differs from the
+global layers' (--theta): llama.cpp's iSWA cache and per-layer RoPE.
 
-Usage: make_tiny_llama.py OUT.gguf --layers N [--seed S] [--embd 64] [--heads 4] [--kv-heads 2]
-       [--vocab 128] [--ctx 512] [--theta 10000]
+Usage: make_tiny_llama.py OUT.gguf --layers N [--arch llama|gemma3] [--seed S] [--embd 64]
+       [--heads 4] [--kv-heads 2] [--vocab 128] [--ctx 512] [--theta 10000] [--swa 16]
+       [--swa-pattern 2] [--swa-theta 100]
 
 Needs gguf-py (llama.cpp's gguf-py/ on PYTHONPATH) and numpy. The vocabulary is a placeholder
 ("none" tokenizer with `vocab_size` ids): the tests feed token ids directly.
@@ -25,7 +29,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--theta", type=float, default=10000.0)
+    ap.add_argument("--arch", choices=["llama", "gemma3"], default="llama")
+    ap.add_argument("--swa", type=int, default=16)
+    ap.add_argument("--swa-pattern", type=int, default=2)
+    ap.add_argument("--swa-theta", type=float, default=100.0)
     a = ap.parse_args()
+    gemma = a.arch == "gemma3"
 
     head_dim = a.embd // a.heads
     rng = np.random.default_rng(a.seed)
@@ -36,8 +45,8 @@ def main() -> None:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    g = gguf.GGUFWriter(a.out, "llama")
-    g.add_name("infkv-tiny-llama")
+    g = gguf.GGUFWriter(a.out, a.arch)
+    g.add_name("infkv-tiny-" + a.arch)
     g.add_block_count(a.layers)
     g.add_context_length(a.ctx)
     g.add_embedding_length(a.embd)
@@ -47,6 +56,12 @@ def main() -> None:
     g.add_rope_dimension_count(head_dim)
     g.add_rope_freq_base(a.theta)
     g.add_layer_norm_rms_eps(1e-5)
+    if gemma:
+        g.add_key_length(head_dim)
+        g.add_value_length(head_dim)
+        g.add_sliding_window(a.swa)
+        g.add_sliding_window_pattern(a.swa_pattern)
+        g.add_rope_freq_base_swa(a.swa_theta)
     g.add_file_type(gguf.LlamaFileType.ALL_F32)
     g.add_vocab_size(a.vocab)
     g.add_tokenizer_model("none")
@@ -61,6 +76,11 @@ def main() -> None:
         g.add_tensor(p + "attn_k.weight", w(a.kv_heads * head_dim, a.embd, 3.0 * s_in))
         g.add_tensor(p + "attn_v.weight", w(a.kv_heads * head_dim, a.embd, s_in))
         g.add_tensor(p + "attn_output.weight", w(a.embd, a.heads * head_dim, s_in))
+        if gemma:
+            g.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+            g.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
+            g.add_tensor(p + "post_attention_norm.weight", norm(a.embd))
+            g.add_tensor(p + "post_ffw_norm.weight", norm(a.embd))
         g.add_tensor(p + "ffn_norm.weight", norm(a.embd))
         g.add_tensor(p + "ffn_gate.weight", w(a.ff, a.embd, s_in))
         g.add_tensor(p + "ffn_up.weight", w(a.ff, a.embd, s_in))

@@ -64,7 +64,8 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
   const std::int64_t n = keys.n_slots, d = keys.head_dim, m = q.n_slots, group = q.n_heads / keys.n_heads;
   INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == n, "out.rows", out.rows, "must be ", keys.n_heads, " x ", n,
                 "; out.cols = ", out.cols);
-  const std::int32_t dims = e.rotated ? e.rotary.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
+  const rope& rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins
+  const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
   const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
   const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
   const std::int64_t sinks = std::min(e.sinks, n);
@@ -73,7 +74,7 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
   std::int64_t t0 = 0;
   for (const auto p : in.query_pos) t0 = std::max(t0, p + 1);
   for (std::int32_t k = 0; k < half; ++k) {
-    const double w = rope_frequency(e.rotary, k, dims);
+    const double w = rope_frequency(rot, k, dims);
     for (std::int64_t i = 0; i < m; ++i) {
       const double a = double(in.query_pos[std::size_t(i)]) * w;
       table[i * d + k] = float(std::cos(a)), table[i * d + half + k] = float(std::sin(a));
@@ -99,7 +100,7 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
         if (!detail::all_finite(x, d)) [[unlikely]] detail::fail_not_finite(q, "queries", i, 1, qh);
         for (std::int32_t p = 0; p < half; ++p) {  // rotate back by -pos_i
           std::int32_t a = 0, b = 0;
-          rope_pair(e.rotary.style, p, dims, a, b);
+          rope_pair(rot.style, p, dims, a, b);
           detail::turn(x, a, b, table[i * d + p], -table[i * d + half + p]);
         }
         for (std::int64_t el = 0; el < d; ++el) mu[el] += x[el];
@@ -111,7 +112,7 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
           for (std::int64_t el = 0; el < d; ++el) x[el] -= mu[el];
         for (std::int32_t p = 0; p < half; ++p) {
           std::int32_t a = 0, b = 0;
-          rope_pair(e.rotary.style, p, dims, a, b);
+          rope_pair(rot.style, p, dims, a, b);
           detail::turn(x, a, b, table[m * d + p], table[m * d + half + p]);
         }
       }

@@ -158,11 +158,11 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   const tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
   const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
-  const std::int32_t dims = e.rotated ? e.rotary.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
+  const rope rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins (read on the host)
+  const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
   const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
   const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
   const bool cov = e.covariance;
-  const rope rot = e.rotary;
   const std::int64_t* qpos = in.query_pos.data();
   status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), offset};

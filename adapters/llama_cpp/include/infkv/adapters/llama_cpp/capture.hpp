@@ -20,6 +20,18 @@
 
 namespace infkv::llama_cpp {
 
+/// The RoPE a layer's key node applied, read from the node's op_params (ggml_rope_ext's layout):
+/// each layer's own parameters (Gemma 3's sliding layers turn with another base than its global
+/// ones), as llama.cpp used them.
+struct node_rope {
+  bool seen = false;
+  std::int32_t n_dims = 0;
+  std::int32_t mode = 0;          ///< GGML_ROPE_TYPE_*: 0 normal, 2 NeoX, others (M-RoPE, vision)
+  float freq_base = 0.f, freq_scale = 0.f;
+  float ext_factor = 0.f;         ///< YaRN: 0 when off
+  bool freq_factors = false;      ///< per-dimension frequency factors (Llama 3's rope_freqs)
+};
+
 /// Post-RoPE Q and K rows of one layer seen during one decode: f32, [n_tokens][heads][head_dim].
 struct layer_rows {
   std::int32_t n_head = 0;
@@ -31,7 +43,21 @@ struct layer_rows {
   std::vector<float> q;
   std::vector<float> k;
   std::vector<float> v;  ///< [n_v][n_head_kv][head_dim] when values are captured
+  node_rope rope;        ///< the key node's RoPE
 };
+
+/// The RoPE parameters of a ROPE node.
+inline node_rope rope_of(const ggml_tensor* t) {
+  node_rope r;
+  r.seen = true;
+  r.n_dims = t->op_params[1];
+  r.mode = t->op_params[2];
+  std::memcpy(&r.freq_base, &t->op_params[5], sizeof(float));
+  std::memcpy(&r.freq_scale, &t->op_params[6], sizeof(float));
+  std::memcpy(&r.ext_factor, &t->op_params[7], sizeof(float));
+  r.freq_factors = t->src[2] != nullptr;
+  return r;
+}
 
 /// Layer index of a node named "<prefix>-<layer>", or -1 when the name is anything else.
 inline std::int32_t layer_of(const char* name, std::string_view prefix) {
@@ -103,7 +129,7 @@ class graph_observer {
 
   /// Starts collecting (clears the rows of the previous decode).
   void begin() {
-    for (auto& l : layers_) l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear();
+    for (auto& l : layers_) l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear(), l.rope = {};
     error_.clear();
     active_ = true;
   }
@@ -173,6 +199,7 @@ class graph_observer {
     INFKV_REQUIRE(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
     append_rows(t, kind == 1 ? l.q : l.k, scratch_);
     (kind == 1 ? l.n_q : l.n_k) += t->ne[2];
+    if (kind == 2) l.rope = rope_of(t);
   }
 
   std::vector<layer_rows> layers_;

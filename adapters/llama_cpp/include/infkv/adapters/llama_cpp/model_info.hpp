@@ -1,5 +1,6 @@
-// infkv llama.cpp adapter: what the adapter reads from a model through llama.h: the RoPE
-// parameters needed to re-rotate cached keys after a position shift.
+// infkv llama.cpp adapter: what the adapter reads from a model through llama.h (the RoPE
+// parameters needed to re-rotate cached keys after a position shift) and each layer's RoPE as its
+// key node in the graph applied it.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,8 @@
 #include <string>
 
 #include <llama.h>
+
+#include "capture.hpp"
 
 #include <infkv/cpu/rope.hpp>
 #include <infkv/error.hpp>
@@ -64,6 +67,24 @@ inline rope_info model_rope(const llama_model* model, float ctx_freq_base = 0.f,
   if (!(info.params.freq_scale > 0.0)) info.params.freq_scale = 1.0;
   if (ctx_freq_base > 0.f) info.params.theta = ctx_freq_base;
   if (ctx_freq_scale > 0.f) info.params.freq_scale = ctx_freq_scale;
+  return info;
+}
+
+/// The RoPE a layer's key node applied (capture.hpp's node_rope) as re-rotation parameters:
+/// exact for normal and NeoX RoPE without YaRN or frequency factors; M-RoPE / vision kinds are
+/// unsupported (as in model_rope).
+inline rope_info node_rope_info(const node_rope& n) {
+  rope_info info;
+  info.params.theta = n.freq_base;
+  info.params.dims = n.n_dims;
+  info.params.freq_scale = n.freq_scale;
+  if (n.mode == LLAMA_ROPE_TYPE_NORM) {
+    info.params.style = cpu::rope_style::normal, info.kind = "norm";
+  } else if (n.mode == LLAMA_ROPE_TYPE_NEOX) {
+    info.params.style = cpu::rope_style::neox, info.kind = "neox";
+  } else {
+    info.supported = false, info.kind = "mrope/vision";
+  }
   return info;
 }
 

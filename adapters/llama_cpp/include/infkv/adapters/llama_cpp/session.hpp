@@ -87,15 +87,22 @@ class session {
                   "empty", "every call must be set (the defaults are llama.h's)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
     rope_ = model_rope(model);
+    layer_rope_.assign(layers_.size(), rope_);
+    n_swa_ = llama_model_n_swa(model);
   }
   session(const session&) = delete;
   session& operator=(const session&) = delete;
 
   /// Routes `p.cb_eval` to the session (a callback already set keeps being called) and records
-  /// the RoPE overrides of `p`. Call before creating the context from `p`.
+  /// the RoPE overrides of `p`. For a model with sliding-window layers (llama.cpp's iSWA cache,
+  /// Gemma 3) it sets `p.swa_full`: the sliding layers' cache then holds every cached token, as
+  /// the session's bookkeeping does (otherwise llama.cpp prunes it to the window and its
+  /// positions no longer match), and can shift positions. Call before creating the context from `p`.
   void attach(llama_context_params& p) {
     observer_.install(p);
     rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
+    layer_rope_.assign(layers_.size(), rope_);
+    if (n_swa_ > 0) p.swa_full = true;
     attached_ = true;
   }
 
@@ -119,7 +126,14 @@ class session {
   const session_options& options() const { return opt_; }
   /// The position mode in effect (compact only where the memory can shift).
   position_mode mode() const { return shift_ ? position_mode::compact : position_mode::keep; }
+  /// The model's RoPE (from its metadata).
   const rope_info& rope() const { return rope_; }
+  /// The RoPE layer `layer` applies: read from its key node after the first decode (layers may
+  /// differ, e.g. Gemma 3's sliding layers), the model's before.
+  const rope_info& layer_rope(std::int32_t layer) const {
+    INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
+    return layer_rope_[std::size_t(layer)];
+  }
   /// Metadata of the cached tokens, in the session's slot order.
   std::span<const token> tokens() const { return tokens_; }
   std::int64_t size() const { return std::int64_t(tokens_.size()); }
@@ -129,11 +143,13 @@ class session {
   std::int64_t next_pos() const { return tokens_.empty() ? stream_next_ : max_pos() + 1; }
 
   /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
-  /// their positions, tokens.
+  /// their positions, tokens, the layer's RoPE.
   layer_inputs<tensor_view> inputs(std::int32_t layer) {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
-    return {l.keys(), l.values(), l.queries(), l.query_pos(), tokens_, opt_.scale};
+    const rope_info& r = layer_rope_[std::size_t(layer)];
+    return {l.keys(), l.values(), l.queries(), l.query_pos(), tokens_, opt_.scale, {},
+            r.has_rope && r.supported ? &r.params : nullptr};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
@@ -199,7 +215,11 @@ class session {
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
     for (std::int64_t i = 0; i < n; ++i) tokens_.push_back({pos[std::size_t(i)], meta.segment, meta.kind});
-    for (std::int32_t l = 0; l < n_layers(); ++l) layers_[std::size_t(l)].append(observer_.layers()[std::size_t(l)], pos, opt_.window);
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      const auto& rows = observer_.layers()[std::size_t(l)];
+      layers_[std::size_t(l)].append(rows, pos, opt_.window);
+      if (rows.rope.seen) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
+    }
     stream_next_ = std::max(stream_next_, *std::max_element(pos.begin(), pos.end()) + 1);
     if (opt_.track_h2o) observe_h2o(observer_.layers(), pos);
     verify();
@@ -267,12 +287,16 @@ class session {
   }
 
   /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch.
+  /// With sliding-window layers llama.cpp answers from their cache, whose cells of tokens that
+  /// fell out of the window may already be reused (and position compaction may since have moved
+  /// the rest closer): its minimum then lies anywhere from the session's to the newest position.
   void verify() const {
     if (mem_ == nullptr) return;
     const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
     const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
-    INFKV_REQUIRE(lo == want_lo, "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
-                  "the session's bookkeeping says ", want_lo);
+    INFKV_REQUIRE(n_swa_ > 0 ? lo >= want_lo && lo <= want_hi : lo == want_lo,
+                  "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo, "the session's bookkeeping says ",
+                  want_lo, n_swa_ > 0 ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
     INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
                   "the session's bookkeeping says ", want_hi);
   }
@@ -381,10 +405,10 @@ class session {
     std::vector<std::pair<std::int64_t, std::int64_t>> map;
     for (std::size_t s = 0; s < old.size(); ++s) map.push_back({old[s].pos, delta[s]});
     std::sort(map.begin(), map.end());
-    const cpu::rope* r = rope_.has_rope ? &rope_.params : nullptr;
-    for (auto& l : layers_) {
-      if (r) l.rerotate_keys(delta, *r, opt_.executor);
-      l.remap_queries(map, r, opt_.executor);
+    for (std::size_t l = 0; l < layers_.size(); ++l) {  // each layer with its own RoPE
+      const cpu::rope* r = layer_rope_[l].has_rope ? &layer_rope_[l].params : nullptr;
+      if (r) layers_[l].rerotate_keys(delta, *r, opt_.executor);
+      layers_[l].remap_queries(map, r, opt_.executor);
     }
     for (auto& s : h2o_) s.shift(tokens_);
     stream_next_ = max_pos() + 1;
@@ -395,6 +419,8 @@ class session {
   session_options opt_;
   graph_observer observer_;
   rope_info rope_;
+  std::vector<rope_info> layer_rope_;
+  std::int64_t n_swa_ = 0;  // sliding window of the model's SWA layers (0: none)
   llama_context* ctx_ = nullptr;
   llama_memory_t mem_ = nullptr;
   bool attached_ = false;
