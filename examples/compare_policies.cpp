@@ -68,7 +68,7 @@ std::string fixed(double v, int width, int digits) { return fmt::format("{:>{}.{
 
 void print_table(const std::vector<record>& recs, const std::vector<std::string>& names,
                  const std::vector<std::int64_t>& budgets) {
-  std::string head1(16, ' '), head2 = "policy          ";
+  std::string head1(19, ' '), head2 = "policy             ";
   for (auto b : budgets) {
     std::string title = "budget " + std::to_string(b);
     head1 += std::string(std::max<std::size_t>(2, 18 - title.size()), ' ') + title;
@@ -77,7 +77,7 @@ void print_table(const std::vector<record>& recs, const std::vector<std::string>
   std::cout << head1 << '\n' << head2 << '\n';
   for (const auto& name : names) {
     std::string line = name;
-    line.resize(16, ' ');
+    line.resize(19, ' ');
     for (auto b : budgets)
       for (const auto& r : recs)
         if (r.policy == name && r.budget == b)

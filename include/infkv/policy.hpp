@@ -1,5 +1,5 @@
 // infkv: a policy as data. Every policy value gives a `policy_spec`: where its raw scores come
-// from (one of five score sources a backend implements once), how they are finished (pooling
+// from (one of six score sources a backend implements once), how they are finished (pooling
 // along time, attention bias) and what it always keeps. The pipeline (pipeline.hpp) runs any
 // spec on any backend. Also the per-layer inputs a backend scores from.
 // Sources and finish steps are shared: a new policy is usually a new parameter set of them.
