@@ -121,6 +121,20 @@ INFKV_HOST_DEVICE inline float dot(dtype ta, const void* a, dtype tb, const void
   return s;
 }
 
+/// Sum of the squares of a row's d elements, accumulated in Acc in element order; a non-finite
+/// element records `kind` (a = head, e = element, b = slot).
+template <class Acc>
+INFKV_HOST_DEVICE Acc squared_norm(dtype t, const void* row, std::int64_t d, status_word* st, fault kind,
+                                   std::int64_t head, std::int64_t slot) {
+  Acc s = 0;
+  for (std::int64_t e = 0; e < d; ++e) {
+    const float x = load(t, row, e);
+    if (!finite(x)) record(st, encode(kind, head, e, slot));
+    s += Acc(x) * Acc(x);
+  }
+  return s;
+}
+
 /// Unsigned bits in the order of the float's value (-0 and +0 equal; NaN excluded by the caller),
 /// inverted so that ascending bits are descending scores.
 INFKV_HOST_DEVICE inline std::uint32_t descending_bits(float x) {

@@ -21,13 +21,7 @@ void keydiff_steps(const L& launch, const R& keys, score_view out, std::span<std
   launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
     const auto h = std::int32_t(i / n);
     const std::int64_t j = i % n;
-    const void* row = keys.row(j, h);
-    float norm = 0.f;
-    for (std::int64_t e = 0; e < d; ++e) {
-      const float x = detail::load(keys.type, row, e);
-      if (!detail::finite(x)) detail::record(st, encode(fault::key_not_finite, h, e, j));
-      norm += x * x;
-    }
+    const float norm = detail::squared_norm<float>(keys.type, keys.row(j, h), d, st, fault::key_not_finite, h, j);
     out(h, j) = norm > 0.f ? 1.f / sqrtf(norm) : 0.f;
   });
   launch.for_each(hkv * nc * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {

@@ -141,14 +141,8 @@ struct basic_backend {
     launch.for_each(values.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const auto h = std::int32_t(x / n);
       const std::int64_t j = x % n;
-      const void* row = values.row(j, h);
-      double sum = 0;
-      for (std::int64_t e = 0; e < dv; ++e) {
-        const float v = detail::load(values.type, row, e);
-        if (!detail::finite(v)) detail::record(st, encode(fault::value_not_finite, h, 0, j));
-        sum += double(v) * double(v);
-      }
-      const auto norm = float(sqrt(sum));
+      const auto norm = float(sqrt(detail::squared_norm<double>(values.type, values.row(j, h), dv, st,
+                                                                  fault::value_not_finite, h, j)));
       for (std::int64_t r = h * per; r < (h + 1) * per; ++r) s(r, j) *= norm;
     });
   }
