@@ -1,9 +1,9 @@
 // infkv: the one policy pipeline every backend and engine adapter runs:
 //
 //   tokens -> time order
-//   per layer: score (the spec's source) -> times |v| (value_norm) -> pool along time, observation window left out (per
-//              query head for max, then the GQA group mean) -> window gets the row's mean ->
-//              attention bias -> fold into the reduction (per layer / token)
+//   per layer: score (the spec's source) -> times |v| (value_norm) -> pool along time,
+//              observation window left out (per query head for max, then the GQA group mean) ->
+//              window gets the row's mean -> attention bias -> fold into the reduction (per layer / token)
 //   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
 //
 // CUB's two-phase convention: `make_plan` sizes every output and the caller's workspace (the

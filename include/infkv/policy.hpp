@@ -54,7 +54,7 @@ struct expectation {
   void validate(std::string_view policy) const {
     INFKV_REQUIRE(future >= 1, std::string(policy) + ".future", future, "must be >= 1");
     INFKV_REQUIRE(sinks >= 0, std::string(policy) + ".sinks", sinks, "must be >= 0");
-    if (rotated) (void)rotary.checked_dims(rotary.dims == 0 ? 2 : rotary.dims);
+    if (rotated) rotary.validate();
   }
 };
 
@@ -73,15 +73,15 @@ struct policy_spec {
   bool value_norm = false;          ///< scores times |v_j| of their KV head, before pooling
   expectation expect{};             ///< expected_attention's parameters
 
-
   /// Inputs the source reads.
   constexpr unsigned needs() const {
+    const unsigned values = value_norm ? needs_values : 0u;
     switch (source) {
       case score_source::recency: return needs_nothing;
-      case score_source::key_diversity: return needs_keys | (value_norm ? needs_values : 0u);
+      case score_source::key_diversity: return needs_keys | values;
       case score_source::window_attention: case score_source::last_query: case score_source::expected_attention:
-        return needs_keys | needs_queries | (value_norm ? needs_values : 0u);
-      case score_source::accumulated: return needs_attention | (value_norm ? needs_values : 0u);
+        return needs_keys | needs_queries | values;
+      case score_source::accumulated: return needs_attention | values;
     }
     return needs_nothing;
   }

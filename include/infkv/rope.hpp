@@ -26,12 +26,17 @@ struct rope {
   rope_style style = rope_style::normal;
   double freq_scale = 1.0;
 
+  /// Checks the parameters that do not depend on the head size.
+  void validate() const {
+    INFKV_REQUIRE(dims >= 0 && dims % 2 == 0, "rope.dims", dims, "must be even and >= 0");
+    INFKV_REQUIRE(std::isfinite(theta) && theta > 0, "rope.theta", theta, "must be > 0");
+    INFKV_REQUIRE(std::isfinite(freq_scale) && freq_scale > 0, "rope.freq_scale", freq_scale, "must be > 0");
+  }
   /// Checks the parameters for keys of `head_dim` and returns the rotary dimensions.
   std::int32_t checked_dims(std::int32_t head_dim) const {
     const std::int32_t d = dims == 0 ? head_dim : dims;
     INFKV_REQUIRE(d > 0 && d <= head_dim && d % 2 == 0, "rope.dims", dims, "must be even and in [0, head_dim = ", head_dim, "]");
-    INFKV_REQUIRE(std::isfinite(theta) && theta > 0, "rope.theta", theta, "must be > 0");
-    INFKV_REQUIRE(std::isfinite(freq_scale) && freq_scale > 0, "rope.freq_scale", freq_scale, "must be > 0");
+    validate();
     return d;
   }
 };

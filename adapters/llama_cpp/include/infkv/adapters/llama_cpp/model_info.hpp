@@ -71,8 +71,8 @@ inline rope_info model_rope(const llama_model* model, float ctx_freq_base = 0.f,
 }
 
 /// The RoPE a layer's key node applied (capture.hpp's node_rope) as re-rotation parameters:
-/// exact for normal and NeoX RoPE without YaRN or frequency factors; M-RoPE / vision kinds are
-/// unsupported (as in model_rope).
+/// exact for normal and NeoX RoPE without YaRN or frequency factors (the kind says "approximate"
+/// otherwise: neither is modelled); M-RoPE / vision kinds are unsupported (as in model_rope).
 inline rope_info node_rope_info(const node_rope& n) {
   rope_info info;
   info.params.theta = n.freq_base;
@@ -85,6 +85,7 @@ inline rope_info node_rope_info(const node_rope& n) {
   } else {
     info.supported = false, info.kind = "mrope/vision";
   }
+  if (n.ext_factor != 0.f || n.freq_factors) info.kind += " (YaRN or frequency factors: approximate)";
   return info;
 }
 

@@ -95,9 +95,8 @@ class session {
 
   /// Routes `p.cb_eval` to the session (a callback already set keeps being called) and records
   /// the RoPE overrides of `p`. For a model with sliding-window layers (llama.cpp's iSWA cache,
-  /// Gemma 3) it sets `p.swa_full`: the sliding layers' cache then holds every cached token, as
-  /// the session's bookkeeping does (otherwise llama.cpp prunes it to the window and its
-  /// positions no longer match), and can shift positions. Call before creating the context from `p`.
+  /// Gemma 3) it sets `p.swa_full`: llama.cpp shifts positions (compact mode) only when the
+  /// sliding layers' cache is as large as the others'. Call before creating the context from `p`.
   void attach(llama_context_params& p) {
     observer_.install(p);
     rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
