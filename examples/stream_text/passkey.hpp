@@ -84,8 +84,8 @@ inline passkey_prompt make_passkey(const llama_model* m, std::int64_t distance, 
 /// The needle kinds, in the order trials cycle through them.
 inline constexpr std::array<std::string_view, 3> needle_kinds{"number", "word", "fact"};
 
-/// Tokens of prose at least this many before the needle's random start (and the least --text
-/// must hold beyond the prompt's prose).
+/// The most prose tokens a needle prompt of `distance` takes (a prefix of up to distance / 4, and
+/// up to 64 to reach line starts): --text must hold more.
 inline std::int64_t needle_text_needed(std::int64_t distance) { return distance + distance / 4 + 64; }
 
 /// The prompt of needle trial `trial` of kind `kind`: an intro, `prefix` tokens of prose (drawn

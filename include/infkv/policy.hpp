@@ -50,9 +50,11 @@ struct expectation {
   std::int64_t future = 512;  ///< future positions the rotation is averaged over
   std::int64_t sinks = 4;     ///< first slots in time order left out of the softmax; they score 1
   bool covariance = true;     ///< false: the mean term only
+  static constexpr std::int64_t max_future = std::int64_t(1) << 20;  ///< one cos/sin pair per position and pair
 
   void validate(std::string_view policy) const {
-    INFKV_REQUIRE(future >= 1, std::string(policy) + ".future", future, "must be >= 1");
+    INFKV_REQUIRE(future >= 1 && future <= max_future, std::string(policy) + ".future", future,
+                  "must be in [1, 2^20] (kvpress: 512)");
     INFKV_REQUIRE(sinks >= 0, std::string(policy) + ".sinks", sinks, "must be >= 0");
     if (rotated) rotary.validate();
   }

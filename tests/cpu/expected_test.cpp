@@ -139,6 +139,15 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
   const stored bad_q = store(qnan, p.nq, p.hq, p.d, p.type, layout::nhd);
   in.queries = bad_q.tensor;
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries[slot 0, head 0][5] = inf");
+  in.queries = ly.queries.tensor;
+  CHECK_ERROR(cpu::select(expected_attention{.future = (1 << 20) + 1}, b, in), "expected_attention.future = 1048577");
+  // Found by fuzz_select: a query position of 2^63 - 1 overflowed the first future position.
+  std::vector<std::int64_t> qpos = p.qpos;
+  qpos[2] = std::numeric_limits<std::int64_t>::max();
+  in.query_pos = qpos;
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "query_pos[2] = 9223372036854775807");
+  qpos[2] = std::numeric_limits<std::int64_t>::min();
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "query_pos[2] = -9223372036854775808");
   // A one-row score (all heads together) has no KV head to take value norms from.
   const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};
   CHECK_ERROR(make_plan(cpu::backend{}, tova_v, b, shape_of(ly.in())), "tova_v.value_norm = true");

@@ -294,6 +294,18 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("values[slot 29, head 1] is not finite"),
                          invalid_argument);
   }
+  SUBCASE("a query position past 2^62 is recorded for Expected Attention, not overflowed") {
+    std::vector<std::int64_t> qpos = ly.p.qpos;
+    qpos[1] = std::numeric_limits<std::int64_t>::max();
+    layer_inputs<> in = ly.in();
+    in.query_pos = qpos;
+    cuda::status st;
+    keep_of(be, expected_attention{.window = 4, .value_norm = false}.spec(), budget{.capacity = 30, .sinks = 4},
+            std::span<const layer_inputs<>>(&in, 1), {}, &st);
+    CHECK((st.kind == cuda::fault::bad_position && st.a == 1 && st.b == 1));
+    CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("query_pos[1]: query positions must be in"),
+                         invalid_argument);
+  }
   SUBCASE("a negative position and a NaN score") {
     std::vector<token> t = ly.p.tokens;
     t[17].pos = -4;

@@ -71,8 +71,13 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
   const std::int64_t sinks = std::min(e.sinks, n);
   // Rotation tables: query i's cos / sin per pair, then the mean over the future positions.
   float* table = scratch;
-  std::int64_t t0 = 0;
-  for (const auto p : in.query_pos) t0 = std::max(t0, p + 1);
+  std::int64_t t0 = 0;  // the first future position: after the newest window query
+  for (std::size_t i = 0; i < in.query_pos.size(); ++i) {
+    const std::int64_t p = in.query_pos[i];
+    INFKV_REQUIRE(half == 0 || (p >= -max_position && p <= max_position), "query_pos[" + std::to_string(i) + "]", p,
+                  "must be in [-2^62, 2^62]: expected_attention turns each query back by its position");
+    t0 = std::max(t0, p + 1);
+  }
   for (std::int32_t k = 0; k < half; ++k) {
     const double w = rope_frequency(rot, k, dims);
     for (std::int64_t i = 0; i < m; ++i) {

@@ -32,7 +32,7 @@ enum class fault : std::uint8_t {
   none = 0,
   bad_keep = 1,           ///< a keep set that does not fit the cache (a = unit, b = entry)
   bad_pages = 2,          ///< a page table that does not match the sequence (b = the sequence's slots)
-  bad_position = 3,       ///< a position outside [0, max_position] (b = slot)
+  bad_position = 3,       ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1)
   key_not_finite = 4,     ///< a = head, e = element, b = slot
   query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
   value_not_finite = 6,   ///< a = head, b = slot
@@ -70,7 +70,9 @@ inline void raise_if(status s, const char* what) {
     case fault::bad_pages:
       fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
            s.a == 0 ? " slots (n_slots)" : "] is not a page of the pool [0, n_pages)", "; nothing was moved");
-    case fault::bad_position: fail("infkv: ", what, ": tokens[", s.b, "].pos: positions must be in [0, 2^62]");
+    case fault::bad_position:
+      fail("infkv: ", what, s.a == 1 ? ": query_pos[" : ": tokens[", s.b, s.a == 1 ? "]" : "].pos",
+           s.a == 1 ? ": query positions must be in [-2^62, 2^62]" : ": positions must be in [0, 2^62]");
     case fault::key_not_finite:
       fail("infkv: ", what, ": keys[slot ", s.b, ", head ", s.a, "][", s.e,
            "] is not finite: keys must be finite (a NaN or Inf would silently distort every score of the layer)");

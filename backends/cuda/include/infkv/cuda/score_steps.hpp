@@ -181,12 +181,14 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
     const auto p = std::int32_t(x % half);
     const double fr = rope_frequency(rot, p, dims);
     if (i < m) {
+      if (p == 0 && (qpos[i] < -max_position || qpos[i] > max_position))
+        detail::record(st, encode(fault::bad_position, 1, 0, i));
       const double a = double(qpos[i]) * fr;
       table[i * d + p] = float(cos(a)), table[i * d + half + p] = float(sin(a));
       return;
     }
-    std::int64_t t0 = 0;
-    for (std::int64_t k = 0; k < m; ++k) t0 = qpos[k] + 1 > t0 ? qpos[k] + 1 : t0;
+    std::int64_t t0 = 0;  // positions beyond 2^62 are recorded above and skipped here
+    for (std::int64_t k = 0; k < m; ++k) t0 = qpos[k] >= t0 && qpos[k] <= max_position ? qpos[k] + 1 : t0;
     double cs = 0, sn = 0;
     for (std::int64_t t = t0; t < t0 + future; ++t) cs += cos(double(t) * fr), sn += sin(double(t) * fr);
     table[m * d + p] = float(cs / double(future)), table[m * d + half + p] = float(sn / double(future));
