@@ -8,6 +8,38 @@
 
 namespace infkv::cuda::detail {
 
+/// Checks the keys and queries of `in` against each other (shapes, query positions, scale); the
+/// values themselves are checked by the steps, on the device.
+template <row_source R>
+void check_query_inputs(const layer_inputs<R>& in) {
+  validate(in.keys, "keys");
+  validate(in.queries, "queries");
+  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+                "must equal keys.head_dim (", in.keys.head_dim, ")");
+  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
+                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
+                "must equal the number of queries (", in.queries.n_slots, ")");
+  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
+  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+}
+
+/// `in` with its last `count` queries only (all of them when fewer are given).
+template <row_source R>
+layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
+  const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - count);
+  in.queries.data = in.queries.row(drop, 0);
+  in.queries.n_slots -= drop;
+  in.query_pos = in.query_pos.subspan(std::size_t(drop));
+  return in;
+}
+
+/// The rotary pair element `el` belongs to (rope_pair's inverse), or -1 outside the rotary dims.
+INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el, std::int32_t dims) {
+  if (el >= dims) return -1;
+  return s == rope_style::normal ? std::int32_t(el / 2) : std::int32_t(el % (dims / 2));
+}
+
 /// -cos(k_j, mean unit key) per KV head (KeyDiff): inverse norms, chunk sums of unit keys,
 /// the anchor, its norm, then the cosines.
 template <class L, row_source R>
@@ -58,16 +90,7 @@ void keydiff_steps(const L& launch, const R& keys, score_view out, std::span<std
 template <class L, row_source R>
 void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int64_t window, bool per_query_head,
                             score_view out, std::span<std::byte> scratch, std::size_t offset) {
-  validate(in.keys, "keys");
-  validate(in.queries, "queries");
-  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                "must equal keys.head_dim (", in.keys.head_dim, ")");
-  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
-                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
-                "must equal the number of queries (", in.queries.n_slots, ")");
-  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
-  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+  check_query_inputs(in);
   const R keys = in.keys;
   const tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
@@ -141,13 +164,7 @@ template <class L, row_source R>
 void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const expectation& e,
                               const std::int64_t* order, score_view out, std::span<std::byte> scratch,
                               std::size_t offset) {
-  validate(in.keys, "keys");
-  validate(in.queries, "queries");
-  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                "must equal keys.head_dim (", in.keys.head_dim, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots && in.queries.n_slots >= 1, "query_pos.size()",
-                in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, "), at least one");
-  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+  check_query_inputs(in);
   const R keys = in.keys;
   const tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
@@ -166,15 +183,13 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   // Element el of query i of head qh turned back to before RoPE.
   const auto pre = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t qh, std::int64_t el) {
     const void* row = q.row(i, std::int32_t(qh));
-    for (std::int32_t p = 0; p < half; ++p) {
-      std::int32_t a = 0, b = 0;
-      rope_pair(rot.style, p, dims, a, b);
-      if (el != a && el != b) continue;
-      const float xa = detail::load(q.type, row, a), xb = detail::load(q.type, row, b);
-      const float cs = table[i * d + p], sn = -table[i * d + half + p];
-      return el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
-    }
-    return detail::load(q.type, row, el);
+    const std::int32_t p = rope_pair_of(rot.style, el, dims);
+    if (p < 0) return detail::load(q.type, row, el);
+    std::int32_t a = 0, b = 0;
+    rope_pair(rot.style, p, dims, a, b);
+    const float xa = detail::load(q.type, row, a), xb = detail::load(q.type, row, b);
+    const float cs = table[i * d + p], sn = -table[i * d + half + p];
+    return el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
   };
   launch.for_each((m + 1) * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t i = x / half;
@@ -207,11 +222,11 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   launch.for_each(hq * (cov ? m + 1 : 1) * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t rows = cov ? m + 1 : 1, qh = x / (rows * d), r = (x / d) % rows, el = x % d;
     const auto centred = [&](std::int64_t k) { return r == 0 ? mu[qh * d + k] : pre(r - 1, qh, k) - mu[qh * d + k]; };
+    const std::int32_t p = rope_pair_of(rot.style, el, dims);
     float v = centred(el);
-    for (std::int32_t p = 0; p < half; ++p) {
+    if (p >= 0) {
       std::int32_t a = 0, b = 0;
       rope_pair(rot.style, p, dims, a, b);
-      if (el != a && el != b) continue;
       const float xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
       v = el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
     }

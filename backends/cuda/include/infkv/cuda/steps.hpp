@@ -118,15 +118,10 @@ struct basic_backend {
         });
         return;
       }
-      case score_source::expected_attention: {
-        layer_inputs<R> last = in;  // the last spec.queries queries
-        const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - spec.queries);
-        last.queries.data = in.queries.row(drop, 0);
-        last.queries.n_slots -= drop;
-        last.query_pos = in.query_pos.subspan(std::size_t(drop));
-        detail::expected_attention_steps(launch, last, spec.expect, order, out, scratch, 64);
+      case score_source::expected_attention:
+        detail::expected_attention_steps(launch, detail::last_queries(in, spec.queries), spec.expect, order, out,
+                                         scratch, 64);
         return;
-      }
     }
   }
 
