@@ -169,7 +169,7 @@ void BM_rerotate(benchmark::State& state) {
 }
 BENCHMARK(BM_rerotate)
     ->ArgNames({"n", "dtype", "threads"})
-    ->ArgsProduct({{4096, 16384}, {0, 1}, {1, 2}})
+    ->ArgsProduct({{4096, 16384, 65536}, {0, 1}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 

@@ -23,9 +23,9 @@ namespace compare {
 using kind = infkv_examples::policy_kind;
 using policy_info = infkv_examples::policy_entry;
 
-/// The policies the program compares: every one of the catalog but the recompute oracle, which
-/// needs a model.
-inline bool compared(kind k) { return k != kind::recompute; }
+/// The policies the program compares: every one of the catalog but the runs that need an engine
+/// (the recompute oracle, llama.cpp's context shift).
+inline bool compared(kind k) { return !infkv_examples::engine_only(k); }
 
 /// Shared settings of all runs.
 struct settings : infkv_examples::policy_knobs {

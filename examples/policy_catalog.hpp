@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 
 #include <infkv/infkv.hpp>
 
@@ -15,7 +16,8 @@ namespace infkv_examples {
 
 /// The policies the example programs know (infkv-compare runs all but `recompute`).
 enum class policy_kind {
-  full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, inf_mllm_v, expected_attention, recompute
+  full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, inf_mllm_v, expected_attention, recompute,
+  context_shift
 };
 
 /// A policy's name on the command line and a one-line description.
@@ -26,7 +28,7 @@ struct policy_entry {
 };
 
 /// Every policy, in `policy_kind` order.
-inline constexpr std::array<policy_entry, 12> policy_catalog{{
+inline constexpr std::array<policy_entry, 13> policy_catalog{{
     {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
     {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
     {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
@@ -40,7 +42,13 @@ inline constexpr std::array<policy_entry, 12> policy_catalog{{
     {"expected_attention", policy_kind::expected_attention,
      "attention expected from the next queries (mean + covariance of --ea-window queries) x |v|"},
     {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
+    {"context_shift", policy_kind::context_shift,
+     "llama.cpp's own context shift, no infkv: keep --sinks, drop half the rest when full"},
 }};
+
+/// True for the runs only an engine can make (the recompute oracle, llama.cpp's context shift):
+/// no policy object, nothing to compare on a recorded trace.
+constexpr bool engine_only(policy_kind k) { return k == policy_kind::recompute || k == policy_kind::context_shift; }
 
 /// The entry of `name`, or nullopt.
 inline std::optional<policy_entry> find_policy(std::string_view name) {
@@ -74,11 +82,15 @@ inline bool policy_reads_values(policy_kind k) {
   return k == policy_kind::inf_mllm_v || k == policy_kind::expected_attention;
 }
 
+/// True when the policy reads anything a session copies out of the graph (queries, keys, values,
+/// attention): false for streaming_llm and window, whose sessions then install no callback.
+inline bool policy_observes(policy_kind k, const policy_knobs& s);
+
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
 inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t capacity, const policy_knobs& s) {
   infkv::budget b{.capacity = capacity};
   switch (k) {
-    case policy_kind::full: case policy_kind::recompute: return std::nullopt;
+    case policy_kind::full: case policy_kind::recompute: case policy_kind::context_shift: return std::nullopt;
     case policy_kind::window: case policy_kind::tova: break;
     case policy_kind::streaming_llm: b.sinks = s.sinks; break;
     case policy_kind::h2o: b.recent = s.recent; break;
@@ -112,9 +124,17 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
                                .value_norm = true});
     case policy_kind::expected_attention:  // kvpress's defaults; its n_sink = the protected sinks
       return f(infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks});
-    case policy_kind::full: case policy_kind::recompute: break;
+    case policy_kind::full: case policy_kind::recompute: case policy_kind::context_shift: break;
   }
-  fail("policy {}: full and recompute have no policy object (they never evict)", int(k));
+  fail("policy {}: full, recompute and context_shift have no policy object", int(k));
+}
+
+inline bool policy_observes(policy_kind k, const policy_knobs& s) {
+  if (k == policy_kind::full || engine_only(k)) return false;
+  return with_policy(k, s, [](const auto& p) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(p)>, infkv::h2o>) return true;  // every decode's attention
+    else return p.spec().needs() != infkv::needs_nothing;
+  });
 }
 
 }  // namespace infkv_examples

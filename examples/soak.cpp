@@ -176,13 +176,13 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.policies.empty())
     for (const auto& p : infkv_examples::policy_catalog)
-      if (p.k != policy_kind::full && p.k != policy_kind::recompute) o.policies.emplace_back(p.name);
+      if (p.k != policy_kind::full && !infkv_examples::engine_only(p.k)) o.policies.emplace_back(p.name);
   try {
     std::vector<result> results;
     const infkv_examples::policy_knobs knobs{};
     for (const auto& name : o.policies) {
       const auto entry = infkv_examples::find_policy(name);
-      if (!entry || entry->k == policy_kind::full || entry->k == policy_kind::recompute)
+      if (!entry || entry->k == policy_kind::full || infkv_examples::engine_only(entry->k))
         infkv_examples::fail("--policy = {}: not an evicting policy (see infkv-stream --list-policies)", name);
       const auto b = *infkv_examples::policy_budget(entry->k, o.budget, knobs);
       results.push_back(infkv_examples::with_policy(entry->k, knobs, [&](const auto& p) { return soak(name, p, b, o); }));

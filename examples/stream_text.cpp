@@ -31,24 +31,8 @@ namespace {
   std::exit(2);
 }
 
-/// The 1-minute load average (/proc/loadavg), or NaN.
-double load_average() {
-  std::ifstream f("/proc/loadavg");
-  double v = NAN;
-  f >> v;
-  return v;
-}
-
-/// Bytes of memory available now (MemAvailable in /proc/meminfo), or -1 when unknown.
-double memory_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  double kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024.0;
-  return -1;
-}
+using stream::load_average;
+using stream::memory_available;
 
 using infkv_examples::at_least;
 
@@ -199,6 +183,7 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
   }
   const double load1 = load_average();
   stream::print_stream_table(runs, o.s);
+  stream::print_time_table(runs);
   fmt::print("load average: {:.2f} at start, {:.2f} at end (tokens/s are shared-machine figures)\n", load0, load1);
   if (!o.json.empty()) {
     auto j = stream::stream_json(head(o, m, load0), runs, o.s);

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Every option of infkv-compare, infkv-stream and infkv-capture given wrong values (negative,
+"""Every option of infkv-compare, infkv-stream, infkv-capture and infkv-engine-bench given wrong values (negative,
 zero, huge, wrong type, a missing or non-GGUF or empty or binary or non-UTF-8 file, an unwritable
 output path): each run must exit non-zero, print a one-line error naming the option, and leave no
 output file. Each bad value replaces the value of a base command line that must succeed (checked
 first), so a case fails only because of its own option.
 
-Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT]
+Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT [--bench EXE]]
        [--list] (print the cases and exit). Exit status 1 when a case misbehaves."""
 import argparse
 import os
@@ -127,12 +127,40 @@ def cases(a, tmp):
     ints(a.capture, cap, "--segment-tokens", ["-1", HUGE, "abc"])
     ints(a.capture, cap, "--threads", ["-1", "0", HUGE, "abc"])
     out.append((a.capture, with_opt(cap, "--out", unwritable + ".safetensors"), "--out", unwritable + ".safetensors"))
+    if not a.bench:
+        return bases, out
+
+    dec = [a.bench, "decode", "--model", a.model, "--text", a.text, "--history", "256,512", "--gen", "2",
+           "--bounded-gen", "4", "--warm", "128", "--budget", "128", "--block", "32", "--policy", "streaming_llm",
+           "--threads", "1"]
+    pre = [a.bench, "prefill", "--model", a.model, "--text", a.text, "--tokens", "300", "--budget", "128",
+           "--block", "64", "--threads", "1"]
+    bases += [dec, pre]
+    for base in (dec, pre):
+        files(a.bench, base, "--model", [missing, empty, binary, truncated])
+        files(a.bench, base, "--text", [missing, empty, binary, latin1, nul])
+        ints(a.bench, base, "--budget", ["-1", "0", HUGE, "99999999999", "abc"])
+        ints(a.bench, base, "--block", ["-1", "0", HUGE, "abc"])
+        ints(a.bench, base, "--threads", ["-1", "0", HUGE, "abc"])
+        out.append((a.bench, base + ["--json", unwritable + ".json"], "--json", unwritable + ".json"))
+    ints(a.bench, dec, "--history", ["-1", "0", HUGE, "99999999999", "abc"])
+    out.append((a.bench, with_opt(dec, "--text", small), "--history", None))  # beyond the text
+    ints(a.bench, dec, "--gen", ["-1", "0", HUGE, "abc"])
+    ints(a.bench, dec, "--bounded-gen", ["-1", "0", HUGE, "abc"])
+    ints(a.bench, dec, "--warm", ["-1", HUGE, "abc"])
+    ints(a.bench, dec, "--policy", ["no_such_policy", "full", "recompute"])
+    ints(a.bench, pre, "--budget", ["20"])  # below snapkv's protected window
+    ints(a.bench, pre, "--tokens", ["-1", "0", HUGE, "abc"])
+    out.append((a.bench, with_opt(pre, "--text", small), "--tokens", None))  # beyond the text
+    out.append((a.bench, pre + ["--mode", "plain", "--tokens", "99999999999"], "--tokens", None))
+    ints(a.bench, pre, "--mode", ["fast", ""])
+    ints(a.bench, pre, "--policy", ["no_such_policy", "h2o", "context_shift", "full"])
     return bases, out
 
 
 def main():
     p = argparse.ArgumentParser()
-    for name in ("compare", "stream", "capture", "model", "text"):
+    for name in ("compare", "stream", "capture", "bench", "model", "text"):
         p.add_argument("--" + name)
     p.add_argument("--list", action="store_true")
     a = p.parse_args()

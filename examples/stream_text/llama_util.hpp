@@ -139,6 +139,33 @@ inline llama_token argmax(std::span<const float> logits) {
   return llama_token(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
+/// The 1-minute load average (/proc/loadavg), or NaN.
+inline double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double v = NAN;
+  f >> v;
+  return v;
+}
+
+/// Bytes of memory available now (MemAvailable in /proc/meminfo), or -1 when unknown.
+inline double memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key, unit;
+  double kb = 0;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024.0;
+  return -1;
+}
+
+/// A field of /proc/self/status in bytes (VmHWM: peak RSS, VmRSS: RSS now), or -1.
+inline std::int64_t status_bytes(std::string_view field) {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.size() > field.size() && line.compare(0, field.size(), field) == 0 && line[field.size()] == ':')
+      return std::stoll(line.substr(field.size() + 1)) * 1024;
+  return -1;
+}
+
 /// Resident set size of this process in bytes (/proc/self/statm), or 0 when unavailable.
 inline std::int64_t rss_bytes() {
   std::ifstream f("/proc/self/statm");

@@ -84,6 +84,13 @@ inline const char* memory_note =
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
     "host_bytes: computed, the session's f16 key (and value) copies and f32 window queries; rss_bytes: /proc/self/statm";
 
+inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
+  return {{"decode", t.decode},         {"capture", t.capture}, {"append", t.append},   {"h2o", t.h2o},
+          {"score", t.score},           {"seq_rm", t.seq_rm},   {"seq_add", t.seq_add}, {"host_evict", t.host_evict},
+          {"rerotate", t.rerotate},     {"decodes", t.decodes}, {"decoded_tokens", t.decoded_tokens},
+          {"evictions", t.evictions}};
+}
+
 inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<stream_run>& runs, const settings& s) {
   nlohmann::json j = head;
   j["memory_note"] = memory_note;
@@ -92,7 +99,7 @@ inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<
     nlohmann::json blocks = nlohmann::json::array();
     for (const auto& b : r.blocks) blocks.push_back(to_json(b));
     j["runs"].push_back({{"policy", r.policy}, {"tokens", r.tokens}, {"seconds", r.seconds}, {"note", r.note},
-                         {"summary", to_json(summarise(r, s))}, {"blocks", std::move(blocks)}});
+                         {"summary", to_json(summarise(r, s))}, {"time", to_json(r.time)}, {"blocks", std::move(blocks)}});
   }
   return j;
 }
@@ -110,6 +117,22 @@ inline void print_stream_table(const std::vector<stream_run>& runs, const settin
   fmt::print("ppl_early / ppl_late: first / last 10% of the blocks after warm-up (tokens > budget + block = {}); "
              "slots: peak cached tokens; kv_MiB: llama.cpp K/V buffers (computed from n_ctx)\n",
              s.budget + s.block);
+}
+
+/// Where each run's seconds went: llama_decode (capture callbacks inside it), then the
+/// session's own work after the decodes and at the evictions.
+inline void print_time_table(const std::vector<stream_run>& runs) {
+  fmt::print("{:<18} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n", "time (s)", "total", "decode",
+             "capture", "append", "h2o", "score", "seq_rm", "seq_add", "h_evict", "rerot", "own %");
+  for (const auto& r : runs) {
+    const auto& t = r.time;
+    fmt::print("{:<18} {} {} {} {} {} {} {} {} {} {} {}\n", r.policy, cell(r.seconds, 8, 2), cell(t.decode, 8, 2),
+               cell(t.capture, 8, 3), cell(t.append, 7, 3), cell(t.h2o, 7, 3), cell(t.score, 7, 3), cell(t.seq_rm, 7, 3),
+               cell(t.seq_add, 7, 4), cell(t.host_evict, 7, 3), cell(t.rerotate, 7, 3),
+               cell(t.decode > 0 ? 100.0 * t.overhead() / t.decode : NAN, 7, 2));
+  }
+  fmt::print("decode: llama_decode, capture copies (part of it) and llama.cpp's K-shift included; own %: the session's "
+             "work outside llama_decode over the decode time\n");
 }
 
 inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector<passkey_run>& runs) {

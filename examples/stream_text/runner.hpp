@@ -9,6 +9,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <infkv/adapters/llama_cpp.hpp>
@@ -58,6 +59,8 @@ class runner {
   virtual std::int64_t slots() const = 0;
   /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
   virtual std::int64_t host_bytes() const { return 0; }
+  /// Where the time went: the session's split, or the decodes and memory calls of the others.
+  virtual infkv::llama_cpp::session_stats stats() const { return stats_; }
   /// How many of the stream's tokens [begin, end) (indices in feed order) are cached now.
   std::int64_t cached_in(std::int64_t begin, std::int64_t end) const {
     return std::int64_t(std::lower_bound(cached_.begin(), cached_.end(), end) -
@@ -89,7 +92,12 @@ class runner {
       b.logits[i] = std::int64_t(i) >= out_from;
     }
     b.n_tokens = std::int32_t(toks.size());
-    const std::int32_t rc = llama_decode(ctx_.get(), b);
+    std::int32_t rc = 0;
+    {
+      const infkv::llama_cpp::stopwatch w{stats_.decode};
+      rc = llama_decode(ctx_.get(), b);
+    }
+    ++stats_.decodes, stats_.decoded_tokens += std::int64_t(toks.size());
     llama_batch_free(b);
     if (rc != 0) infkv_examples::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = out_from;
@@ -105,14 +113,29 @@ class runner {
   std::int64_t first_out_ = 0;
   std::vector<std::int64_t> cached_;  ///< stream indices of the cached tokens, ascending (= position order)
   std::int64_t fed_ = 0;
+  infkv::llama_cpp::session_stats stats_;  ///< runners without a session: decodes and memory calls
 };
+
+/// The options of a session that evicts with policy `k`: the queries it reads, values where it
+/// weights by them, no capture at all where it reads nothing, H2O's running scores.
+inline infkv::llama_cpp::session_options session_options_for(kind k, const settings& s) {
+  infkv::llama_cpp::session_options o;
+  o.window = std::max<std::int64_t>(1, infkv_examples::policy_window(k, s));
+  o.values = infkv_examples::policy_reads_values(k);
+  o.capture = infkv_examples::policy_observes(k, s);
+  o.key_type = infkv::dtype::f16;
+  o.positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact;
+  if (k == kind::h2o) o.track_h2o = infkv::h2o{};
+  o.executor = {s.threads};
+  return o;
+}
 
 /// An infkv session over a context of budget + max_feed cells, evicting with one policy.
 class session_runner final : public runner {
  public:
   session_runner(const llama_model* m, kind k, const settings& s, std::int64_t max_feed)
       : runner(m), kind_(k), set_(s), budget_(*policy_budget(k, s)), cap_(s.budget + max_feed),
-        session_(m, options(k, s)) {
+        session_(m, session_options_for(k, s)) {
     budget_.validate();
     auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
     session_.attach(p);
@@ -156,6 +179,7 @@ class session_runner final : public runner {
   }
 
   std::int64_t slots() const override { return session_.size(); }
+  infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
 
   /// Keys (f16; values too where the policy reads them) of every layer plus the window queries
   /// (f32), as the session holds them.
@@ -167,16 +191,6 @@ class session_runner final : public runner {
   }
 
  private:
-  static infkv::llama_cpp::session_options options(kind k, const settings& s) {
-    infkv::llama_cpp::session_options o;
-    o.window = std::max<std::int64_t>(1, infkv_examples::policy_window(k, s));
-    o.values = infkv_examples::policy_reads_values(k);
-    o.key_type = infkv::dtype::f16;
-    o.positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact;
-    if (k == kind::h2o) o.track_h2o = infkv::h2o{};
-    o.executor = {s.threads};
-    return o;
-  }
 
   kind kind_;
   settings set_;
@@ -244,6 +258,53 @@ class recompute_runner final : public runner {
   std::vector<llama_token> history_;
 };
 
+/// llama.cpp's own context shift, as its examples do it (no infkv, no callback): a context of
+/// budget + max_feed cells; when the next feed does not fit, keep the first `sinks` tokens,
+/// remove half of the rest (llama_memory_seq_rm) and move the other half down over the gap
+/// (llama_memory_seq_add). The cache then holds between about half and all of its cells.
+class shift_runner final : public runner {
+ public:
+  shift_runner(const llama_model* m, const settings& s, std::int64_t max_feed)
+      : runner(m), n_ctx_(s.budget + max_feed), keep_(s.sinks) {
+    auto p = context_params(std::uint32_t(n_ctx_), std::uint32_t(max_feed), s.threads);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", n_ctx_);
+    if (!llama_memory_can_shift(llama_get_memory(ctx_.get())))
+      infkv_examples::fail("--policy context_shift: this model's cache cannot shift positions (llama_memory_can_shift = false)");
+    INFKV_REQUIRE(keep_ + max_feed < n_ctx_, "--sinks", keep_, "leaves no room to shift in a context of ", n_ctx_,
+                  " cells with blocks of ", max_feed);
+  }
+  void feed(std::span<const llama_token> toks, bool) override {
+    const auto n = std::int64_t(toks.size());
+    while (n_ + n > n_ctx_) {  // llama.cpp's examples: discard half of what follows n_keep
+      const std::int64_t discard = (n_ - keep_) / 2;
+      llama_memory_t mem = llama_get_memory(ctx_.get());
+      bool ok = false;
+      {
+        const infkv::llama_cpp::stopwatch w{stats_.seq_rm};
+        ok = llama_memory_seq_rm(mem, 0, llama_pos(keep_), llama_pos(keep_ + discard));
+      }
+      if (!ok) infkv_examples::engine_fail("infkv-stream: llama_memory_seq_rm(0, {}, {}) = false", keep_, keep_ + discard);
+      {
+        const infkv::llama_cpp::stopwatch w{stats_.seq_add};
+        llama_memory_seq_add(mem, 0, llama_pos(keep_ + discard), llama_pos(n_), llama_pos(-discard));
+      }
+      cached_.erase(cached_.begin() + keep_, cached_.begin() + keep_ + discard);
+      n_ -= discard, pending_ += discard;
+      ++stats_.evictions;
+    }
+    plain_decode(toks, n_, 0);
+    n_ += n;
+    note_fed(toks.size());
+  }
+  std::int64_t evict() override { return std::exchange(pending_, 0); }
+  std::int64_t slots() const override { return n_; }
+
+ private:
+  std::int64_t n_ctx_, keep_;
+  std::int64_t n_ = 0, pending_ = 0;  // cached tokens; tokens discarded since the last evict()
+};
+
 /// A runner for policy `k`: `total` is the stream's length (for full), `max_feed` the most
 /// tokens fed between two evictions.
 inline std::unique_ptr<runner> make_runner(const llama_model* m, kind k, const settings& s, std::int64_t total,
@@ -251,6 +312,7 @@ inline std::unique_ptr<runner> make_runner(const llama_model* m, kind k, const s
   switch (k) {
     case kind::full: return std::make_unique<full_runner>(m, s, total, max_feed);
     case kind::recompute: return std::make_unique<recompute_runner>(m, s, max_feed);
+    case kind::context_shift: return std::make_unique<shift_runner>(m, s, max_feed);
     default: return std::make_unique<session_runner>(m, k, s, max_feed);
   }
 }

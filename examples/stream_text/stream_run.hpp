@@ -43,6 +43,7 @@ struct stream_run {
   std::int64_t tokens = 0;
   std::int64_t skipped = 0;  ///< text tokens before the stream's first (--skip)
   std::string note;  ///< why the run covers fewer tokens than asked, if it does
+  infkv::llama_cpp::session_stats time{};  ///< where the seconds went (runner::stats)
 };
 
 /// Figures of one run for the summary table.
@@ -101,6 +102,7 @@ inline stream_run run_stream(runner& r, std::string policy, std::span<const llam
   }
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   out.tokens = std::int64_t(toks.size());
+  out.time = r.stats();
   return out;
 }
 

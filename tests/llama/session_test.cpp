@@ -278,3 +278,58 @@ TEST_CASE("llama session: invalid use is reported with the argument's name") {
   CHECK(s.size() == 30);
   check_memory_matches(s);
 }
+
+TEST_CASE("llama session: without capture no callback runs; the stats account for each call") {
+  auto model = tiny_model(2);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.values = true, .capture = false}),
+                       doctest::Contains("session_options.capture = false"), infkv::error);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.capture = false, .track_h2o = infkv::h2o{}}),
+                       doctest::Contains("session_options.capture = false"), infkv::error);
+  lc::session off(model.get(), {.capture = false});
+  auto p = context_params({});
+  off.attach(p);
+  const bool callback = p.cb_eval != nullptr;
+  CHECK_FALSE(callback);
+  context_ptr ctx(llama_init_from_model(model.get(), p));
+  REQUIRE(ctx != nullptr);
+  off.bind(ctx.get());
+  REQUIRE(off.decode(random_tokens(40, 21)) == 0);
+  CHECK(off.inputs(0).keys.empty());
+  const auto r = off.evict(infkv::streaming_llm{}, {.capacity = 24, .sinks = 4});
+  CHECK(r.kept == 24);
+  CHECK(r.shifted);
+  CHECK(positions(off) == range_set(24));
+  check_memory_matches(off);
+  CHECK_THROWS_WITH_AS(off.evict(infkv::keydiff{}, {.capacity = 16}), doctest::Contains("session_options.capture = false"),
+                       infkv::error);
+  const lc::session_stats t = off.stats();
+  CHECK(t.capture == 0);
+  CHECK(t.append == 0);
+  CHECK(t.decode > 0);
+  CHECK(t.decodes == 1);
+  CHECK(t.decoded_tokens == 40);
+  CHECK(t.evictions == 1);
+  CHECK(t.seq_rm > 0);
+  CHECK(t.seq_add > 0);
+  CHECK(t.rerotate == 0);  // no host copies to turn
+
+  lc::session on(model.get(), {.window = 8});
+  auto ctx2 = bound_context(model.get(), on);
+  REQUIRE(on.decode(random_tokens(40, 22)) == 0);
+  on.evict(infkv::snapkv{.window = 8}, {.capacity = 24, .sinks = 2});
+  for (llama_token tok : {5, 6, 7}) REQUIRE(on.decode(std::vector<llama_token>{tok}) == 0);
+  const lc::session_stats u = on.stats();
+  CHECK(u.capture > 0);
+  CHECK(u.capture < u.decode);
+  CHECK(u.append > 0);
+  CHECK(u.score > 0);
+  CHECK(u.rerotate > 0);
+  CHECK(u.host_evict > 0);
+  CHECK(u.decodes == 4);
+  CHECK(u.decoded_tokens == 43);
+  CHECK(u.evictions == 1);
+  CHECK(u.overhead() == doctest::Approx(u.append + u.score + u.seq_rm + u.seq_add + u.host_evict + u.rerotate));
+  on.reset_stats();
+  CHECK(on.stats().decodes == 0);
+  CHECK(on.stats().decode == 0);
+}

@@ -186,7 +186,7 @@ struct tile_softmax {
         s[r] = 0.f;
         continue;
       }
-      for (std::int64_t j = 0; j < tn; ++j) x[j] = exp_nonpos(x[j] - mx);
+      exp_shifted(x, tn, mx);
       s[r] = sum_of(x, nullptr, tn);
     }
   }
@@ -266,11 +266,11 @@ void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_q
         if (cr == 0.f) continue;
         float* col = out.row(per_query_head ? first + r / n_q : first) + t0;
         const float* x = e + r * detail::key_tile;
-        for (std::int64_t j = 0; j < tn; ++j) col[j] = detail::fmadd(cr, x[j], col[j]);
+        detail::axpy(cr, x, col, tn);
       }
     });
     if (!per_query_head)
-      for (std::int64_t j = 0; j < out.cols; ++j) out(first, j) /= float(group);
+      detail::divide(out.row(first), out.cols, float(group));
   });
 }
 
@@ -320,7 +320,7 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
         for (std::int64_t j = 0; j < tn; ++j) {
           const float w = cr * e[r * detail::key_tile + j];
           if (w == 0.f) continue;
-          for (std::int32_t k = 0; k < dv; ++k) o[k] = detail::fmadd(w, v[std::size_t(j * dv + k)], o[k]);
+          detail::axpy(w, v.data() + j * dv, o, dv);
         }
       }
     });

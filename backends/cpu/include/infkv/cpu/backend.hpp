@@ -37,33 +37,69 @@ layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
 }  // namespace detail
 
 /// -cos(k_j, anchor) per KV head into `out` [Hkv][n_slots], anchor = mean of the unit-length
-/// keys. `scratch` holds ex.threads x keydiff_scratch_floats(keys) floats. Two passes over the
-/// keys; a NaN or Inf key raises naming slot and head. Cost O(Hkv * n * d).
-inline std::int64_t keydiff_scratch_floats(std::int64_t head_dim) { return detail::lines(2 * head_dim); }
+/// keys. `scratch` holds ex.threads x keydiff_scratch_floats(head_dim, n_heads) floats. Two
+/// passes over the keys, each slot by slot (all of a worker's heads of one slot before the
+/// next: in an NHD cache that is one contiguous stream; the second pass runs backwards, so it
+/// starts on the keys the first pass left in cache); a NaN or Inf key raises naming slot and
+/// head. Cost O(Hkv * n * d). Results do not depend on the thread count (parallel over heads,
+/// each head summed in slot order).
+inline std::int64_t keydiff_scratch_floats(std::int64_t head_dim, std::int64_t n_heads) {
+  return detail::lines(8 * head_dim) + detail::lines(head_dim * n_heads);
+}
 template <row_source R>
 void keydiff_into(const R& keys, score_view out, float* scratch, const executor& ex = {}) {
   validate(keys, "keys");
   INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == keys.n_slots, "out.rows", out.rows, "must be ", keys.n_heads,
                 " x ", keys.n_slots, "; out.cols = ", out.cols);
-  const std::int64_t n = keys.n_slots, d = keys.head_dim, per_worker = keydiff_scratch_floats(d);
-  parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
-    float* k = scratch + w * per_worker;
-    float* anchor = k + d;
-    std::fill(anchor, anchor + d, 0.f);
-    float* row = out.row(h);  // 1 / |k_j| between the passes
-    for (std::int64_t j = 0; j < n; ++j) {
-      to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
-      if (!detail::all_finite(k, d)) [[unlikely]] detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
-      const float norm = detail::dot_of(k, k, d);
-      const float inv = norm > 0.f ? 1.f / std::sqrt(norm) : 0.f;
-      row[j] = inv;
-      for (std::int64_t e = 0; e < d; ++e) anchor[e] = detail::fmadd(k[e], inv, anchor[e]);
-    }
-    const float an = detail::dot_of(anchor, anchor, d);
-    const float inv_an = an > 0.f ? 1.f / std::sqrt(an) : 0.f;
-    for (std::int64_t j = 0; j < n; ++j) {  // keys converted again: memory stays O(d) for any n
-      to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
-      row[j] = -detail::dot_of(k, anchor, d) * row[j] * inv_an;
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads;
+  const std::int64_t nw = workers(ex, hkv), per_worker = keydiff_scratch_floats(d, hkv);
+  const std::int64_t row_bytes = d * std::int64_t(size_of(keys.type)), ahead = 16;  // slots prefetched ahead
+  // f32 rows aligned to 4 bytes are read in place; others are converted into the row buffer.
+  const auto key_row = [&](std::int64_t j, std::int32_t h, float* buf) -> const float* {
+    const void* p = keys.row(j, h);
+    if (keys.type == dtype::f32 && reinterpret_cast<std::uintptr_t>(p) % alignof(float) == 0)
+      return static_cast<const float*>(p);
+    detail::load_f32(keys.type, p, buf, d);
+    return buf;
+  };
+  parallel_for_workers(ex, nw, [&](std::int64_t w, std::int64_t) {
+    const auto h0 = std::int32_t(hkv * w / nw), h1 = std::int32_t(hkv * (w + 1) / nw);
+    float* buf = scratch + w * per_worker;
+    float* anchors = buf + detail::lines(8 * d);  // [h1 - h0][d]
+    std::fill(anchors, anchors + (h1 - h0) * d, 0.f);
+    for (std::int64_t j0 = 0; j0 < n; j0 += 8)  // eight slots at a time: their norms are independent
+      for (std::int32_t h = h0; h < h1; ++h) {
+        const std::int64_t jn = std::min<std::int64_t>(8, n - j0);
+        const float* k[8];
+        float norm[8];
+        for (std::int64_t b = ahead; b < std::min(n - j0, ahead + 8); ++b) detail::prefetch(keys.row(j0 + b, h), row_bytes);
+        for (std::int64_t b = 0; b < jn; ++b) {
+          k[b] = key_row(j0 + b, h, buf + b * d);
+          norm[b] = detail::dot_of(k[b], k[b], d);
+        }
+        for (std::int64_t b = 0; b < jn; ++b) {
+          // a NaN or Inf key makes the norm non-finite (so does a finite key whose square overflows)
+          if (!std::isfinite(norm[b]) && !detail::all_finite(k[b], d)) [[unlikely]]
+            detail::fail_not_finite(keys, "keys", j0 + b, 1, h);
+          const float inv = norm[b] > 0.f ? 1.f / std::sqrt(norm[b]) : 0.f;
+          out(h, j0 + b) = inv;  // 1 / |k_j| between the passes
+          detail::axpy(inv, k[b], anchors + (h - h0) * d, d);
+        }
+      }
+    float inv_an[64];  // per head of this worker, in blocks of 64 heads
+    for (std::int32_t hb = h0; hb < h1; hb += 64) {
+      const std::int32_t he = std::min(h1, hb + 64);
+      for (std::int32_t h = hb; h < he; ++h) {
+        const float* anchor = anchors + (h - h0) * d;
+        const float an = detail::dot_of(anchor, anchor, d);
+        inv_an[h - hb] = an > 0.f ? 1.f / std::sqrt(an) : 0.f;
+      }
+      for (std::int64_t j = n - 1; j >= 0; --j)  // keys converted again: memory stays O(d) for any n
+        for (std::int32_t h = hb; h < he; ++h) {
+          if (j >= ahead) detail::prefetch(keys.row(j - ahead, h), row_bytes);
+          const float* k = key_row(j, h, buf);
+          out(h, j) = -detail::dot_of(k, anchors + (h - h0) * d, d) * out(h, j) * inv_an[h - hb];
+        }
     }
   });
 }
@@ -78,7 +114,7 @@ struct backend {
     const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
     std::int64_t floats = 0;
     switch (spec.source) {
-      case score_source::key_diversity: floats = workers * keydiff_scratch_floats(shape.head_dim); break;
+      case score_source::key_diversity: floats = workers * keydiff_scratch_floats(shape.head_dim, shape.kv_heads); break;
       case score_source::window_attention: case score_source::last_query: {
         floats = workers * detail::window_scratch_floats(shape.q_heads / shape.kv_heads,
                                                          std::min(spec.queries, shape.n_queries), shape.head_dim, n);

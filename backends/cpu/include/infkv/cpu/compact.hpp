@@ -3,6 +3,7 @@
 // Cost: O(kept * heads * d) bytes moved.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -13,9 +14,44 @@
 #include <infkv/kv_view.hpp>
 #include <infkv/tokens.hpp>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace infkv::cpu {
 
 namespace detail {
+
+/// Tensors at least this large move with non-temporal stores (where the target has AVX2): far
+/// beyond any cache, so the destination is not read for ownership and does not evict the source.
+inline constexpr std::int64_t stream_move_bytes = std::int64_t(128) << 20;
+
+/// Copies `bytes` from src to a non-overlapping dst, 32-byte stores that bypass the caches
+/// (AVX2; memcpy otherwise). The caller fences (_mm_sfence) before the data is used elsewhere.
+inline void stream_copy(void* dst, const void* src, std::size_t bytes) {
+#if defined(__AVX2__)
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  const std::size_t head = std::min<std::size_t>(bytes, (32 - reinterpret_cast<std::uintptr_t>(d) % 32) % 32);
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 128; bytes -= 128, d += 128, s += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+  }
+  for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  std::memcpy(d, s, bytes);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
 
 template <row_source R>
 void move_row(const R& t, std::int64_t from, std::int64_t to, std::int32_t head) {
@@ -35,6 +71,40 @@ inline std::int64_t check_keep(const keep_set& keep, std::int64_t n_slots, std::
     INFKV_REQUIRE(keep.size(u) == m, "keep.size(" + std::to_string(u) + ")", keep.size(u),
                   "every head must keep the same number of slots (", m, ")");
   return m;
+}
+
+/// Moves slots[i] to slot i for i in [0, slots.size()) (slots increasing, slots[i] >= i) in a
+/// contiguous tensor, for every head. Runs of consecutive kept slots move as one block: the whole
+/// run when the heads of a slot are packed (NHD), a run per head when a head's slots are
+/// (HND), otherwise row by row, slot by slot. Each write lands at or before everything still to
+/// be read, so the moves are safe in place.
+inline void move_slots(const tensor_view& t, std::span<const std::int64_t> slots) {
+  if (t.empty()) return;
+  const std::int64_t m = std::int64_t(slots.size()), row_bytes = std::int64_t(t.head_dim) * std::int64_t(size_of(t.type));
+  const bool packed_slots = t.head_stride == t.head_dim && t.slot_stride == std::int64_t(t.n_heads) * t.head_dim;
+  const bool packed_heads = t.slot_stride == t.head_dim;
+  if (!packed_slots && !packed_heads) {
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int32_t h = 0; h < t.n_heads; ++h) move_row(t, slots[std::size_t(i)], i, h);
+    return;
+  }
+  const std::int32_t planes = packed_slots ? 1 : t.n_heads;
+  const std::int64_t slot_bytes = packed_slots ? row_bytes * t.n_heads : row_bytes;
+  const bool stream = t.n_slots * slot_bytes * planes >= stream_move_bytes;
+  for (std::int32_t h = 0; h < planes; ++h)
+    for (std::int64_t i = 0; i < m;) {
+      const std::int64_t from = slots[std::size_t(i)];
+      std::int64_t len = 1;
+      while (i + len < m && slots[std::size_t(i + len)] == from + len) ++len;
+      if (stream && from - i >= len)  // source and destination do not overlap
+        stream_copy(t.row(i, h), t.row(from, h), std::size_t(len * slot_bytes));
+      else if (from != i)
+        std::memmove(t.row(i, h), t.row(from, h), std::size_t(len * slot_bytes));
+      i += len;
+    }
+#if defined(__AVX2__)
+  if (stream) _mm_sfence();
+#endif
 }
 
 inline void compact_tokens(std::span<token> tokens, std::span<const std::int64_t> slots) {
@@ -61,14 +131,20 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
                 "must be n_slots (", n, ") or n_heads x n_slots (", n * kv.k.n_heads, ")");
   INFKV_REQUIRE(keep.uniform() || per_head_tokens, "keep", "per-head units",
                 "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
-  for (std::int32_t h = 0; h < kv.k.n_heads; ++h) {
-    const auto slots = keep.unit(keep.n_units() == 1 ? 0 : h);
-    for (std::int64_t i = 0; i < m; ++i) {
-      detail::move_row(kv.k, slots[std::size_t(i)], i, h);
-      detail::move_row(kv.v, slots[std::size_t(i)], i, h);
-    }
-    if (per_head_tokens) detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)), slots);
+  if (keep.n_units() == 1) {  // one list for all heads: whole slots (or runs of them) move
+    detail::move_slots(kv.k, keep.unit(0));
+    detail::move_slots(kv.v, keep.unit(0));
+  } else {  // slot by slot, each head from its own list: one pass over the cache
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int32_t h = 0; h < kv.k.n_heads; ++h) {
+        const std::int64_t from = keep.unit(h)[std::size_t(i)];
+        detail::move_row(kv.k, from, i, h);
+        detail::move_row(kv.v, from, i, h);
+      }
   }
+  if (per_head_tokens)
+    for (std::int32_t h = 0; h < kv.k.n_heads; ++h)
+      detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)), keep.unit(keep.n_units() == 1 ? 0 : h));
   if (per_head_tokens) {  // pack the per-head lists to n_heads x m
     for (std::int32_t h = 1; h < kv.k.n_heads; ++h)
       for (std::int64_t i = 0; i < m; ++i) tokens[std::size_t(h * m + i)] = tokens[std::size_t(h * n + i)];
@@ -92,8 +168,8 @@ inline std::vector<std::int32_t> compact(paged_view& p, std::int32_t seq, std::s
   const auto k = key_rows(p, seq);
   const auto v = value_rows(p, seq);
   const auto slots = keep.unit(0);
-  for (std::int32_t h = 0; h < p.n_heads; ++h)
-    for (std::int64_t i = 0; i < m; ++i) {
+  for (std::int64_t i = 0; i < m; ++i)  // slot by slot: one pass over the pages
+    for (std::int32_t h = 0; h < p.n_heads; ++h) {
       detail::move_row(k, slots[std::size_t(i)], i, h);
       detail::move_row(v, slots[std::size_t(i)], i, h);
     }

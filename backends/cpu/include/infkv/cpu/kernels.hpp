@@ -11,11 +11,119 @@
 #include <cstring>
 #include <limits>
 
+#include <infkv/dtype.hpp>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace infkv::cpu::detail {
+
+/// IEEE binary16 bits -> binary32, exact, without branches (so loops over it vectorise): the
+/// same values as infkv::f16_to_f32.
+inline float f16_bits_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+  const std::uint32_t o = std::uint32_t(h & 0x7fffu) << 13, e = o & 0x0f800000u;
+  std::uint32_t bits = o + 0x38000000u;             // rebias the exponent: 2^(127 - 15)
+  bits += e == 0x0f800000u ? 0x38000000u : 0u;      // Inf / NaN: exponent 255
+  const float sub = std::bit_cast<float>(bits + 0x00800000u) - std::bit_cast<float>(0x38800000u);  // exact
+  bits = e == 0 ? std::bit_cast<std::uint32_t>(sub) : bits;  // zero or subnormal
+  return std::bit_cast<float>(bits | sign);
+}
+
+/// binary32 -> binary16 bits, round to nearest even, overflow to Inf, NaN quiet: the same bits
+/// as infkv::f32_to_f16, without branches.
+inline std::uint16_t f32_to_f16_bits(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  // normal range: rebias, round to nearest even on the 13 dropped bits
+  const std::uint32_t normal = (ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13;
+  // below 2^-14: adding 0.5 lets the FPU round the value to a multiple of 2^-24 (f16's subnormal step)
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(std::bit_cast<float>(ax) + 0.5f) - 0x3f000000u;
+  std::uint32_t r = ax < 0x38800000u ? sub : normal;
+  r = ax >= 0x477ff000u ? 0x7c00u : r;                // rounds to >= 65520: Inf
+  r = ax > 0x7f800000u ? 0x7e00u : r;                 // NaN
+  return std::uint16_t(r | sign);
+}
+
+/// n elements of type t at src (any alignment) as f32 into dst: F16C for f16 where the compiler
+/// targets it, otherwise branch-free conversions in whole chunks that vectorise.
+inline void load_f32(dtype t, const void* src, float* __restrict dst, std::int64_t n) {
+  const auto* p = static_cast<const unsigned char*>(src);
+  std::int64_t i = 0;
+  switch (t) {
+    case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
+    case dtype::f16: {
+#ifdef INFKV_HAVE_F16C
+      for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+        _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i + 16))));
+      }
+#endif
+      for (; i + 8 <= n; i += 8) {
+        std::uint16_t h[8];
+        std::memcpy(h, p + 2 * i, sizeof h);
+        for (int l = 0; l < 8; ++l) dst[i + l] = f16_bits_to_f32(h[l]);
+      }
+      for (; i < n; ++i) dst[i] = f16_bits_to_f32(infkv::detail::load_u16(src, i));
+      return;
+    }
+    case dtype::bf16: {
+      for (; i + 8 <= n; i += 8) {
+        std::uint16_t h[8];
+        std::memcpy(h, p + 2 * i, sizeof h);
+        for (int l = 0; l < 8; ++l) dst[i + l] = std::bit_cast<float>(std::uint32_t(h[l]) << 16);
+      }
+      for (; i < n; ++i) dst[i] = bf16_to_f32(infkv::detail::load_u16(src, i));
+      return;
+    }
+  }
+}
+
+/// n f32 values to type t at dst (any alignment), rounding to nearest even: the same bits as
+/// infkv::from_f32.
+inline void store_f32(dtype t, const float* __restrict src, void* dst, std::int64_t n) {
+  auto* p = static_cast<unsigned char*>(dst);
+  std::int64_t i = 0;
+  switch (t) {
+    case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
+    case dtype::f16: {
+#ifdef INFKV_HAVE_F16C
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+      for (; i + 8 <= n; i += 8) {
+        std::uint16_t h[8];
+        for (int l = 0; l < 8; ++l) h[l] = f32_to_f16_bits(src[i + l]);
+        std::memcpy(p + 2 * i, h, sizeof h);
+      }
+      for (; i < n; ++i) infkv::detail::store_u16(dst, i, f32_to_f16_bits(src[i]));
+      return;
+    }
+    case dtype::bf16: {
+      for (; i + 8 <= n; i += 8) {
+        std::uint16_t h[8];
+        for (int l = 0; l < 8; ++l) {
+          const std::uint32_t x = std::bit_cast<std::uint32_t>(src[i + l]);
+          const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, quiet = (x >> 16) | 0x40u;
+          h[l] = std::uint16_t((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+        }
+        std::memcpy(p + 2 * i, h, sizeof h);
+      }
+      for (; i < n; ++i) infkv::detail::store_u16(dst, i, f32_to_bf16(src[i]));
+      return;
+    }
+  }
+}
+
+/// Asks for the cache lines of [p, p + bytes) ahead of their use (no-op without GCC builtins).
+inline void prefetch(const void* p, std::int64_t bytes) {
+#if defined(__GNUC__)
+  for (std::int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
+#else
+  (void)p, (void)bytes;
+#endif
+}
 
 /// Register block of the GEMM micro-kernel: query rows x keys.
 inline constexpr std::int64_t kernel_rows = 4, kernel_keys = 24;
@@ -50,16 +158,91 @@ inline float exp_nonpos(float x) {
   return std::bit_cast<float>(std::bit_cast<std::uint32_t>(y) & (xb <= lo_bits ? ~0u : 0u));
 }
 
-/// Largest of x[0, n) (-inf when n = 0); eight partial maxima so the loop vectorises.
+/// Largest of x[0, n) (-inf when n = 0). Vector maxima under AVX2 (any optimisation level);
+/// otherwise eight partial maxima over whole chunks, so the loop vectorises.
 inline float max_of(const float* x, std::int64_t n) {
   float m[8];
   std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
   std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), v1 = v0, v2 = v0, v3 = v0;
+  for (; j + 32 <= n; j += 32) {
+    v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + j)), v1 = _mm256_max_ps(v1, _mm256_loadu_ps(x + j + 8));
+    v2 = _mm256_max_ps(v2, _mm256_loadu_ps(x + j + 16)), v3 = _mm256_max_ps(v3, _mm256_loadu_ps(x + j + 24));
+  }
+  for (; j + 8 <= n; j += 8) v0 = _mm256_max_ps(v0, _mm256_loadu_ps(x + j));
+  _mm256_storeu_ps(m, _mm256_max_ps(_mm256_max_ps(v0, v1), _mm256_max_ps(v2, v3)));
+#endif
   for (; j + 8 <= n; j += 8)
     for (int l = 0; l < 8; ++l) m[l] = x[j + l] > m[l] ? x[j + l] : m[l];
   for (; j < n; ++j) m[0] = x[j] > m[0] ? x[j] : m[0];
   for (int l = 1; l < 8; ++l) m[0] = m[l] > m[0] ? m[l] : m[0];
   return m[0];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/// exp_nonpos of eight lanes (same arithmetic as the scalar version).
+inline __m256 exp_nonpos8(__m256 x) {
+  const __m256i lo_bits = _mm256_set1_epi32(std::int32_t(std::bit_cast<std::uint32_t>(-87.33654f)));
+  const __m256i xb = _mm256_castps_si256(x);
+  const __m256i xcb = _mm256_min_epu32(xb, lo_bits);
+  const __m256 xc = _mm256_castsi256_ps(xcb);
+  const __m256 shifter = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504f), shifter), shifter);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682e-6f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.f / 5040.f), r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  const __m256i keep = _mm256_cmpeq_epi32(xcb, xb);  // x >= lo (as bit patterns: xb <= lo_bits)
+  return _mm256_and_ps(y, _mm256_castsi256_ps(keep));
+}
+#endif
+
+/// x[j] = exp_nonpos(x[j] - m) for j in [0, n) (m >= every x[j]).
+inline void exp_shifted(float* x, std::int64_t n, float m) {
+  std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j + 16 <= n; j += 16) {
+    _mm256_storeu_ps(x + j, exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv)));
+    _mm256_storeu_ps(x + j + 8, exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), mv)));
+  }
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv)));
+#else
+  for (; j + 8 <= n; j += 8)  // whole chunks: a known trip count for the vectoriser
+    for (int l = 0; l < 8; ++l) x[j + l] = exp_nonpos(x[j + l] - m);
+#endif
+  for (; j < n; ++j) x[j] = exp_nonpos(x[j] - m);
+}
+
+/// y[j] = a * x[j] + y[j] (fused when the target has FMA) for j in [0, n).
+inline void axpy(float a, const float* __restrict x, float* __restrict y, std::int64_t n) {
+  std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 av = _mm256_set1_ps(a);
+  for (; j + 16 <= n; j += 16) {
+    _mm256_storeu_ps(y + j, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+    _mm256_storeu_ps(y + j + 8, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + j + 8), _mm256_loadu_ps(y + j + 8)));
+  }
+#endif
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) y[j + l] = fmadd(a, x[j + l], y[j + l]);
+  for (; j < n; ++j) y[j] = fmadd(a, x[j], y[j]);
+}
+
+/// x[j] /= q for j in [0, n).
+inline void divide(float* x, std::int64_t n, float q) {
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) x[j + l] /= q;
+  for (; j < n; ++j) x[j] /= q;
 }
 
 /// Sum of a[j] * b[j] over [0, n), or of a[j] when b is null: 32 interleaved partial sums (four
@@ -68,17 +251,41 @@ inline float sum_of(const float* a, const float* b, std::int64_t n) {
   float s[32] = {};
   std::int64_t j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; j + 32 <= n; j += 32)
-    for (int v = 0; v < 4; ++v)
-      acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8 * v), b ? _mm256_loadu_ps(b + j + 8 * v) : one, acc[v]);
-  for (int v = 0; v < 4; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
+  // four named accumulators (an array would live on the stack at -O2), one loop per case
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  if (b != nullptr)
+    for (; j + 32 <= n; j += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 16), _mm256_loadu_ps(b + j + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 24), _mm256_loadu_ps(b + j + 24), a3);
+    }
+  else
+    for (; j + 32 <= n; j += 32) {  // fma(x, 1, acc) == x + acc
+      a0 = _mm256_add_ps(_mm256_loadu_ps(a + j), a0), a1 = _mm256_add_ps(_mm256_loadu_ps(a + j + 8), a1);
+      a2 = _mm256_add_ps(_mm256_loadu_ps(a + j + 16), a2), a3 = _mm256_add_ps(_mm256_loadu_ps(a + j + 24), a3);
+    }
+  if (j == n) {  // no tail: the pairwise total below, in registers
+    const __m256 h8 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+    const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  }
+  _mm256_storeu_ps(s, a0), _mm256_storeu_ps(s + 8, a1), _mm256_storeu_ps(s + 16, a2), _mm256_storeu_ps(s + 24, a3);
 #endif
+  if (b != nullptr)  // whole chunks of 32: known trip counts, so the loops vectorise at -O2 too
+    for (; j + 32 <= n; j += 32)
+      for (int l = 0; l < 32; ++l) s[l] = fmadd(a[j + l], b[j + l], s[l]);
+  else
+    for (; j + 32 <= n; j += 32)
+      for (int l = 0; l < 32; ++l) s[l] += a[j + l];
   for (; j < n; ++j) s[j % 32] = fmadd(a[j], b ? b[j] : 1.f, s[j % 32]);
-  for (int w = 16; w >= 1; w /= 2)  // pairwise total
-    for (int l = 0; l < w; ++l) s[l] += s[l + w];
-  return s[0];
+  // pairwise total: s[l] += s[l + w] for w = 16, 8, 4, 2, 1 (fixed trip counts, so it vectorises)
+  for (int l = 0; l < 16; ++l) s[l] += s[l + 16];
+  for (int l = 0; l < 8; ++l) s[l] += s[l + 8];
+  for (int l = 0; l < 4; ++l) s[l] += s[l + 4];
+  for (int l = 0; l < 2; ++l) s[l] += s[l + 2];
+  return s[0] + s[1];
 }
 
 /// True when every x[0, n) is finite: x * 0 is 0 for finite x and NaN for inf or NaN (eight
@@ -86,6 +293,15 @@ inline float sum_of(const float* a, const float* b, std::int64_t n) {
 inline bool all_finite(const float* x, std::int64_t n) {
   float z[8] = {};
   std::int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 a0 = zero, a1 = zero;
+  for (; j + 16 <= n; j += 16) {
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(x + j), zero));
+    a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(x + j + 8), zero));
+  }
+  _mm256_storeu_ps(z, _mm256_add_ps(a0, a1));
+#endif
   for (; j + 8 <= n; j += 8)
     for (int l = 0; l < 8; ++l) z[l] += x[j + l] * 0.f;
   for (; j < n; ++j) z[0] += x[j] * 0.f;

@@ -6,6 +6,7 @@
 // the node reshaped or viewed to [head_dim, heads, tokens]). Public llama.h / ggml API only.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -19,6 +20,19 @@
 #include <infkv/error.hpp>
 
 namespace infkv::llama_cpp {
+
+/// Adds the seconds from its construction to its destruction to `total`.
+class stopwatch {
+ public:
+  explicit stopwatch(double& total) : total_(total) {}
+  stopwatch(const stopwatch&) = delete;
+  stopwatch& operator=(const stopwatch&) = delete;
+  ~stopwatch() { total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
 
 /// The RoPE a layer's key node applied, read from the node's op_params (ggml_rope_ext's layout):
 /// each layer's own parameters (Gemma 3's sliding layers turn with another base than its global
@@ -131,6 +145,7 @@ class graph_observer {
   void begin() {
     for (auto& l : layers_) l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear(), l.rope = {};
     error_.clear();
+    seconds_ = 0;
     active_ = true;
   }
   /// Stops collecting.
@@ -140,6 +155,8 @@ class graph_observer {
   std::vector<layer_rows>& layers() { return layers_; }
   /// The error that made the observer abort the last compute, or empty.
   const std::string& error() const { return error_; }
+  /// Seconds spent copying rows out of the graph since begin().
+  double seconds() const { return seconds_; }
 
   /// The `cb_eval` entry point (user data: the observer).
   static bool callback(ggml_tensor* t, bool ask, void* user) {
@@ -155,6 +172,7 @@ class graph_observer {
     bool ok = true;
     if (active_ && error_.empty()) {
       try {
+        const stopwatch w{seconds_};
         observe(t);
       } catch (const std::exception& e) {  // never unwind through C code: abort the compute
         error_ = e.what();
@@ -205,6 +223,7 @@ class graph_observer {
   std::vector<layer_rows> layers_;
   std::vector<char> scratch_;
   std::string error_;
+  double seconds_ = 0;
   ggml_backend_sched_eval_callback next_cb_ = nullptr;
   void* next_user_ = nullptr;
   bool next_wants_ = false;

@@ -49,6 +49,10 @@ struct session_options {
   std::int64_t window = 32;                          ///< recent queries kept per layer
   dtype key_type = dtype::f32;                       ///< host copy of the keys (and values): f32 or f16
   bool values = false;                               ///< also copy the values (value-norm policies)
+  /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
+  /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
+  /// then cost the decode nothing. Evicting with a policy that reads them raises.
+  bool capture = true;
   reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
@@ -61,6 +65,22 @@ struct session_options {
 struct token_meta {
   std::int32_t segment = 0;
   modality kind = modality::text;
+};
+
+/// Where a session's time went, in seconds, accumulated since bind (or reset_stats()).
+struct session_stats {
+  double decode = 0;      ///< llama_decode: the graph, the capture callbacks and llama.cpp's K-shift included
+  double capture = 0;     ///< inside cb_eval: copying Q / K (V) rows out of the graph (part of decode)
+  double append = 0;      ///< after each decode: rows into the host copies (f16 conversion, query windows)
+  double h2o = 0;         ///< H2O's attention of every decoded query (track_h2o)
+  double score = 0;       ///< the policy's pipeline: scores and selection
+  double seq_rm = 0;      ///< llama_memory_seq_rm
+  double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
+  double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
+  double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
+  std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
+  /// The session's own work outside llama_decode.
+  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
 };
 
 /// What one eviction did.
@@ -83,6 +103,8 @@ class session {
                   "must be f32 or f16");
     INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
     if (opt_.track_h2o) opt_.track_h2o->validate();
+    INFKV_REQUIRE(opt_.capture || (!opt_.values && !opt_.track_h2o), "session_options.capture", "false",
+                  opt_.values ? "values = true" : "track_h2o", " needs the graph observed: set capture = true");
     INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory",
                   "empty", "every call must be set (the defaults are llama.h's)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
@@ -98,7 +120,7 @@ class session {
   /// Gemma 3) it sets `p.swa_full`: llama.cpp shifts positions (compact mode) only when the
   /// sliding layers' cache is as large as the others'. Call before creating the context from `p`.
   void attach(llama_context_params& p) {
-    observer_.install(p);
+    if (opt_.capture) observer_.install(p);
     rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
     layer_rope_.assign(layers_.size(), rope_);
     if (n_swa_ > 0) p.swa_full = true;
@@ -133,6 +155,9 @@ class session {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     return layer_rope_[std::size_t(layer)];
   }
+  /// Where the time went since bind (or the last reset_stats()).
+  const session_stats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
   /// Metadata of the cached tokens, in the session's slot order.
   std::span<const token> tokens() const { return tokens_; }
   std::int64_t size() const { return std::int64_t(tokens_.size()); }
@@ -193,11 +218,16 @@ class session {
                     "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
                     "every entry must belong to the session's sequence ", opt_.seq, " only");
     observer_.begin();
-    const std::int32_t rc = llama_decode(ctx_, batch);
+    std::int32_t rc = 0;
+    {
+      const stopwatch w{stats_.decode};
+      rc = llama_decode(ctx_, batch);
+    }
     observer_.end();
+    stats_.capture += observer_.seconds();
     const std::int64_t n = batch.n_tokens;
     std::string why = observer_.error();
-    if (rc == 0 && why.empty())
+    if (rc == 0 && why.empty() && opt_.capture)
       for (std::int32_t l = 0; l < n_layers(); ++l) {
         const auto& r = observer_.layers()[std::size_t(l)];
         if (r.n_q != n || r.n_k != n || (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
@@ -214,13 +244,21 @@ class session {
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
     for (std::int64_t i = 0; i < n; ++i) tokens_.push_back({pos[std::size_t(i)], meta.segment, meta.kind});
-    for (std::int32_t l = 0; l < n_layers(); ++l) {
-      const auto& rows = observer_.layers()[std::size_t(l)];
-      layers_[std::size_t(l)].append(rows, pos, opt_.window);
-      if (rows.rope.seen) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
+    if (opt_.capture) {
+      const stopwatch w{stats_.append};
+      for (std::int32_t l = 0; l < n_layers(); ++l) {
+        const auto& rows = observer_.layers()[std::size_t(l)];
+        layers_[std::size_t(l)].append(rows, pos, opt_.window);
+        if (rows.rope.seen && !layer_rope_seen_) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
+      }
+      layer_rope_seen_ = true;  // a layer's RoPE does not change between decodes
     }
     stream_next_ = std::max(stream_next_, *std::max_element(pos.begin(), pos.end()) + 1);
-    if (opt_.track_h2o) observe_h2o(observer_.layers(), pos);
+    ++stats_.decodes, stats_.decoded_tokens += n;
+    if (opt_.track_h2o) {
+      const stopwatch w{stats_.h2o};
+      observe_h2o(observer_.layers(), pos);
+    }
     verify();
     return 0;
   }
@@ -259,9 +297,15 @@ class session {
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens_);
+    ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
-      if (!opt_.memory.seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end))) {
+      bool removed = false;
+      {
+        const stopwatch w{stats_.seq_rm};
+        removed = opt_.memory.seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end));
+      }
+      if (!removed) {
         const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
         std::vector<std::int64_t> left;
         for (std::size_t s = 0; s < tokens_.size(); ++s)
@@ -309,7 +353,10 @@ class session {
     const policy_spec spec = p.spec();
     INFKV_REQUIRE(opt_.values || !(spec.needs() & needs_values), "session_options.values", "false", spec.name,
                   " weights scores by value norms: create the session with values = true");
+    INFKV_REQUIRE(opt_.capture || spec.needs() == needs_nothing, "session_options.capture", "false", spec.name,
+                  " reads the keys or queries: create the session with capture = true");
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    std::optional<stopwatch> w{std::in_place, stats_.score};
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) {
       layers_in_.push_back(inputs_of(l));
@@ -324,6 +371,7 @@ class session {
     std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
     const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
     run(pl, be, std::span<const layer_inputs<tensor_view>>(layers_in_), workspace_->span(), out);
+    w.reset();
     return apply(keep_set::from_view(out));
   }
 
@@ -371,6 +419,7 @@ class session {
 
   /// Keeps the slots of `keep` in the bookkeeping, key copies, query windows and H2O states.
   void drop(const keep_set& keep) {
+    const stopwatch w{stats_.host_evict};
     for (auto& l : layers_) l.evict(keep, tokens_);
     for (auto& s : h2o_) s.evict(keep);
     std::vector<token> kept;
@@ -394,6 +443,7 @@ class session {
       std::size_t j = i;
       while (j < order.size() && delta[std::size_t(order[j])] == d) ++j;
       if (d != 0) {
+        const stopwatch w{stats_.seq_add};
         opt_.memory.seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
                              llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
         moved = true;
@@ -401,6 +451,7 @@ class session {
       i = j;
     }
     if (!moved) return false;
+    const stopwatch w{stats_.rerotate};
     std::vector<std::pair<std::int64_t, std::int64_t>> map;
     for (std::size_t s = 0; s < old.size(); ++s) map.push_back({old[s].pos, delta[s]});
     std::sort(map.begin(), map.end());
@@ -424,6 +475,8 @@ class session {
   llama_memory_t mem_ = nullptr;
   bool attached_ = false;
   bool shift_ = false;
+  bool layer_rope_seen_ = false;  // layer_rope_ read from the graph (at the first decode)
+  session_stats stats_;
   std::vector<token> tokens_;
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Writes docs/performance.md and its plots from the JSON that scripts/perf.sh (engine) and
+bench/results/kernels/ (infkv_bench at -O2 and -O3) hold.
+
+  scripts/perf_report.py [ENGINE_DIR] [OUT_MD]
+
+Every figure in the document comes from those files; the prose between the tables says what they
+show and is written for the committed results (rerun, then reread it)."""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1048576.0
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def fmt(v, digits=1):
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def plot(out, title, xlabel, ylabel, series):
+    """A PNG through gnuplot (scripts/setup.sh installs it): series = [(title, [(x, y)], style)],
+    x on a log2 axis. Returns False when gnuplot fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plots = []
+        for i, (name, pts, style) in enumerate(series):
+            path = os.path.join(tmp, f"{i}.dat")
+            with open(path, "w") as f:
+                f.writelines(f"{x} {y}\n" for x, y in pts)
+            plots.append(f"'{path}' using 1:2 with {style} lw 2 title '{name}'")
+        script = f"""
+set terminal pngcairo size 1000,560 noenhanced font ",11"
+set output '{out}'
+set key outside right top box
+set grid
+set logscale x 2
+set title '{title}'
+set xlabel '{xlabel}'
+set ylabel '{ylabel}'
+plot {', '.join(plots)}
+"""
+        try:
+            subprocess.run(["gnuplot"], input=script, text=True, check=True)
+            return True
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"perf_report: {out}: gnuplot failed ({e}); install gnuplot-nox", file=sys.stderr)
+            return False
+
+
+def own(t):
+    return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
+
+
+def stream_section(d, md):
+    runs = {r["policy"]: r for r in d["runs"]}
+    ref = runs.get("streaming_llm")
+    md.append(f"Run: `infkv-stream` over {d['tokens']} KJV tokens, budget {d['settings']['budget']}, block "
+              f"{d['settings']['block']}, {d['settings']['threads']} thread(s); load average "
+              f"{fmt(d['load_average_start'], 2)} at start, {fmt(d['load_average_end'], 2)} at end. "
+              f"{d['model_desc']}.\n")
+    rows = []
+    for name, r in runs.items():
+        t, s = r["time"], r["summary"]
+        extra = (t["decode"] - ref["time"]["decode"]) if ref else float("nan")
+        over = (extra + own(t)) / ref["time"]["decode"] * 100 if ref else float("nan")
+        rows.append([name, fmt(s["tok_per_s"]), fmt(s["ppl"], 3), fmt(s["late_ppl"], 3), fmt(r["seconds"]),
+                     fmt(t["decode"]), fmt(t["capture"], 2), fmt(t["append"], 2), fmt(t["h2o"], 2),
+                     fmt(t["score"], 2), fmt(t["seq_rm"] + t["seq_add"], 3), fmt(t["host_evict"] + t["rerotate"], 2),
+                     fmt(over, 1) if name != "streaming_llm" else "(reference)"])
+    md.append(table(["run", "tok/s", "ppl", "ppl late", "total s", "decode s", "capture s", "append s", "h2o s",
+                     "score s", "seq_rm+add s", "host evict+rerotate s", "overhead %"], rows))
+    md.append("\nColumns: `decode` is llama_decode (the capture callbacks and llama.cpp's K-shift run inside it); "
+              "`capture` is the part of it spent copying Q / K rows out of the graph; the next columns are the "
+              "session's own work outside llama_decode. **overhead %** = (this run's decode time - streaming_llm's "
+              "decode time + its own work) / streaming_llm's decode time: streaming_llm's session installs no "
+              "callback and copies nothing, so its decode is plain llama.cpp's at the same cache size. `total` also "
+              "holds the perplexity bookkeeping of the program (a log-softmax over the vocabulary per token), "
+              "the same for every run.\n")
+    return runs
+
+
+def decode_section(d, md, plot_dir):
+    full, bounded = d["full"], d["bounded"]
+    md.append(f"Run: `infkv-engine-bench decode`, {d['threads']} thread(s), {d['gen']} single-token decodes per "
+              f"full-cache point, {d['bounded_gen']} per bounded policy (evictions included) after "
+              f"{d['warm']} streamed tokens; load average {fmt(d['load_average_start'], 2)} -> "
+              f"{fmt(d['load_average_end'], 2)}.\n")
+    # time per token grows linearly with the history: fit s/token = a + b * history
+    xs = [f["history"] for f in full]
+    ys = [1.0 / f["tok_per_s"] for f in full]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    a = my - b * mx
+    rows = [[f"full, {f['history']} history", fmt(f["tok_per_s"]), fmt(f["kv_bytes"] / MIB), "measured"] for f in full]
+    extra = [h for h in (16384, 32768) if h > max(xs)]
+    for h in extra:
+        rows.append([f"full, {h} history", fmt(1.0 / (a + b * h)), fmt(full[0]["kv_bytes"] / full[0]["history"] * h / MIB),
+                     "extrapolated (linear fit of s/token)"])
+    for r in bounded:
+        rows.append([f"{r['policy']}, {d['budget']} + {d['block']} cells", fmt(r["tok_per_s"]), fmt(r["kv_bytes"] / MIB),
+                     f"measured; {r['evictions']} evictions"])
+    md.append(table(["cache", "tok/s", "KV MiB", ""], rows))
+    at32 = 1.0 / (a + b * 32768)
+    md.append(f"\nFit over the measured points: {a * 1e3:.2f} ms + {b * 1e6:.3f} us x history per token. At 32K "
+              f"history the full cache would decode {at32:.1f} tok/s"
+              + ("" if 32768 in xs else " (extrapolated)") + "; the bounded caches run at "
+              + ", ".join(f"{r['policy']} {r['tok_per_s'] / at32:.2f}x" for r in bounded) + " of that.\n")
+    hs = [h for h in (2 ** k for k in range(8, 16)) if min(xs) <= h <= 32768]
+    series = [("full cache (measured)", [(f["history"], f["tok_per_s"]) for f in full], "linespoints pt 7"),
+              ("full cache (linear fit of s/token)", [(h, 1.0 / (a + b * h)) for h in hs], "lines dt 2")]
+    series += [(f"{r['policy']} ({d['budget']}+{d['block']} cells)", [(min(hs), r["tok_per_s"]), (max(hs), r["tok_per_s"])],
+                "lines dt 3") for r in bounded]
+    if plot(os.path.join(plot_dir, "decode_speed.png"), "Decode speed: full cache vs bounded caches",
+            "tokens of history", "decode tokens/s (single-token decodes)", series):
+        md.append("![decode speed](performance/decode_speed.png)\n")
+
+
+def prefill_section(files, md, plot_dir):
+    rows, pts = [], {}
+    for d in sorted(files, key=lambda d: (d["mode"], d["tokens"])):
+        label = d["mode"] + (f" ({d['policy']}, {d['budget']}+{d['block']})" if d["mode"] == "budgeted" else "")
+        rows.append([label, d["tokens"], fmt(d["seconds"]), fmt(d["tok_per_s"]), d["n_ctx"],
+                     fmt(d["kv_alloc_bytes"] / MIB), fmt(d["peak_rss_bytes"] / MIB),
+                     fmt((d["peak_rss_bytes"] - d["rss_after_model_bytes"]) / MIB), fmt(d["load_average_start"], 2)])
+        pts.setdefault(d["mode"], []).append((d["tokens"], d["peak_rss_bytes"] / MIB, d["kv_alloc_bytes"] / MIB))
+    md.append(table(["prefill", "tokens", "s", "tok/s", "cells", "KV MiB", "peak RSS MiB", "RSS above the model MiB",
+                     "load"], rows))
+    bud = sorted(pts.get("budgeted", []))
+    if len(bud) >= 2:
+        md.append(f"\nBudgeted peak RSS from {bud[0][0]} to {bud[-1][0]} tokens: {bud[-1][1] / bud[0][1]:.3f}x "
+                  f"(KV {bud[-1][2] / bud[0][2]:.2f}x).")
+    pl = sorted(pts.get("plain", []))
+    if len(pl) >= 2:
+        md.append(f" Plain peak RSS from {pl[0][0]} to {pl[-1][0]} tokens: {pl[-1][1] / pl[0][1]:.2f}x "
+                  f"(KV {pl[-1][2] / pl[0][2]:.2f}x).")
+    md.append("")
+    series = []
+    for mode, p in pts.items():
+        p = sorted(p)
+        series.append((f"{mode}: peak RSS", [(x[0], x[1]) for x in p], "linespoints pt 7"))
+        series.append((f"{mode}: llama.cpp KV", [(x[0], x[2]) for x in p], "linespoints pt 5 dt 2"))
+    if plot(os.path.join(plot_dir, "prefill_memory.png"), "Prefill peak memory: plain vs budgeted block-wise",
+            "input tokens", "MiB", series):
+        md.append("\n![prefill memory](performance/prefill_memory.png)\n")
+
+
+def kernel_section(kdir, md):
+    """Per benchmark: -O3 and -O2 times (the JSON of infkv_bench), their ratio and frac_memcpy / frac_peak."""
+    paths = {o: os.path.join(kdir, f"{o}_after.json") for o in ("o3", "o2")}
+    if not all(os.path.exists(p) for p in paths.values()):
+        md.append(f"(no {paths['o3']} / {paths['o2']}: run the kernel benchmarks, bench/results/kernels/README.md)\n")
+        return
+    res = {}
+    for o, p in paths.items():
+        for b in load(p)["benchmarks"]:
+            if b.get("run_type", "iteration") != "iteration":
+                continue
+            res.setdefault(b["name"], {})[o] = b
+    rows = []
+    for name, r in res.items():
+        if "o3" not in r or "o2" not in r or not name.startswith(("BM_window", "BM_keydiff", "BM_compact", "BM_rerotate")):
+            continue
+        o3, o2 = r["o3"], r["o2"]
+        frac = lambda b: b.get("frac_memcpy", b.get("frac_peak"))
+        rows.append([name.replace("/real_time", ""), o3.get("label", ""), fmt(o3["real_time"], 1) + " " + o3["time_unit"],
+                     fmt(o2["real_time"], 1) + " " + o2["time_unit"], fmt(o2["real_time"] / o3["real_time"], 2),
+                     fmt(frac(o3), 2), fmt(frac(o2), 2)])
+    md.append(table(["benchmark", "type", "-O3", "-O2", "O2/O3 time", "frac -O3", "frac -O2"], rows))
+    md.append("\nfrac: bytes/s over the memcpy bandwidth (KeyDiff, compaction, re-rotation) or flop/s over the FMA "
+              "peak times the threads (window attention), both ceilings measured in the same binary and run.\n")
+
+
+def main():
+    engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/engine")
+    out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "docs/performance.md")
+    plot_dir = os.path.join(os.path.dirname(out), "performance")
+    os.makedirs(plot_dir, exist_ok=True)
+    intro_path = os.path.join(ROOT, "docs/performance_notes.md")
+    md = ["<!-- Generated by scripts/perf_report.py from bench/results/engine/*.json and "
+          "bench/results/kernels/*.json; the prose comes from docs/performance_notes.md. -->"]
+    notes = {}
+    if os.path.exists(intro_path):  # sections of hand-written prose keyed by "## " headings
+        key = "intro"
+        for line in open(intro_path):
+            if line.startswith("## "):
+                key = line[3:].strip()
+                continue
+            notes[key] = notes.get(key, "") + line
+    md.append("# Performance inside the engine\n")
+    md.append(notes.get("intro", "").strip() + "\n")
+
+    def section(title, fn, *args):
+        md.append(f"## {title}\n")
+        fn(*args)
+        if title in notes:
+            md.append("\n" + notes[title].strip() + "\n")
+
+    if os.path.exists(os.path.join(engine, "stream.json")):
+        section("1. The price of observing, and the peer: llama.cpp's context shift", stream_section,
+                load(os.path.join(engine, "stream.json")), md)
+    if os.path.exists(os.path.join(engine, "decode.json")):
+        section("2. What the bounded cache buys: decode speed against the full cache", decode_section,
+                load(os.path.join(engine, "decode.json")), md, plot_dir)
+    pre = [load(os.path.join(engine, f)) for f in sorted(os.listdir(engine)) if f.startswith("prefill_") and f.endswith(".json")]
+    if pre:
+        section("3. Prefill peak memory: budgeted block-wise against plain", prefill_section, pre, md, plot_dir)
+    section("4. The kernels as consumers build them", kernel_section, os.path.join(ROOT, "bench/results/kernels"), md)
+    with open(out, "w") as f:
+        f.write("\n".join(md).rstrip() + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
