@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Writes docs/performance.md and its plots from the JSON that scripts/perf.sh (engine) and
-bench/results/kernels/ (infkv_bench at -O2 and -O3) hold.
+"""Writes docs/performance.md and its plots from the JSON that scripts/perf.sh writes (the
+llama.cpp runs and infkv_bench at -O2 and -O3).
 
-  scripts/perf_report.py [ENGINE_DIR] [OUT_MD]
+  scripts/perf_report.py [RESULTS_DIR (bench/results/perf)] [OUT_MD (docs/performance.md)]
 
 Every figure in the document comes from those files; the prose between the tables says what they
 show and is written for the committed results (rerun, then reread it)."""
@@ -161,39 +161,62 @@ def prefill_section(files, md, plot_dir):
 
 
 def kernel_section(kdir, md):
-    """Per benchmark: -O3 and -O2 times (the JSON of infkv_bench), their ratio and frac_memcpy / frac_peak."""
-    paths = {o: os.path.join(kdir, f"{o}_after.json") for o in ("o3", "o2")}
+    """Per benchmark: -O3 and -O2 times (infkv_bench JSON of the same script run), their ratio,
+    frac_memcpy / frac_peak, and the 2-thread scaling of window attention."""
+    paths = {o: os.path.join(kdir, f"kernels_{o}.json") for o in ("o3", "o2")}
     if not all(os.path.exists(p) for p in paths.values()):
-        md.append(f"(no {paths['o3']} / {paths['o2']}: run the kernel benchmarks, bench/results/kernels/README.md)\n")
+        md.append(f"(no kernels_o3.json / kernels_o2.json in {kdir})\n")
         return
-    res = {}
+    res, ctx = {}, {}
     for o, p in paths.items():
-        for b in load(p)["benchmarks"]:
-            if b.get("run_type", "iteration") != "iteration":
-                continue
-            res.setdefault(b["name"], {})[o] = b
-    rows = []
+        d = load(p)
+        ctx[o] = d.get("context", {})
+        for b in d["benchmarks"]:
+            if b.get("run_type", "iteration") == "iteration":
+                res.setdefault(b["name"].replace("/real_time", ""), {})[o] = b
+    ceil = {o: {n: r[o] for n, r in res.items() if n.startswith(("BM_peak", "BM_memcpy")) and o in r} for o in paths}
+    md.append("Ceilings of the two runs: " + "; ".join(
+        f"-{o.upper()}: " + ", ".join(f"{n} {fmt(b['real_time'], 2)} {b['time_unit']}" for n, b in ceil[o].items())
+        for o in ("o3", "o2")) + ".\n")
+    rows, worst, below = [], 0.0, []
     for name, r in res.items():
         if "o3" not in r or "o2" not in r or not name.startswith(("BM_window", "BM_keydiff", "BM_compact", "BM_rerotate")):
             continue
         o3, o2 = r["o3"], r["o2"]
         frac = lambda b: b.get("frac_memcpy", b.get("frac_peak"))
-        rows.append([name.replace("/real_time", ""), o3.get("label", ""), fmt(o3["real_time"], 1) + " " + o3["time_unit"],
-                     fmt(o2["real_time"], 1) + " " + o2["time_unit"], fmt(o2["real_time"] / o3["real_time"], 2),
-                     fmt(frac(o3), 2), fmt(frac(o2), 2)])
+        ratio = o2["real_time"] / o3["real_time"]
+        worst = max(worst, ratio)
+        memory_bound = "frac_memcpy" in o3
+        if memory_bound and min(frac(o3), frac(o2)) < 0.6:
+            below.append(name)
+        rows.append([name.replace("BM_", ""), o3.get("label", ""), f"{fmt(o3['real_time'], 3)} {o3['time_unit']}",
+                     f"{fmt(o2['real_time'], 3)} {o2['time_unit']}", fmt(ratio, 2), fmt(frac(o3), 2), fmt(frac(o2), 2)])
     md.append(table(["benchmark", "type", "-O3", "-O2", "O2/O3 time", "frac -O3", "frac -O2"], rows))
-    md.append("\nfrac: bytes/s over the memcpy bandwidth (KeyDiff, compaction, re-rotation) or flop/s over the FMA "
-              "peak times the threads (window attention), both ceilings measured in the same binary and run.\n")
+    md.append("\nfrac: bytes/s over the memcpy bandwidth (KeyDiff, compaction, re-rotation: target >= 0.6) or flop/s "
+              "over the FMA peak times the threads (window attention), both ceilings measured in the same binary and "
+              f"run. Largest O2/O3 time ratio: {worst:.2f}. Memory-bound kernels below 0.6 of memcpy at -O2 or -O3: "
+              + (", ".join(f"`{n.replace('BM_', '')}`" for n in below) if below else "none") + ".\n")
+    scal = []
+    for name, r in res.items():
+        if name.startswith("BM_window") and name.endswith("threads:1") and "o3" in r:
+            two = res.get(name[:-1] + "2", {}).get("o3")
+            if two:
+                scal.append([name.replace("BM_window_attention/", "").replace("/threads:1", ""), r["o3"].get("label", ""),
+                             fmt(r["o3"]["real_time"] / two["real_time"], 2)])
+    if scal:
+        md.append("2-thread scaling of window scoring (-O3: 1-thread time / 2-thread time):\n")
+        md.append(table(["shape", "type", "speed-up"], scal))
+        md.append("")
 
 
 def main():
-    engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/engine")
+    engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/perf")
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "docs/performance.md")
     plot_dir = os.path.join(os.path.dirname(out), "performance")
     os.makedirs(plot_dir, exist_ok=True)
     intro_path = os.path.join(ROOT, "docs/performance_notes.md")
-    md = ["<!-- Generated by scripts/perf_report.py from bench/results/engine/*.json and "
-          "bench/results/kernels/*.json; the prose comes from docs/performance_notes.md. -->"]
+    md = ["<!-- Generated by scripts/perf_report.py from the JSON of scripts/perf.sh (bench/results/perf); "
+          "the prose comes from docs/performance_notes.md. -->"]
     notes = {}
     if os.path.exists(intro_path):  # sections of hand-written prose keyed by "## " headings
         key = "intro"
@@ -220,7 +243,7 @@ def main():
     pre = [load(os.path.join(engine, f)) for f in sorted(os.listdir(engine)) if f.startswith("prefill_") and f.endswith(".json")]
     if pre:
         section("3. Prefill peak memory: budgeted block-wise against plain", prefill_section, pre, md, plot_dir)
-    section("4. The kernels as consumers build them", kernel_section, os.path.join(ROOT, "bench/results/kernels"), md)
+    section("4. The kernels as consumers build them", kernel_section, engine, md)
     with open(out, "w") as f:
         f.write("\n".join(md).rstrip() + "\n")
     print(f"wrote {out}")

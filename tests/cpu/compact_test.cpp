@@ -159,6 +159,41 @@ TEST_CASE("compact without values moves keys only") {
   }
 }
 
+TEST_CASE("compact of a cache beyond the cache-bypassing threshold (128 MiB) keeps every kept row's bytes") {
+  // NHD and HND f32 keys of 32768 slots x 8 heads x 128: 128 MiB, where runs whose source and
+  // destination do not overlap move with non-temporal stores. Kept: a run that stays, a long run
+  // that moves far, every other slot of a range (runs of one), the last slot.
+  const std::int64_t n = 32768;
+  const std::int32_t heads = 8, d = 128;
+  std::vector<std::int64_t> slots;
+  for (std::int64_t j = 0; j < 100; ++j) slots.push_back(j);
+  for (std::int64_t j = 20000; j < 21000; ++j) slots.push_back(j);
+  for (std::int64_t j = 25001; j < 26000; j += 2) slots.push_back(j);
+  slots.push_back(n - 1);
+  const auto value = [](std::int64_t slot, std::int32_t h, std::int32_t e) {
+    return float(slot) * 1024.f + float(h) * 128.f + float(e);  // exact in f32 below 2^24
+  };
+  for (layout l : {layout::nhd, layout::hnd}) {
+    CAPTURE(int(l));
+    std::vector<float> k(static_cast<std::size_t>(n * heads * d));
+    kv_view kv{l == layout::nhd ? nhd(k.data(), dtype::f32, n, heads, d) : hnd(k.data(), dtype::f32, n, heads, d, n), {}};
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int32_t h = 0; h < heads; ++h)
+        for (std::int32_t e = 0; e < d; ++e) static_cast<float*>(kv.k.row(j, h))[e] = value(j, h, e);
+    auto tokens = numbered_tokens(n, 0);
+    keep_set keep(n);
+    keep.add_unit(slots);
+    REQUIRE(cpu::compact(kv, tokens, keep) == std::int64_t(slots.size()));
+    std::int64_t bad = 0;
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      for (std::int32_t h = 0; h < heads; ++h)
+        for (std::int32_t e = 0; e < d; ++e)
+          bad += static_cast<const float*>(kv.k.row(std::int64_t(i), h))[e] != value(slots[i], h, e);
+    CHECK(bad == 0);
+    CHECK(tokens[100].pos == 3 * 20000);
+  }
+}
+
 TEST_CASE("compact rejects keep sets and token lists that do not fit the cache") {
   std::mt19937 rng(14);
   const std::int64_t n = 10;

@@ -59,7 +59,7 @@ void keydiff_into(const R& keys, score_view out, float* scratch, const executor&
     const void* p = keys.row(j, h);
     if (keys.type == dtype::f32 && reinterpret_cast<std::uintptr_t>(p) % alignof(float) == 0)
       return static_cast<const float*>(p);
-    detail::load_f32(keys.type, p, buf, d);
+    to_f32(keys.type, p, buf, d);
     return buf;
   };
   parallel_for_workers(ex, nw, [&](std::int64_t w, std::int64_t) {

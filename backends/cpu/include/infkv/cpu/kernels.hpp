@@ -11,110 +11,11 @@
 #include <cstring>
 #include <limits>
 
-#include <infkv/dtype.hpp>
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace infkv::cpu::detail {
-
-/// IEEE binary16 bits -> binary32, exact, without branches (so loops over it vectorise): the
-/// same values as infkv::f16_to_f32.
-inline float f16_bits_to_f32(std::uint16_t h) {
-  const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
-  const std::uint32_t o = std::uint32_t(h & 0x7fffu) << 13, e = o & 0x0f800000u;
-  std::uint32_t bits = o + 0x38000000u;             // rebias the exponent: 2^(127 - 15)
-  bits += e == 0x0f800000u ? 0x38000000u : 0u;      // Inf / NaN: exponent 255
-  const float sub = std::bit_cast<float>(bits + 0x00800000u) - std::bit_cast<float>(0x38800000u);  // exact
-  bits = e == 0 ? std::bit_cast<std::uint32_t>(sub) : bits;  // zero or subnormal
-  return std::bit_cast<float>(bits | sign);
-}
-
-/// binary32 -> binary16 bits, round to nearest even, overflow to Inf, NaN quiet: the same bits
-/// as infkv::f32_to_f16, without branches.
-inline std::uint16_t f32_to_f16_bits(float f) {
-  const std::uint32_t x = std::bit_cast<std::uint32_t>(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  // normal range: rebias, round to nearest even on the 13 dropped bits
-  const std::uint32_t normal = (ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u)) >> 13;
-  // below 2^-14: adding 0.5 lets the FPU round the value to a multiple of 2^-24 (f16's subnormal step)
-  const std::uint32_t sub = std::bit_cast<std::uint32_t>(std::bit_cast<float>(ax) + 0.5f) - 0x3f000000u;
-  std::uint32_t r = ax < 0x38800000u ? sub : normal;
-  r = ax >= 0x477ff000u ? 0x7c00u : r;                // rounds to >= 65520: Inf
-  r = ax > 0x7f800000u ? 0x7e00u : r;                 // NaN
-  return std::uint16_t(r | sign);
-}
-
-/// n elements of type t at src (any alignment) as f32 into dst: F16C for f16 where the compiler
-/// targets it, otherwise branch-free conversions in whole chunks that vectorise.
-inline void load_f32(dtype t, const void* src, float* __restrict dst, std::int64_t n) {
-  const auto* p = static_cast<const unsigned char*>(src);
-  std::int64_t i = 0;
-  switch (t) {
-    case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
-    case dtype::f16: {
-#ifdef INFKV_HAVE_F16C
-      for (; i + 16 <= n; i += 16) {
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
-        _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i + 16))));
-      }
-#endif
-      for (; i + 8 <= n; i += 8) {
-        std::uint16_t h[8];
-        std::memcpy(h, p + 2 * i, sizeof h);
-        for (int l = 0; l < 8; ++l) dst[i + l] = f16_bits_to_f32(h[l]);
-      }
-      for (; i < n; ++i) dst[i] = f16_bits_to_f32(infkv::detail::load_u16(src, i));
-      return;
-    }
-    case dtype::bf16: {
-      for (; i + 8 <= n; i += 8) {
-        std::uint16_t h[8];
-        std::memcpy(h, p + 2 * i, sizeof h);
-        for (int l = 0; l < 8; ++l) dst[i + l] = std::bit_cast<float>(std::uint32_t(h[l]) << 16);
-      }
-      for (; i < n; ++i) dst[i] = bf16_to_f32(infkv::detail::load_u16(src, i));
-      return;
-    }
-  }
-}
-
-/// n f32 values to type t at dst (any alignment), rounding to nearest even: the same bits as
-/// infkv::from_f32.
-inline void store_f32(dtype t, const float* __restrict src, void* dst, std::int64_t n) {
-  auto* p = static_cast<unsigned char*>(dst);
-  std::int64_t i = 0;
-  switch (t) {
-    case dtype::f32: std::memcpy(dst, src, std::size_t(n) * 4); return;
-    case dtype::f16: {
-#ifdef INFKV_HAVE_F16C
-      for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 2 * i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-      for (; i + 8 <= n; i += 8) {
-        std::uint16_t h[8];
-        for (int l = 0; l < 8; ++l) h[l] = f32_to_f16_bits(src[i + l]);
-        std::memcpy(p + 2 * i, h, sizeof h);
-      }
-      for (; i < n; ++i) infkv::detail::store_u16(dst, i, f32_to_f16_bits(src[i]));
-      return;
-    }
-    case dtype::bf16: {
-      for (; i + 8 <= n; i += 8) {
-        std::uint16_t h[8];
-        for (int l = 0; l < 8; ++l) {
-          const std::uint32_t x = std::bit_cast<std::uint32_t>(src[i + l]);
-          const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, quiet = (x >> 16) | 0x40u;
-          h[l] = std::uint16_t((x & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-        }
-        std::memcpy(p + 2 * i, h, sizeof h);
-      }
-      for (; i < n; ++i) infkv::detail::store_u16(dst, i, f32_to_bf16(src[i]));
-      return;
-    }
-  }
-}
 
 /// Asks for the cache lines of [p, p + bytes) ahead of their use (no-op without GCC builtins).
 inline void prefetch(const void* p, std::int64_t bytes) {

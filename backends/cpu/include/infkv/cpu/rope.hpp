@@ -144,9 +144,9 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
       }
       for (std::int32_t h = 0; h < keys.n_heads; ++h) {
         void* row = keys.row(j, h);
-        detail::load_f32(keys.type, row, x, dims);
+        to_f32(keys.type, row, x, dims);
         detail::rope_rotate(r.style, dims, x, normal ? ci : c, normal ? si : s, y);
-        detail::store_f32(keys.type, y, row, dims);
+        from_f32(keys.type, y, row, dims);
       }
     }
   });
