@@ -5,6 +5,7 @@
 # regenerates docs/performance.md and its plots from them:
 #   stream.json        infkv-stream over TOKENS (default 30000) tokens: llama.cpp's context shift,
 #                      streaming_llm (no capture), inf_mllm_bias, h2o: perplexity, tok/s, time split
+#   stream_768.json    streaming_llm with budget 768 (the context shift's mean occupancy)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
 #                      tokens of history, against bounded caches
 #   prefill_*.json     one prefill per process: plain at 4K and 16K, budgeted block-wise at 4K,
@@ -43,6 +44,9 @@ step() {  # step NAME COMMAND...: runs COMMAND (which writes NAME.json.tmp) unle
 stream() {
   step stream "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
     --policy context_shift,streaming_llm,inf_mllm_bias,h2o --threads "$threads" --progress 50 --json "$out/stream.json.tmp"
+  # streaming_llm with the context shift's mean cache occupancy (budget 768 + 128: about 830 tokens)
+  step stream_768 "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 768 --block 128 \
+    --policy streaming_llm --threads "$threads" --progress 50 --json "$out/stream_768.json.tmp"
 }
 engine() {
   local hist=2048 list=
@@ -68,7 +72,8 @@ else
 fi
 filter='BM_peak|BM_memcpy|BM_window_attention|BM_keydiff|BM_compact|BM_rerotate'
 for o in 3 2; do  # alone on the machine: the kernels are measured against ceilings of the same run
-  step "kernels_o$o" "build/bench-o$o/bench/infkv_bench" "--benchmark_filter=$filter" --benchmark_min_time=0.3 \
+  step "kernels_o$o" "build/bench-o$o/bench/infkv_bench" "--benchmark_filter=$filter" --benchmark_min_time=0.2 \
+    --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     "--benchmark_out=$out/kernels_o$o.json.tmp" --benchmark_out_format=json
 done
 python3 scripts/perf_report.py "$out" docs/performance.md

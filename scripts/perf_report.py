@@ -71,7 +71,7 @@ def stream_section(d, md):
     md.append(f"Run: `infkv-stream` over {d['tokens']} KJV tokens, budget {d['settings']['budget']}, block "
               f"{d['settings']['block']}, {d['settings']['threads']} thread(s); load average "
               f"{fmt(d['load_average_start'], 2)} at start, {fmt(d['load_average_end'], 2)} at end. "
-              f"{d['model_desc']}.\n")
+              f"{os.path.basename(d['model'])} (llama.cpp: {d['model_desc']}).\n")
     rows = []
     for name, r in runs.items():
         t, s = r["time"], r["summary"]
@@ -80,7 +80,8 @@ def stream_section(d, md):
         rows.append([name, fmt(s["tok_per_s"]), fmt(s["ppl"], 3), fmt(s["late_ppl"], 3), fmt(r["seconds"]),
                      fmt(t["decode"]), fmt(t["capture"], 2), fmt(t["append"], 2), fmt(t["h2o"], 2),
                      fmt(t["score"], 2), fmt(t["seq_rm"] + t["seq_add"], 3), fmt(t["host_evict"] + t["rerotate"], 2),
-                     fmt(over, 1) if name != "streaming_llm" else "(reference)"])
+                     "(reference)" if name == "streaming_llm" else fmt(over, 1) if name != "context_shift" else
+                     f"({fmt(over, 1)}: no session)"])
     md.append(table(["run", "tok/s", "ppl", "ppl late", "total s", "decode s", "capture s", "append s", "h2o s",
                      "score s", "seq_rm+add s", "host evict+rerotate s", "overhead %"], rows))
     md.append("\nColumns: `decode` is llama_decode (the capture callbacks and llama.cpp's K-shift run inside it); "
@@ -91,6 +92,34 @@ def stream_section(d, md):
               "holds the perplexity bookkeeping of the program (a log-softmax over the vocabulary per token), "
               "the same for every run.\n")
     return runs
+
+
+def mean_cached(run):
+    """Mean tokens cached while a block decodes: (the previous block's slots + this block's peak) / 2."""
+    prev, tot = 0, 0.0
+    for b in run["blocks"]:
+        tot += (prev + b["slots_peak"]) / 2
+        prev = b["slots"]
+    return tot / max(1, len(run["blocks"]))
+
+
+def peer_section(d, extra, md):
+    """llama.cpp's context shift against streaming_llm at the same cells and at the same mean occupancy."""
+    rows = []
+    for data in [d] + extra:
+        for r in data["runs"]:
+            if r["policy"] not in ("context_shift", "streaming_llm"):
+                continue
+            s, t = r["summary"], r["time"]
+            cells = data["settings"]["budget"] + data["settings"]["block"]
+            rows.append([f"{r['policy']}, {cells} cells" + ("" if r["policy"] == "context_shift" else
+                         f" (budget {data['settings']['budget']})"), fmt(s["ppl"], 3), fmt(s["early_ppl"], 3),
+                         fmt(s["late_ppl"], 3), fmt(mean_cached(r), 0), fmt(s["kv_alloc_bytes"] / MIB, 1),
+                         fmt(r["tokens"] / t["decode"], 1), fmt(s["tok_per_s"], 1), fmt(data["load_average_start"], 2)])
+    md.append(table(["run", "ppl", "ppl early", "ppl late", "mean cached tokens", "KV MiB", "decode tok/s",
+                     "tok/s (all)", "load"], rows))
+    md.append("\n`decode tok/s`: tokens over the seconds inside llama_decode; `tok/s (all)` includes the program's "
+              "perplexity bookkeeping.\n")
 
 
 def decode_section(d, md, plot_dir):
@@ -141,15 +170,15 @@ def prefill_section(files, md, plot_dir):
         pts.setdefault(d["mode"], []).append((d["tokens"], d["peak_rss_bytes"] / MIB, d["kv_alloc_bytes"] / MIB))
     md.append(table(["prefill", "tokens", "s", "tok/s", "cells", "KV MiB", "peak RSS MiB", "RSS above the model MiB",
                      "load"], rows))
-    bud = sorted(pts.get("budgeted", []))
-    if len(bud) >= 2:
-        md.append(f"\nBudgeted peak RSS from {bud[0][0]} to {bud[-1][0]} tokens: {bud[-1][1] / bud[0][1]:.3f}x "
-                  f"(KV {bud[-1][2] / bud[0][2]:.2f}x).")
-    pl = sorted(pts.get("plain", []))
-    if len(pl) >= 2:
-        md.append(f" Plain peak RSS from {pl[0][0]} to {pl[-1][0]} tokens: {pl[-1][1] / pl[0][1]:.2f}x "
-                  f"(KV {pl[-1][2] / pl[0][2]:.2f}x).")
-    md.append("")
+    growth = []
+    for mode in ("budgeted", "plain"):
+        p = sorted(pts.get(mode, []))
+        if len(p) >= 2:
+            growth.append(f"{mode} peak RSS from {p[0][0]} to {p[-1][0]} tokens: {p[-1][1] / p[0][1]:.3f}x "
+                          f"(KV {p[-1][2] / p[0][2]:.2f}x)")
+    if growth:
+        text = "; ".join(growth)
+        md.append("\n" + text[0].upper() + text[1:] + ".\n")
     series = []
     for mode, p in pts.items():
         p = sorted(p)
@@ -171,9 +200,9 @@ def kernel_section(kdir, md):
     for o, p in paths.items():
         d = load(p)
         ctx[o] = d.get("context", {})
-        for b in d["benchmarks"]:
-            if b.get("run_type", "iteration") == "iteration":
-                res.setdefault(b["name"].replace("/real_time", ""), {})[o] = b
+        for b in d["benchmarks"]:  # medians of the repetitions where there are some
+            if b.get("run_type", "iteration") == "iteration" or b.get("aggregate_name") == "median":
+                res.setdefault(b.get("run_name", b["name"]).replace("/real_time", ""), {})[o] = b
     ceil = {o: {n: r[o] for n, r in res.items() if n.startswith(("BM_peak", "BM_memcpy")) and o in r} for o in paths}
     md.append("Ceilings of the two runs: " + "; ".join(
         f"-{o.upper()}: " + ", ".join(f"{n} {fmt(b['real_time'], 2)} {b['time_unit']}" for n, b in ceil[o].items())
@@ -235,15 +264,17 @@ def main():
             md.append("\n" + notes[title].strip() + "\n")
 
     if os.path.exists(os.path.join(engine, "stream.json")):
-        section("1. The price of observing, and the peer: llama.cpp's context shift", stream_section,
-                load(os.path.join(engine, "stream.json")), md)
+        stream = load(os.path.join(engine, "stream.json"))
+        section("1. The price of observing", stream_section, stream, md)
+        extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
+        section("2. The peer users would pick instead: llama.cpp's context shift", peer_section, stream, extra, md)
     if os.path.exists(os.path.join(engine, "decode.json")):
-        section("2. What the bounded cache buys: decode speed against the full cache", decode_section,
+        section("3. What the bounded cache buys: decode speed against the full cache", decode_section,
                 load(os.path.join(engine, "decode.json")), md, plot_dir)
     pre = [load(os.path.join(engine, f)) for f in sorted(os.listdir(engine)) if f.startswith("prefill_") and f.endswith(".json")]
     if pre:
-        section("3. Prefill peak memory: budgeted block-wise against plain", prefill_section, pre, md, plot_dir)
-    section("4. The kernels as consumers build them", kernel_section, engine, md)
+        section("4. Prefill peak memory: budgeted block-wise against plain", prefill_section, pre, md, plot_dir)
+    section("5. The kernels as consumers build them", kernel_section, engine, md)
     with open(out, "w") as f:
         f.write("\n".join(md).rstrip() + "\n")
     print(f"wrote {out}")
