@@ -21,11 +21,7 @@ threads=${2:-1}
 tokens=${3:-30000}
 history=${4:-16384}
 mkdir -p "$out"
-scripts/setup.sh
-prefix=$(scripts/llama_cpp.sh | tail -1)
-model=$(scripts/model.sh | tail -1)
-text=$(scripts/kjv.sh | tail -1)
-cmake --preset release -DINFKV_WITH_LLAMA_CPP=ON -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+source scripts/llama_env.sh
 cmake --build --preset release --target infkv_stream infkv_engine_bench >&2
 for o in 2 3; do  # the kernels as a user compiling at -O2 or -O3 gets them
   cmake -S . -B "build/bench-o$o" -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O$o -DNDEBUG" \

@@ -14,11 +14,7 @@ out=${2:-bench/results/soak}
 policy=${3:-inf_mllm_bias}
 threads=${4:-2}
 mkdir -p "$out"
-scripts/setup.sh
-prefix=$(scripts/llama_cpp.sh | tail -1)
-model=$(scripts/model.sh | tail -1)
-text=$(scripts/kjv.sh | tail -1)
-cmake --preset release -DINFKV_WITH_LLAMA_CPP=ON -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+source scripts/llama_env.sh
 cmake --build --preset release --target infkv_stream
 build/release/examples/infkv-stream --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
   --policy "$policy" --threads "$threads" --progress 100 --csv "$out/soak_llama.csv" --json "$out/soak_llama.json" \
