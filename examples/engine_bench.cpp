@@ -45,21 +45,9 @@ struct options {
   std::string mode = "budgeted", policy = "snapkv";
 };
 
-/// Fails naming `flag` when `cells` cache cells (llama.cpp's f16 K/V plus the session's key
-/// copies) cannot fit in the memory available now.
-void check_cells(const llama_model* m, const char* flag, std::int64_t value, std::int64_t cells) {
-  const stream::model_shape sh(m);
-  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1)), avail = stream::memory_available();
-  if (avail > 0 && double(cells) * per_cell > avail)
-    infkv_examples::fail("{} = {}: {} cache cells need about {:.0f} MiB, but {:.0f} MiB of memory are available", flag,
-                         value, cells, double(cells) * per_cell / 1048576.0, avail / 1048576.0);
-}
-
 /// Fails naming --budget when it cannot hold what policy `k` protects.
 void check_budget(const options& o, stream::kind k, std::string_view name) {
-  if (const auto b = stream::policy_budget(k, o.s); b && o.s.budget <= b->sinks + b->recent)
-    infkv_examples::fail("--budget = {}: must exceed the tokens {} protects (sinks {} + recent {})", o.s.budget, name,
-                         b->sinks, b->recent);
+  if (const std::string why = stream::budget_problem(k, name, o.s); !why.empty()) infkv_examples::fail("{}", why);
 }
 
 /// Decodes `toks` at positions pos0.. in batches of n_batch (logits for the last only).
@@ -106,8 +94,8 @@ int run_decode(const options& o, const llama_model* m) {
     check_budget(o, e->k, name);
     kinds.push_back(e->k);
   }
-  check_cells(m, "--history", longest, longest + o.gen);
-  check_cells(m, "--budget", o.s.budget, o.s.budget + o.s.block);
+  stream::check_cells(m, "--history", longest, "the full cache", double(longest + o.gen));
+  stream::check_cells(m, "--budget", o.s.budget, "a bounded cache", double(o.s.budget + o.s.block));
   const std::int64_t need_full = longest + o.gen, need_bounded = o.warm + o.bounded_gen;
   const auto toks = stream::tokenize_file(m, o.text, std::max(need_full, need_bounded));
   if (std::int64_t(toks.size()) < std::max(need_full, need_bounded))
@@ -191,13 +179,13 @@ int run_decode(const options& o, const llama_model* m) {
 int run_prefill(const options& o, const llama_model* m) {
   const auto e = stream::find_policy(o.policy);
   if (o.mode == "plain") {
-    check_cells(m, "--tokens", o.tokens, o.tokens);
+    stream::check_cells(m, "--tokens", o.tokens, "plain prefill", double(o.tokens));
   } else {
     if (!e || !stream::policy_budget(e->k, o.s) || e->k == stream::kind::h2o)
       infkv_examples::fail("--policy = {}: budgeted prefill takes a scoring policy (see infkv-stream --list-policies)",
                            o.policy);
     check_budget(o, e->k, o.policy);
-    check_cells(m, "--budget", o.s.budget, o.s.budget + o.s.block);
+    stream::check_cells(m, "--budget", o.s.budget, "a bounded cache", double(o.s.budget + o.s.block));
   }
   const auto toks = stream::tokenize_file(m, o.text, o.tokens);
   if (std::int64_t(toks.size()) < o.tokens)

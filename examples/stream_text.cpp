@@ -32,7 +32,6 @@ namespace {
 }
 
 using stream::load_average;
-using stream::memory_available;
 
 using infkv_examples::at_least;
 
@@ -107,9 +106,7 @@ std::vector<stream::policy_info> check(const options& o) {
     if (seen.insert(n).second) chosen.push_back(*p);
   }
   for (const auto& p : chosen)
-    if (const auto b = stream::policy_budget(p.k, o.s); b && o.s.budget <= b->sinks + b->recent)
-      usage_error("--budget = " + std::to_string(o.s.budget) + ": must exceed the tokens " + std::string(p.name) +
-                  " protects (sinks " + std::to_string(b->sinks) + " + recent " + std::to_string(b->recent) + ")");
+    if (const std::string why = stream::budget_problem(p.k, p.name, o.s); !why.empty()) usage_error(why);
   return chosen;
 }
 
@@ -118,18 +115,11 @@ std::vector<stream::policy_info> check(const options& o) {
 /// session's f16 key copies, per cell, times the cells.
 void check_memory(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const stream::model_shape sh(m);
-  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1));
-  const double avail = memory_available();
-  if (avail <= 0) return;
   for (const auto& p : chosen) {
     const bool full = p.k == stream::kind::full;
     const double cells = full ? double(o.tokens > 0 ? std::min<std::int64_t>(o.tokens, sh.n_ctx_train) : sh.n_ctx_train)
                               : double(o.s.budget) + double(o.s.block);
-    if (cells * per_cell > avail)
-      usage_error(fmt::format("{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies "
-                              "({:.1f} KiB a cell), but {:.0f} MiB of memory are available",
-                              full ? "--tokens" : "--budget", full ? o.tokens : o.s.budget, p.name, cells,
-                              cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0));
+    stream::check_cells(m, full ? "--tokens" : "--budget", full ? o.tokens : o.s.budget, p.name, cells);
   }
 }
 

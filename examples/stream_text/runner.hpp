@@ -9,8 +9,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include <infkv/adapters/llama_cpp.hpp>
 
@@ -38,6 +41,28 @@ struct settings : infkv_examples::policy_knobs {
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
 inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
   return infkv_examples::policy_budget(k, s.budget, s);
+}
+
+/// Why --budget cannot serve policy `name` (it must exceed the tokens the policy protects), or
+/// empty when it can.
+inline std::string budget_problem(kind k, std::string_view name, const settings& s) {
+  const auto b = policy_budget(k, s);
+  if (!b || s.budget > b->sinks + b->recent) return {};
+  return fmt::format("--budget = {}: must exceed the tokens {} protects (sinks {} + recent {})", s.budget, name,
+                     b->sinks, b->recent);
+}
+
+/// Fails naming `flag` = `value` before anything is allocated when `cells` cache cells (llama.cpp's
+/// f16 K/V plus the session's f16 key copies) cannot fit in the memory available now; `who`
+/// needs them.
+inline void check_cells(const llama_model* m, std::string_view flag, std::int64_t value, std::string_view who,
+                        double cells) {
+  const model_shape sh(m);
+  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1)), avail = memory_available();
+  if (avail > 0 && cells * per_cell > avail)
+    infkv_examples::fail("{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies ({:.1f} KiB a "
+                         "cell), but {:.0f} MiB of memory are available", flag, value, who, cells,
+                         cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
 }
 
 /// One context streaming one token sequence. `feed` decodes the next tokens with logits for
