@@ -6,7 +6,10 @@
 # MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
 # every token of the key statement at the question, StreamingLLM none; the same for three needle
 # trials in TEXT (one of each kind; expected_attention runs them too, through the values it
-# captures); and a --skip run whose block token counts start after the skipped tokens.
+# captures); three needles in one stream, each asked at distances 100 and 300 (every question
+# at its distance, the full cache holding every key): asking leaves no trace, so the questions at
+# 300 score the same whether the answers at 100 were 8 tokens long or 1; and a --skip run whose
+# block token counts start after the skipped tokens.
 # MODE bad_flag: bad values must fail with a message naming the flag. MODE too_big: a budget no
 # machine holds is refused at once, naming --budget.
 # Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
@@ -129,6 +132,35 @@ elseif(MODE STREQUAL "passkey")
                           "full kept ${full_kept} (all expected), streaming_llm ${window_kept} (none expected)")
     endif()
   endforeach()
+  # Three needles in one stream, each asked at 100 and 300; --gen 8, then --gen 1.
+  set(multi --model ${MODEL} --text ${TEXT} --needle 100,300 --needles 3 --needle-gap 64 --trials 3 --budget 128
+            --block 32 --policy full,streaming_llm)
+  foreach(gen 8 1)
+    run_stream(--needles ${multi} --gen ${gen})
+    set(logp_${gen} "")
+    foreach(r RANGE 1)
+      string(JSON n LENGTH "${json}" runs ${r} trials)
+      if(NOT n EQUAL 6)
+        message(FATAL_ERROR "--needles 3 --needle 100,300: run ${r} asked ${n} questions, 6 expected")
+      endif()
+      foreach(t RANGE 5)
+        string(JSON d GET "${json}" runs ${r} trials ${t} distance)
+        string(JSON kept GET "${json}" runs ${r} trials ${t} key_kept)
+        string(JSON key_tokens GET "${json}" runs ${r} trials ${t} key_tokens)
+        string(JSON lp GET "${json}" runs ${r} trials ${t} needle_logprob)
+        if(NOT (d EQUAL 100 OR d EQUAL 300) OR (r EQUAL 0 AND NOT kept EQUAL key_tokens))
+          message(FATAL_ERROR "--needles 3: question ${t} of run ${r} at distance ${d}, ${kept}/${key_tokens} key tokens")
+        endif()
+        if(d EQUAL 300)
+          list(APPEND logp_${gen} ${lp})
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
+  if(NOT logp_8 STREQUAL logp_1 OR logp_8 STREQUAL "")
+    message(FATAL_ERROR "the questions at distance 300 scored ${logp_8} after 8-token answers at 100, but ${logp_1} "
+                        "after 1-token answers: asking left something in the cache")
+  endif()
   run_stream(--skip --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32 --policy streaming_llm)
   string(JSON first GET "${json}" runs 0 blocks 0 tokens)
   string(JSON last GET "${json}" runs 0 blocks 2 tokens)

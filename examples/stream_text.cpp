@@ -18,6 +18,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -39,8 +40,11 @@ struct options {
   std::string model, text, json, csv, plot;
   std::vector<std::string> policy_names;
   stream::settings s;
-  std::int64_t tokens = 0, skip = 0, passkey = 0, needle = 0, trials = 10, gen = 8, smooth = 8, progress = 10;
+  std::int64_t tokens = 0, skip = 0, trials = 10, gen = 8, smooth = 8, progress = 10, needles = 1, needle_gap = 1024;
+  std::vector<std::int64_t> passkey, needle;  ///< retrieval distances
   std::vector<std::string> needle_kinds;
+  bool retrieval() const { return !passkey.empty() || !needle.empty(); }
+  std::string mode() const { return !passkey.empty() ? "--passkey" : "--needle"; }
   std::uint64_t seed = 1;
   bool list = false;
 };
@@ -74,30 +78,35 @@ void add_options(CLI::App& app, options& o) {
   app.add_flag("--keep-positions", o.s.keep_positions, "evicting policies leave holes at the original positions "
                                                       "instead of compacting them (positions then grow with the stream)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
-  app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: DISTANCE tokens of filler between "
-                                         "the key and the question")->check(pos);
-  app.add_option("--needle", o.needle, "needle retrieval in real text: a needle statement planted into the --text "
-                                       "prose, DISTANCE tokens of it, then the question")->check(pos)->excludes("--passkey");
+  app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: the question DISTANCE tokens of "
+                                         "filler after the key (comma list: asked at each)")->delimiter(',')->check(pos);
+  app.add_option("--needle", o.needle, "needle retrieval in real text: needle statements planted into the --text "
+                                       "prose, the question DISTANCE tokens after each (comma list: asked at each)")
+      ->delimiter(',')->check(pos)->excludes("--passkey");
   app.add_option("--needle-kind", o.needle_kinds, "needle kinds the trials cycle through (number, word, fact; default "
                                                   "all three)")->delimiter(',')->check(CLI::IsMember({"number", "word", "fact"}));
-  app.add_option("--trials", o.trials, "retrieval trials per policy (needles and their positions seeded)")->check(pos);
-  app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(pos);
+  app.add_option("--needles", o.needles, "needles planted in one stream, each about its own person (the others are "
+                                         "distractors for its question)")->check(at_least(1, true, 16));
+  app.add_option("--needle-gap", o.needle_gap, "tokens of prose between two needles of a stream")->check(pos);
+  app.add_option("--trials", o.trials, "retrieval keys per policy, each asked at every distance (seeded)")->check(pos);
+  app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(at_least(1, true, 256));
   app.add_option("--seed", o.seed, "retrieval seed");
 }
 
 /// Checks what CLI11 cannot: the combination of flags. Exits with status 2 naming the flag.
 std::vector<stream::policy_info> check(const options& o) {
   if (o.model.empty()) usage_error("--model is required");
-  const bool retrieval = o.passkey > 0 || o.needle > 0;
-  const std::string mode = o.passkey > 0 ? "--passkey" : "--needle";
-  if (o.passkey == 0 && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
-  if (retrieval && o.gen > o.s.block)
-    usage_error("--gen = " + std::to_string(o.gen) + ": the answer must fit in one block (--block = " +
-                std::to_string(o.s.block) + "): the cache is evicted only between blocks");
+  const bool retrieval = o.retrieval();
+  const std::string mode = o.mode();
+  if (o.passkey.empty() && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
   if (o.skip > 0 && retrieval) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not " + mode);
   if (o.tokens > 0 && retrieval) usage_error("--tokens = " + std::to_string(o.tokens) + ": only for the text stream, not " + mode);
   if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
-  if (!o.needle_kinds.empty() && o.needle == 0) usage_error("--needle-kind: only with --needle DISTANCE");
+  if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
+  if (o.needles > 1 && o.needle.empty()) usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
+  for (const auto& [flag, list] : {std::pair{"--passkey", &o.passkey}, {"--needle", &o.needle}})
+    if (std::set<std::int64_t>(list->begin(), list->end()).size() != list->size())
+      usage_error(fmt::format("{} = {}: a distance is listed twice", flag, fmt::join(*list, ",")));
   std::vector<stream::policy_info> chosen;
   std::set<std::string> seen;
   for (const auto& n : o.policy_names.empty() ? std::vector<std::string>{"streaming_llm"} : o.policy_names) {
@@ -197,67 +206,71 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
   return 0;
 }
 
-/// The retrieval prompts of --passkey or --needle, one per trial.
-std::vector<stream::passkey_prompt> retrieval_prompts(const options& o, const llama_model* m) {
-  std::vector<stream::passkey_prompt> prompts;
-  if (o.passkey > 0) {
-    for (std::int64_t t = 0; t < o.trials; ++t) prompts.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
-    return prompts;
+/// The retrieval streams of --passkey (one key each) or --needle (--needles keys each); --trials
+/// keys in all.
+std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const llama_model* m) {
+  std::vector<stream::retrieval_stream> streams;
+  if (!o.passkey.empty()) {
+    for (std::int64_t t = 0; t < o.trials; ++t) streams.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
+    return streams;
   }
-  std::vector<std::string> kinds = o.needle_kinds;
-  if (kinds.empty()) kinds.assign(stream::needle_kinds.begin(), stream::needle_kinds.end());
+  stream::needle_layout lay{.distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
+  if (lay.kinds.empty()) lay.kinds.assign(stream::needle_kinds.begin(), stream::needle_kinds.end());
   const auto text = stream::tokenize_file(m, o.text, 0);
-  const std::int64_t need = stream::needle_text_needed(o.needle);
-  if (std::int64_t(text.size()) <= need)
-    usage_error(fmt::format("--needle = {}: --text = {} has {} tokens; the prompt takes up to {} tokens of its prose",
-                            o.needle, o.text, text.size(), need));
+  if (std::int64_t(text.size()) <= lay.text_needed())
+    usage_error(fmt::format("--needle = {}: --text = {} has {} tokens; a stream of {} needle(s) --needle-gap {} apart "
+                            "takes up to {} tokens of its prose", fmt::join(o.needle, ","), o.text, text.size(),
+                            o.needles, o.needle_gap, lay.text_needed()));
   std::vector<bool> line_start(text.size(), false);
   for (std::size_t i = 1; i < text.size(); ++i) {
     const std::string prev = stream::piece(m, text[i - 1]);
     line_start[i] = !prev.empty() && prev.back() == '\n';
   }
-  for (std::int64_t t = 0; t < o.trials; ++t)
-    prompts.push_back(stream::make_needle(m, text, line_start, o.needle, kinds[std::size_t(t) % kinds.size()], t, o.seed));
-  return prompts;
+  for (std::int64_t first = 0, index = 0; first < o.trials; first += o.needles, ++index)
+    streams.push_back(stream::make_needles(m, text, line_start, lay, first, std::min(o.needles, o.trials - first), index,
+                                           o.seed));
+  return streams;
 }
 
-int run_passkey(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
+int run_retrieval(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const double load0 = load_average();
   const stream::model_shape sh(m);
-  const std::vector<stream::passkey_prompt> prompts = retrieval_prompts(o, m);
-  std::size_t shortest = SIZE_MAX, longest = 0;
-  for (const auto& p : prompts)
-    shortest = std::min(shortest, p.context.size() + p.question.size()),
-    longest = std::max(longest, p.context.size() + p.question.size());
-  fmt::print(stderr, "infkv-stream: {}, distance {}, {} trials, prompts of {}..{} tokens; budget {}, block {}; "
-             "load average {:.2f}\n", o.passkey > 0 ? "passkey" : "needle in " + o.text, o.passkey > 0 ? o.passkey : o.needle,
-             o.trials, shortest, longest, o.s.budget, o.s.block, load0);
+  const std::vector<stream::retrieval_stream> streams = retrieval_streams(o, m);
+  std::int64_t longest = 0, questions = 0;
+  for (const auto& rs : streams)
+    longest = std::max(longest, std::int64_t(rs.tokens.size())), questions += std::int64_t(rs.probes.size());
+  const auto& distances = o.passkey.empty() ? o.needle : o.passkey;
+  fmt::print(stderr, "infkv-stream: {}, distances {}, {} keys in {} stream(s) of up to {} tokens, {} questions; budget {}, "
+             "block {}; load average {:.2f}\n", o.passkey.empty() ? "needles in " + o.text : "passkey",
+             fmt::join(distances, ","), o.trials, streams.size(), longest, questions, o.s.budget, o.s.block, load0);
   std::vector<stream::passkey_run> runs;
   for (const auto& p : chosen) {
     stream::passkey_run run;
     run.policy = std::string(p.name);
-    for (std::int64_t t = 0; t < o.trials; ++t) {
-      const auto& pr = prompts[std::size_t(t)];
-      const std::int64_t total = std::int64_t(pr.context.size() + pr.question.size()) + o.gen;
-      if (p.k == stream::kind::full && total > sh.n_ctx_train) {
-        run.note = "skipped: prompts exceed the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
-        run.trials.clear();
-        break;
-      }
-      run.trials.push_back(stream::run_passkey(m, p.k, o.s, pr, t, o.gen));
-      const auto& tr = run.trials.back();
-      if (o.progress > 0)
-        fmt::print(stderr, "[{}] trial {}: {} {} at token {}, distance {}, {}/{} key tokens cached: \"{}\" {} ({:.1f} s)\n",
-                   p.name, t, pr.kind, pr.needle, pr.key_at, pr.distance, tr.key_kept, pr.key_tokens(), tr.answer,
-                   tr.success ? "ok" : "miss", tr.seconds);
+    if (p.k == stream::kind::full && longest + stream::ask_room(m, streams.front(), o.gen) > sh.n_ctx_train) {
+      run.note = "skipped: streams exceed the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
+      runs.push_back(std::move(run));
+      continue;
     }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const auto& rs : streams) {
+      auto got = stream::run_retrieval(m, p.k, o.s, rs, o.gen, [&](const stream::passkey_trial& t) {
+        if (o.progress > 0)
+          fmt::print(stderr, "[{}] key {}: {} {} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
+                     "log p(needle) {:.2f}: \"{}\" {}\n", p.name, t.p.trial, t.p.kind, t.p.needle, t.p.key_at, t.p.at,
+                     t.p.distance(), t.key_kept, t.p.key_tokens(), t.needle_logprob, t.answer, t.success ? "ok" : "miss");
+      });
+      run.trials.insert(run.trials.end(), got.begin(), got.end());
+    }
+    run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     runs.push_back(std::move(run));
   }
   stream::print_passkey_table(runs);
   if (!o.json.empty()) {
     auto j = stream::passkey_json(head(o, m, load0), runs);
-    j[o.passkey > 0 ? "passkey" : "needle"] = {{"distance", o.passkey > 0 ? o.passkey : o.needle}, {"trials", o.trials},
-                                                {"gen", o.gen}, {"seed", o.seed}};
+    j[o.passkey.empty() ? "needle" : "passkey"] = {{"distances", distances}, {"trials", o.trials}, {"gen", o.gen},
+                                                   {"seed", o.seed}, {"needles_per_stream", o.needles},
+                                                   {"needle_gap", o.needle_gap}};
     j["load_average_end"] = stream::num(load_average());
     stream::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -285,7 +298,7 @@ int main(int argc, char** argv) {
   try {
     const auto model = stream::load_model(o.model);
     check_memory(o, chosen, model.get());
-    return o.passkey > 0 || o.needle > 0 ? run_passkey(o, chosen, model.get()) : run_text(o, chosen, model.get());
+    return o.retrieval() ? run_retrieval(o, chosen, model.get()) : run_text(o, chosen, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-stream: error: " << e.what() << '\n';
     return 1;

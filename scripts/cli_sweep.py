@@ -114,6 +114,11 @@ def cases(a, tmp):
     out.append((a.stream, nd + ["--needle-kind", "color"], "--needle-kind", None))
     out.append((a.stream, st + ["--needle-kind", "word"], "--needle-kind", None))  # without --needle
     out.append((a.stream, pk + ["--needle", "300"], "--needle", None))  # not with --passkey
+    out.append((a.stream, with_opt(nd, "--needle", "300,300"), "--needle", None))  # a distance twice
+    ints(a.stream, nd, "--needles", ["-1", "0", "17", HUGE, "abc"])
+    ints(a.stream, nd, "--needle-gap", ["-1", "0", HUGE, "abc"])
+    out.append((a.stream, st + ["--needles", "3"], "--needles", None))  # without --needle
+    out.append((a.stream, nd + ["--needles", "3", "--needle-gap", "1000000"], "--needle", None))  # beyond the text
     for opt, ext in (("--json", ".json"), ("--csv", ".csv"), ("--plot", ".png")):
         out.append((a.stream, st + [opt, unwritable + ext], opt, unwritable + ext))
 

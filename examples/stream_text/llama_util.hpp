@@ -48,13 +48,16 @@ struct model_shape {
   std::int64_t key_copy_bytes(std::int64_t cells) const { return cells * layers * kv_heads * head_dim * 2; }
 };
 
-/// Context parameters shared by every run: `n_ctx` cells, batches up to `n_batch` tokens.
-inline llama_context_params context_params(std::uint32_t n_ctx, std::uint32_t n_batch, int threads) {
+/// Context parameters shared by every run: `n_ctx` cells, batches up to `n_batch` tokens, `seqs`
+/// sequences over one shared cache (2: retrieval asks its questions on sequence 1).
+inline llama_context_params context_params(std::uint32_t n_ctx, std::uint32_t n_batch, int threads,
+                                          std::uint32_t seqs = 1) {
   auto p = llama_context_default_params();
   p.n_ctx = n_ctx;
   p.n_batch = n_batch;
   p.n_ubatch = std::min<std::uint32_t>(n_batch, 512);
-  p.n_seq_max = 1;
+  p.n_seq_max = seqs;
+  p.kv_unified = true;  // one cache all sequences share: llama_memory_seq_cp then copies nothing
   p.n_threads = threads;
   p.n_threads_batch = threads;
   p.no_perf = true;

@@ -1,10 +1,11 @@
-// infkv-stream's retrieval tests. --passkey: a random 5-digit pass key stated once, DISTANCE tokens
-// of a repeated filler sentence, then the question (a sanity check: anything that differs from
-// the filler stands out). --needle: a needle statement (a number, a word or a short fact) planted
-// into real prose from --text, DISTANCE tokens of that prose after it, then the question. Either
-// prompt streams through the bounded cache in blocks with eviction exactly as the text stream
-// does (the question is the last block); the answer is decoded greedily and succeeds when it
-// contains the needle (case-insensitive).
+// infkv-stream's retrieval tests. --passkey: a random 5-digit pass key stated once, then a repeated
+// filler sentence (a sanity check: anything that differs from the filler stands out). --needle:
+// needle statements (a number, a word or a short fact, each about its own person) planted into
+// real prose from --text, --needles of them per stream, --needle-gap tokens of prose apart. The
+// stream goes through the bounded cache in blocks with eviction exactly as the text stream does;
+// DISTANCE tokens after each key (for each DISTANCE asked) the question is asked on a second
+// llama.cpp sequence that shares the cache (runner::ask), so asking changes nothing the stream
+// goes on with. The greedy answer succeeds when it contains the needle (case-insensitive).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <span>
 #include <string>
@@ -22,121 +24,191 @@
 
 namespace stream {
 
-/// One retrieval prompt, already tokenized.
-struct passkey_prompt {
-  std::string kind = "passkey";       ///< passkey, or the needle's kind: number, word, fact
-  std::string needle;                 ///< what the answer must contain
-  std::vector<llama_token> context;   ///< intro, filler, the key, DISTANCE tokens of filler
-  std::vector<llama_token> question;  ///< the last block
-  std::int64_t prefix = 0;            ///< filler sentences (passkey) or prose tokens (needle) before the key
-  std::int64_t key_at = 0;            ///< token index where the key statement starts
-  std::int64_t distance = 0;          ///< tokens from the end of the key statement to the question
-  /// Tokens of the key statement.
-  std::int64_t key_tokens() const { return std::int64_t(context.size()) - distance - key_at; }
+/// One question asked along a retrieval stream.
+struct probe {
+  std::int64_t trial = 0;            ///< the key's number (keys counted over every stream)
+  std::string kind = "passkey";      ///< passkey, or the needle's kind: number, word, fact
+  std::string needle;                ///< what the answer must contain
+  std::vector<llama_token> question;
+  std::int64_t key_at = 0;           ///< stream index where the key statement starts
+  std::int64_t key_end = 0;          ///< ... and ends
+  std::int64_t at = 0;               ///< asked after the stream's first `at` tokens
+  std::int64_t prefix = 0;           ///< filler sentences (passkey) or prose tokens (needle) before the stream's first key
+  std::int64_t distance() const { return at - key_end; }
+  std::int64_t key_tokens() const { return key_end - key_at; }
 };
 
-/// The outcome of one trial.
+/// A token stream and the questions asked along it (ascending `at`).
+struct retrieval_stream {
+  std::vector<llama_token> tokens;
+  std::vector<probe> probes;
+};
+
+/// The outcome of one question.
 struct passkey_trial {
-  std::int64_t trial = 0;
-  passkey_prompt prompt;
+  probe p;
   std::string answer;
-  std::int64_t key_kept = 0;  ///< tokens of the key statement still cached when the question starts
+  std::int64_t key_kept = 0;    ///< tokens of the key statement cached when the question is asked
+  double needle_logprob = 0.0;  ///< log-probability of " needle" right after the question
   bool success = false;
-  double seconds = 0.0;
+  double seconds = 0.0;         ///< asking and answering
 };
 
-/// One policy's trials.
+/// One policy's questions.
 struct passkey_run {
   std::string policy;
   std::vector<passkey_trial> trials;
   std::string note;  ///< why the policy was skipped, if it was
-  double rate() const {
-    std::int64_t ok = 0;
-    for (const auto& t : trials) ok += t.success;
-    return trials.empty() ? 0.0 : double(ok) / double(trials.size());
-  }
+  double seconds = 0.0;
 };
 
-/// The prompt of trial `trial`: number and key position drawn from (seed, trial).
-inline passkey_prompt make_passkey(const llama_model* m, std::int64_t distance, std::int64_t trial, std::uint64_t seed) {
+/// Successes over questions.
+inline double success_rate(std::span<const passkey_trial> t) {
+  std::int64_t ok = 0;
+  for (const auto& x : t) ok += x.success;
+  return t.empty() ? 0.0 : double(ok) / double(t.size());
+}
+
+/// Asks each distance in `distances` of the key that occupies [key_at, key_end) of `s.tokens`.
+inline void add_probes(retrieval_stream& s, const probe& key, std::span<const std::int64_t> distances) {
+  for (const std::int64_t d : distances) {
+    probe p = key;
+    p.at = key.key_end + d;
+    s.probes.push_back(std::move(p));
+  }
+}
+
+/// Sorts the questions by where they are asked (keys in order at equal places).
+inline void order_probes(retrieval_stream& s) {
+  std::stable_sort(s.probes.begin(), s.probes.end(), [](const probe& a, const probe& b) { return a.at < b.at; });
+}
+
+/// Passkey stream `trial`: number and key position drawn from (seed, trial); the filler runs to
+/// the farthest distance, and the question is asked at each distance (rounded up to whole filler
+/// sentences).
+inline retrieval_stream make_passkey(const llama_model* m, std::span<const std::int64_t> distances, std::int64_t trial,
+                                     std::uint64_t seed) {
   std::mt19937_64 rng(seed * 1000003u + std::uint64_t(trial));
-  passkey_prompt p;
-  p.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+  probe key;
+  key.trial = trial;
+  key.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
   const std::string intro =
       "There is an important piece of information hidden inside a lot of irrelevant text. Find it and remember it.";
   const std::string filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
-  const std::string key = " The pass key is " + p.needle + ". Remember it. " + p.needle + " is the pass key.";
+  const std::string statement = " The pass key is " + key.needle + ". Remember it. " + key.needle + " is the pass key.";
   const std::int64_t unit = std::int64_t(tokenize(m, filler, false).size());
-  const std::int64_t reps = std::max<std::int64_t>(1, (distance + unit - 1) / unit);
-  p.prefix = std::uniform_int_distribution<std::int64_t>(0, reps / 4)(rng);
-  std::string before = intro;
-  for (std::int64_t i = 0; i < p.prefix; ++i) before += filler;
-  std::string text = before + key;
-  p.key_at = std::int64_t(tokenize(m, before, true).size());
-  const std::int64_t key_end = std::int64_t(tokenize(m, text, true).size());
-  for (std::int64_t i = 0; i < reps; ++i) text += filler;
-  p.context = tokenize(m, text, true);
-  p.distance = std::int64_t(p.context.size()) - key_end;
-  p.question = tokenize(m, " What is the pass key? The pass key is", false);
-  return p;
+  const auto reps_of = [&](std::int64_t d) { return std::max<std::int64_t>(1, (d + unit - 1) / unit); };
+  const std::int64_t far = *std::max_element(distances.begin(), distances.end());
+  key.prefix = std::uniform_int_distribution<std::int64_t>(0, reps_of(far) / 4)(rng);
+  std::string text = intro;
+  for (std::int64_t i = 0; i < key.prefix; ++i) text += filler;
+  key.key_at = std::int64_t(tokenize(m, text, true).size());
+  text += statement;
+  key.key_end = std::int64_t(tokenize(m, text, true).size());
+  for (std::int64_t i = 0; i < reps_of(far); ++i) text += filler;
+  retrieval_stream s;
+  s.tokens = tokenize(m, text, true);
+  key.question = tokenize(m, " What is the pass key? The pass key is", false);
+  for (const std::int64_t d : distances) {
+    probe p = key;
+    p.at = std::min<std::int64_t>(key.key_end + reps_of(d) * unit, std::int64_t(s.tokens.size()));
+    s.probes.push_back(std::move(p));
+  }
+  order_probes(s);
+  return s;
 }
 
-/// The needle kinds, in the order trials cycle through them.
+/// The needle kinds, in the order keys cycle through them.
 inline constexpr std::array<std::string_view, 3> needle_kinds{"number", "word", "fact"};
+/// The people needles are about; a stream holds at most this many needles (each about its own).
+inline constexpr std::array<std::string_view, 16> needle_names{
+    "Marta", "Tobias", "Ingrid", "Kenji", "Amara", "Lukas", "Priya", "Mateo",
+    "Sofia", "Dmitri", "Leila", "Oscar", "Hannah", "Rafael", "Yuki", "Nadia"};
 
-/// The most prose tokens a needle prompt of `distance` takes (a prefix of up to distance / 4, and
-/// up to 64 to reach line starts): --text must hold more.
-inline std::int64_t needle_text_needed(std::int64_t distance) { return distance + distance / 4 + 64; }
+/// The layout of the needle streams.
+struct needle_layout {
+  std::vector<std::int64_t> distances;  ///< tokens from the end of a needle statement to its question
+  std::vector<std::string> kinds;       ///< kinds the needles cycle through
+  std::int64_t per_stream = 1;          ///< needles in one stream
+  std::int64_t gap = 1024;              ///< prose tokens between two needles of a stream
+  /// The most prose tokens one stream takes (the prefix before the first needle is up to one gap,
+  /// or a quarter of the farthest distance when the stream holds one needle; up to 32 tokens per
+  /// needle to reach a line start): --text must hold more.
+  std::int64_t text_needed() const {
+    const std::int64_t far = *std::max_element(distances.begin(), distances.end());
+    return first_gap() + (per_stream - 1) * gap + far + 32 * per_stream + 32;
+  }
+  std::int64_t first_gap() const {
+    const std::int64_t far = *std::max_element(distances.begin(), distances.end());
+    return per_stream == 1 ? far / 4 : gap;
+  }
+};
 
-/// The prompt of needle trial `trial` of kind `kind`: an intro, `prefix` tokens of prose (drawn
-/// in [0, distance / 4]) from a random line start of `text`, the needle statement on its own
-/// line, the next `distance` tokens of prose, the question. `line_start[i]`: token i of `text`
-/// begins a line.
-inline passkey_prompt make_needle(const llama_model* m, std::span<const llama_token> text,
-                                  const std::vector<bool>& line_start, std::int64_t distance, std::string_view kind,
-                                  std::int64_t trial, std::uint64_t seed) {
+/// Needle stream `index` holding keys `first`, first + 1, ..., first + n - 1: an intro, then from
+/// a random line start of `text`, a random prefix of prose, each needle statement on its own line
+/// with `gap` tokens of prose between them, and prose up to the last question. Needle values,
+/// names and positions are drawn from (seed, index). `line_start[i]`: token i of `text` begins a line.
+inline retrieval_stream make_needles(const llama_model* m, std::span<const llama_token> text,
+                                     const std::vector<bool>& line_start, const needle_layout& lay, std::int64_t first,
+                                     std::int64_t n, std::int64_t index, std::uint64_t seed) {
   static constexpr std::array<std::string_view, 12> words{"pineapple", "telescope", "violin", "umbrella", "volcano", "penguin",
                                                           "lantern", "bicycle", "saxophone", "avocado", "kangaroo", "helicopter"};
-  static constexpr std::array<std::string_view, 8> names{"Marta", "Tobias", "Ingrid", "Kenji", "Amara", "Lukas", "Priya", "Mateo"};
   static constexpr std::array<std::string_view, 8> cities{"Lisbon", "Oslo", "Nairobi", "Kyoto", "Toronto", "Santiago",
                                                           "Helsinki", "Melbourne"};
-  std::mt19937_64 rng(seed * 1000003u + std::uint64_t(trial) + 7777u);
+  INFKV_REQUIRE(n >= 1 && n <= std::int64_t(needle_names.size()), "needles in a stream", n, "must be in [1, ",
+                needle_names.size(), "]: each is about a different person");
+  std::mt19937_64 rng(seed * 1000003u + std::uint64_t(index) + 7777u);
   const auto pick = [&](const auto& list) { return std::string(list[std::size_t(rng() % list.size())]); };
-  passkey_prompt p;
-  p.kind = std::string(kind);
-  std::string statement, question;
-  if (kind == "number") {
-    p.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
-    statement = "The magic number is " + p.needle + ".";
-    question = "\nWhat is the magic number? The magic number is";
-  } else if (kind == "word") {
-    p.needle = pick(words);
-    statement = "The secret word is " + p.needle + ".";
-    question = "\nWhat is the secret word? The secret word is";
-  } else {
-    const std::string name = pick(names);
-    p.needle = pick(cities);
-    statement = name + " lives in " + p.needle + ".";
-    question = "\nWhere does " + name + " live? " + name + " lives in";
+  std::array<std::string_view, 16> names = needle_names;
+  std::shuffle(names.begin(), names.end(), rng);
+  const auto total = std::int64_t(text.size());
+  const std::int64_t span = lay.text_needed();
+  if (total <= span)
+    infkv_examples::fail("--needle: the --text has {} tokens, a stream needs {} of its prose", total, span);
+  const auto line_after = [&](std::int64_t i, std::int64_t limit) {  // the first line start in [i, limit), else i
+    for (std::int64_t j = i; j < limit; ++j)
+      if (line_start[std::size_t(j)]) return j;
+    return i;
+  };
+  std::int64_t cur = line_after(std::uniform_int_distribution<std::int64_t>(1, total - span)(rng), total - span + 32);
+  const std::int64_t start = cur;
+  retrieval_stream s;
+  s.tokens = tokenize(m, "There are important facts hidden inside a long text. Find them and remember them.\n", true);
+  const std::int64_t prefix = std::uniform_int_distribution<std::int64_t>(0, lay.first_gap())(rng);
+  for (std::int64_t j = 0; j < n; ++j) {
+    const std::int64_t cut = line_after(cur + (j == 0 ? prefix : lay.gap), cur + (j == 0 ? prefix : lay.gap) + 32);
+    s.tokens.insert(s.tokens.end(), text.begin() + cur, text.begin() + cut);
+    cur = cut;
+    probe key;
+    key.prefix = j == 0 ? cut - start : 0;
+    key.trial = first + j;
+    key.kind = lay.kinds[std::size_t(key.trial) % lay.kinds.size()];
+    const std::string name(names[std::size_t(j)]);
+    std::string statement, question;
+    if (key.kind == "number") {
+      key.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+      statement = name + "'s magic number is " + key.needle + ".";
+      question = "\nWhat is " + name + "'s magic number? " + name + "'s magic number is";
+    } else if (key.kind == "word") {
+      key.needle = pick(words);
+      statement = name + "'s secret word is " + key.needle + ".";
+      question = "\nWhat is " + name + "'s secret word? " + name + "'s secret word is";
+    } else {
+      key.needle = pick(cities);
+      statement = name + " lives in " + key.needle + ".";
+      question = "\nWhere does " + name + " live? " + name + " lives in";
+    }
+    key.key_at = std::int64_t(s.tokens.size());
+    const auto stmt = tokenize(m, statement + "\n", false);
+    s.tokens.insert(s.tokens.end(), stmt.begin(), stmt.end());
+    key.key_end = std::int64_t(s.tokens.size());
+    key.question = tokenize(m, question, false);
+    add_probes(s, key, lay.distances);
   }
-  p.prefix = std::uniform_int_distribution<std::int64_t>(0, distance / 4)(rng);
-  const auto n = std::int64_t(text.size());
-  const std::int64_t span = p.prefix + distance + 64;  // prose used, plus room to reach a line start
-  if (n <= span) infkv_examples::fail("--needle = {}: the --text has {} tokens, the prompt needs {} of its prose", distance, n, span);
-  std::int64_t at = std::uniform_int_distribution<std::int64_t>(1, n - span)(rng);
-  while (at < n - span + 32 && !line_start[std::size_t(at)]) ++at;
-  std::int64_t cut = at + p.prefix;  // the needle goes at the line start nearest after the prefix
-  while (cut < at + p.prefix + 32 && !line_start[std::size_t(cut)]) ++cut;
-  p.prefix = cut - at;
-  p.context = tokenize(m, "There is an important fact hidden inside a long text. Find it and remember it.\n", true);
-  p.context.insert(p.context.end(), text.begin() + at, text.begin() + cut);
-  p.key_at = std::int64_t(p.context.size());
-  const auto stmt = tokenize(m, statement + "\n", false);
-  p.context.insert(p.context.end(), stmt.begin(), stmt.end());
-  p.context.insert(p.context.end(), text.begin() + cut, text.begin() + cut + distance);
-  p.distance = distance;
-  p.question = tokenize(m, question, false);
-  return p;
+  order_probes(s);
+  const std::int64_t end_at = s.probes.back().at;
+  s.tokens.insert(s.tokens.end(), text.begin() + cur, text.begin() + cur + (end_at - std::int64_t(s.tokens.size())));
+  return s;
 }
 
 /// True when the answer contains the needle, ignoring case.
@@ -148,33 +220,44 @@ inline bool contains_needle(std::string answer, std::string needle) {
   return answer.find(needle) != std::string::npos;
 }
 
-/// Runs one trial through a fresh runner of policy `k`, generating up to `gen` tokens.
-inline passkey_trial run_passkey(const llama_model* m, kind k, const settings& s, passkey_prompt prompt,
-                                 std::int64_t trial, std::int64_t gen) {
-  const auto t0 = std::chrono::steady_clock::now();
-  passkey_trial out;
-  out.trial = trial;
-  out.prompt = std::move(prompt);
-  const auto& ctx = out.prompt.context;
-  const auto& q = out.prompt.question;
-  const std::int64_t max_feed = std::max<std::int64_t>(s.block, std::int64_t(q.size()) + gen);
-  auto r = make_runner(m, k, s, std::int64_t(ctx.size() + q.size()) + gen, max_feed);
-  for (std::size_t at = 0; at < ctx.size(); at += std::size_t(s.block)) {
-    r->feed(std::span(ctx).subspan(at, std::min(std::size_t(s.block), ctx.size() - at)));
+/// The most cells a question and its answer take.
+inline std::int64_t ask_room(const llama_model* m, const retrieval_stream& s, std::int64_t gen) {
+  std::size_t q = 0;
+  for (const auto& p : s.probes) q = std::max(q, p.question.size() + tokenize(m, " " + p.needle, false).size());
+  return std::int64_t(q) + gen;
+}
+
+/// Streams `rs` through a fresh runner of policy `k` in blocks of s.block (a block is cut where a
+/// question is asked), evicting after each; asks each question where it belongs and decodes up
+/// to `gen` answer tokens. `done(trial)` is called after each question.
+inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, settings s, const retrieval_stream& rs,
+                                                std::int64_t gen, const std::function<void(const passkey_trial&)>& done) {
+  s.ask_room = ask_room(m, rs, gen);
+  auto r = make_runner(m, k, s, std::int64_t(rs.tokens.size()), s.block);
+  std::vector<passkey_trial> out;
+  const auto n = std::int64_t(rs.tokens.size());
+  std::size_t next = 0;
+  for (std::int64_t at = 0; at < n;) {
+    std::int64_t end = std::min(n, (at / s.block + 1) * s.block);
+    if (next < rs.probes.size()) end = std::min(end, rs.probes[next].at);
+    r->feed(std::span(rs.tokens).subspan(std::size_t(at), std::size_t(end - at)));
     r->evict();
+    at = end;
+    for (; next < rs.probes.size() && rs.probes[next].at == at; ++next) {
+      const auto t0 = std::chrono::steady_clock::now();
+      passkey_trial t;
+      t.p = rs.probes[next];
+      t.key_kept = r->cached_in(t.p.key_at, t.p.key_end);
+      const auto a = r->ask(t.p.question, tokenize(m, " " + t.p.needle, false), gen);
+      t.answer = a.text, t.needle_logprob = a.expected_logprob;
+      t.success = contains_needle(t.answer, t.p.needle);
+      t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      out.push_back(t);
+      if (done) done(out.back());
+    }
   }
-  out.key_kept = r->cached_in(out.prompt.key_at, out.prompt.key_at + out.prompt.key_tokens());
-  r->feed(q);
-  const llama_vocab* vocab = llama_model_get_vocab(m);
-  std::int64_t last = std::int64_t(q.size()) - 1;
-  for (std::int64_t g = 0; g < gen; ++g) {
-    const llama_token t = argmax(r->logits(last));
-    if (llama_vocab_is_eog(vocab, t)) break;
-    out.answer += piece(m, t);
-    if (g + 1 < gen) r->feed(std::vector<llama_token>{t}, true), last = 0;
-  }
-  out.success = contains_needle(out.answer, out.prompt.needle);
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFKV_REQUIRE(next == rs.probes.size(), "retrieval questions asked", next, "of ", rs.probes.size(),
+                ": a question lies beyond the stream");
   return out;
 }
 

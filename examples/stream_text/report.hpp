@@ -141,12 +141,13 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
   for (const auto& r : runs) {
     nlohmann::json trials = nlohmann::json::array();
     for (const auto& t : r.trials)
-      trials.push_back({{"trial", t.trial}, {"kind", t.prompt.kind}, {"needle", t.prompt.needle}, {"prefix", t.prompt.prefix},
-                        {"key_at", t.prompt.key_at}, {"distance", t.prompt.distance},
-                        {"prompt_tokens", t.prompt.context.size() + t.prompt.question.size()},
-                        {"key_tokens", t.prompt.key_tokens()}, {"key_kept", t.key_kept}, {"answer", t.answer},
+      trials.push_back({{"trial", t.p.trial}, {"kind", t.p.kind}, {"needle", t.p.needle}, {"prefix", t.p.prefix},
+                        {"key_at", t.p.key_at}, {"asked_at", t.p.at}, {"distance", t.p.distance()},
+                        {"prompt_tokens", t.p.at + std::int64_t(t.p.question.size())}, {"key_tokens", t.p.key_tokens()},
+                        {"key_kept", t.key_kept}, {"needle_logprob", num(t.needle_logprob)}, {"answer", t.answer},
                         {"success", t.success}, {"seconds", t.seconds}});
-    j["runs"].push_back({{"policy", r.policy}, {"note", r.note}, {"success_rate", num(r.trials.empty() ? NAN : r.rate())},
+    j["runs"].push_back({{"policy", r.policy}, {"note", r.note}, {"seconds", r.seconds},
+                         {"success_rate", num(r.trials.empty() ? NAN : success_rate(r.trials))},
                          {"trials", std::move(trials)}});
   }
   return j;
@@ -154,30 +155,43 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
 
 inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
-  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,seconds,answer\n";
+  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,needle_logprob,seconds,answer\n";
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
       std::string a = t.answer;
       for (auto& c : a)
         if (c == '"' || c == '\n' || c == ',') c = ' ';
-      os << r.policy << ',' << t.trial << ',' << t.prompt.kind << ',' << t.prompt.needle << ',' << t.prompt.key_at << ','
-         << t.prompt.distance
-         << ',' << t.prompt.context.size() + t.prompt.question.size() << ',' << t.prompt.key_tokens() << ','
-         << t.key_kept << ',' << int(t.success) << ','
-         << t.seconds << ",\"" << a << "\"\n";
+      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{:.4f},{:.3f},\"{}\"\n", r.policy, t.p.trial, t.p.kind, t.p.needle,
+                        t.p.key_at, t.p.distance(), t.p.at + std::int64_t(t.p.question.size()), t.p.key_tokens(),
+                        t.key_kept, int(t.success), t.needle_logprob, t.seconds, a);
     }
   return os.str();
 }
 
+/// Per policy and distance asked (the nominal one: a question's exact distance is in the CSV):
+/// questions, successes, key tokens cached, mean log-probability of the needle's first token.
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
-  fmt::print("{:<18} {:>7} {:>8} {:>9} {:>9}\n", "policy", "trials", "success", "key_kept", "s/trial");
+  fmt::print("{:<18} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}\n", "policy", "distance", "questions", "success", "key_kept",
+             "logp", "s/run");
   for (const auto& r : runs) {
-    double sec = 0, kept = 0;
-    for (const auto& t : r.trials) sec += t.seconds, kept += double(t.key_kept) / double(t.prompt.key_tokens());
-    const double n = r.trials.empty() ? NAN : double(r.trials.size());
-    fmt::print("{:<18} {:7} {:>7.0f}% {:>8.0f}% {}{}\n", r.policy, r.trials.size(), 100.0 * r.rate(), 100.0 * kept / n,
-               cell(sec / n, 9, 2), note_suffix(r.note));
+    if (r.trials.empty()) fmt::print("{:<18} {:>8} {:9}{}\n", r.policy, "-", 0, note_suffix(r.note));
+    std::vector<std::int64_t> ds;  // questions of one trial, in the order asked, give the distances
+    for (const auto& t : r.trials)
+      if (t.p.trial == r.trials.front().p.trial) ds.push_back(t.p.distance());
+    for (std::size_t d = 0; d < ds.size(); ++d) {
+      double ok = 0, kept = 0, lp = 0, n = 0;
+      for (const auto& t : r.trials) {
+        std::size_t i = 0;  // rank of this question among its key's questions
+        for (const auto& u : r.trials) i += u.p.trial == t.p.trial && u.p.at < t.p.at;
+        if (i != d) continue;
+        ok += t.success, kept += double(t.key_kept) / double(t.p.key_tokens()), lp += t.needle_logprob, ++n;
+      }
+      fmt::print("{:<18} {:8} {:9.0f} {:>7.0f}% {:>8.0f}% {} {}{}\n", r.policy, ds[d], n, 100.0 * ok / n,
+                 100.0 * kept / n, cell(lp / n, 9, 2), cell(r.seconds, 8, 1), note_suffix(r.note));
+    }
   }
+  fmt::print("distance: the first key's (the others differ by a few tokens); logp: mean log-probability of the "
+             "needle after the question (teacher forcing)\n");
 }
 
 /// Plots the CSV at `csv` into `png` with gnuplot (the script of examples/plot_stream.gp).

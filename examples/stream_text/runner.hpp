@@ -36,7 +36,15 @@ struct settings : infkv_examples::policy_knobs {
   std::int64_t block = 128;    ///< tokens decoded between evictions
   int threads = 2;             ///< llama.cpp and scoring threads
   bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
+  std::int64_t ask_room = 0;   ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
 };
+
+/// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
+/// question, two sequences when questions are asked.
+inline llama_context_params runner_params(const settings& s, std::int64_t cells, std::int64_t n_batch) {
+  return context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
+                        s.ask_room > 0 ? 2 : 1);
+}
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
 inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
@@ -65,12 +73,18 @@ inline void check_cells(const llama_model* m, std::string_view flag, std::int64_
                          cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
 }
 
+/// A question's answer: the greedy text, and the log-probability of the expected answer.
+struct answer {
+  std::string text;
+  double expected_logprob = 0.0;
+};
+
 /// One context streaming one token sequence. `feed` decodes the next tokens with logits for
 /// each; `evict` brings the cache back to the budget. `max_feed` is the most tokens fed between
 /// two evictions: the cache never holds more than budget + max_feed slots.
 class runner {
  public:
-  explicit runner(const llama_model* m) : shape_(m) {}
+  explicit runner(const llama_model* m) : model_(m), shape_(m) {}
   virtual ~runner() = default;
   runner(const runner&) = delete;
   runner& operator=(const runner&) = delete;
@@ -92,6 +106,21 @@ class runner {
                         std::lower_bound(cached_.begin(), cached_.end(), begin));
   }
 
+  /// Asks `question` without changing the stream: on sequence 1, which shares every cell of
+  /// sequence 0 (llama_memory_seq_cp copies nothing in the one shared cache), at the positions
+  /// after the stream's (see answer_on), then removes sequence 1: its own cells are freed, the
+  /// shared ones stay sequence 0's. The session never sees these decodes: nothing is captured,
+  /// scored or tracked. Needs settings::ask_room >= question + expected + gen.
+  virtual answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) {
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+    llama_memory_seq_cp(mem, 0, 1, -1, -1);
+    answer a = answer_on(1, question, expected, next_pos(), gen);
+    if (!llama_memory_seq_rm(mem, 1, -1, -1) || llama_memory_seq_pos_max(mem, 1) != -1)
+      infkv_examples::engine_fail("infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
+                                  "seq_pos_max = {})", llama_memory_seq_pos_max(mem, 1));
+    return a;
+  }
+
   /// Logits of the i-th token of the last feed.
   std::span<const float> logits(std::int64_t i) const {
     const float* l = llama_get_logits_ith(ctx_.get(), std::int32_t(first_out_ + i));
@@ -106,14 +135,47 @@ class runner {
   const model_shape& shape() const { return shape_; }
 
  protected:
-  /// Decodes `toks` at positions pos0, pos0 + 1, ... with logits from batch index `out_from` on.
-  void plain_decode(std::span<const llama_token> toks, std::int64_t pos0, std::int64_t out_from) {
+  /// The position the stream's next token takes.
+  virtual std::int64_t next_pos() const = 0;
+
+  /// Decodes `question` followed by `expected` on sequence `seq` from position `pos0` in one
+  /// batch: the log-probability of `expected` after the question (teacher forcing), and the
+  /// first greedy answer token; then drops the `expected` tokens again and decodes up to `gen`
+  /// greedy tokens in all (stopping at end of generation).
+  answer answer_on(llama_seq_id seq, std::span<const llama_token> question, std::span<const llama_token> expected,
+                   std::int64_t pos0, std::int64_t gen) {
+    INFKV_REQUIRE(!question.empty(), "infkv-stream: question tokens", question.size(), "must not be empty");
+    const llama_vocab* vocab = llama_model_get_vocab(model_);
+    std::vector<llama_token> next(question.begin(), question.end());
+    next.insert(next.end(), expected.begin(), expected.end());
+    const auto q = std::int64_t(question.size());
+    plain_decode(next, pos0, q - 1, seq);
+    answer a;
+    for (std::size_t i = 0; i < expected.size(); ++i) a.expected_logprob -= token_nll(logits(std::int64_t(i)), expected[i]);
+    llama_token t = argmax(logits(0));
+    pos0 += q;
+    if (!expected.empty() && !llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
+      infkv_examples::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false", seq,
+                                  pos0);
+    for (std::int64_t g = 0; g < gen && !llama_vocab_is_eog(vocab, t); ++g) {
+      a.text += piece(model_, t);
+      if (g + 1 == gen) break;
+      next.assign(1, t);
+      plain_decode(next, pos0++, 0, seq);
+      t = argmax(logits(0));
+    }
+    return a;
+  }
+
+  /// Decodes `toks` on sequence `seq` at positions pos0, pos0 + 1, ... with logits from batch
+  /// index `out_from` on.
+  void plain_decode(std::span<const llama_token> toks, std::int64_t pos0, std::int64_t out_from, llama_seq_id seq = 0) {
     llama_batch b = llama_batch_init(std::int32_t(toks.size()), 0, 1);
     for (std::size_t i = 0; i < toks.size(); ++i) {
       b.token[i] = toks[i];
       b.pos[i] = llama_pos(pos0 + std::int64_t(i));
       b.n_seq_id[i] = 1;
-      b.seq_id[i][0] = 0;
+      b.seq_id[i][0] = seq;
       b.logits[i] = std::int64_t(i) >= out_from;
     }
     b.n_tokens = std::int32_t(toks.size());
@@ -133,6 +195,7 @@ class runner {
     for (std::size_t i = 0; i < n; ++i) cached_.push_back(fed_++);
   }
 
+  const llama_model* model_;
   model_shape shape_;
   context_ptr ctx_;
   std::int64_t first_out_ = 0;
@@ -162,7 +225,7 @@ class session_runner final : public runner {
       : runner(m), kind_(k), set_(s), budget_(*policy_budget(k, s)), cap_(s.budget + max_feed),
         session_(m, session_options_for(k, s)) {
     budget_.validate();
-    auto p = context_params(std::uint32_t(cap_), std::uint32_t(max_feed), s.threads);
+    auto p = runner_params(s, cap_, max_feed);
     session_.attach(p);
     const auto& rope = session_.rope();
     if (k == kind::expected_attention && rope.has_rope && !rope.supported)
@@ -204,6 +267,7 @@ class session_runner final : public runner {
   }
 
   std::int64_t slots() const override { return session_.size(); }
+  std::int64_t next_pos() const override { return session_.next_pos(); }
   infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
 
   /// Keys (f16; values too where the policy reads them) of every layer plus the window queries
@@ -228,7 +292,7 @@ class session_runner final : public runner {
 class full_runner final : public runner {
  public:
   full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
-    auto p = context_params(std::uint32_t(total), std::uint32_t(max_feed), s.threads);
+    auto p = runner_params(s, total, max_feed);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", total);
   }
@@ -239,6 +303,7 @@ class full_runner final : public runner {
   }
   std::int64_t evict() override { return 0; }
   std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
 
  private:
   std::int64_t n_ = 0;
@@ -250,7 +315,7 @@ class full_runner final : public runner {
 class recompute_runner final : public runner {
  public:
   recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
-    auto p = context_params(std::uint32_t(s.budget + max_feed), std::uint32_t(s.budget + max_feed), s.threads);
+    auto p = runner_params(s, s.budget + max_feed, s.budget + max_feed);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", s.budget + max_feed);
   }
@@ -276,6 +341,16 @@ class recompute_runner final : public runner {
     return gone;
   }
   std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
+  /// The question goes after the last `budget` tokens of the stream in a rebuilt cache, as a
+  /// block would; the next feed rebuilds the cache anyway.
+  answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) override {
+    llama_memory_clear(llama_get_memory(ctx_.get()), true);
+    const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
+    if (prefix > 0) plain_decode(std::span(history_).last(prefix), 0, std::int64_t(prefix) - 1);
+    n_ = 0;  // nothing of the stream to extend: the next feed starts afresh
+    return answer_on(0, question, expected, std::int64_t(prefix), gen);
+  }
 
  private:
   std::int64_t budget_;
@@ -291,7 +366,7 @@ class shift_runner final : public runner {
  public:
   shift_runner(const llama_model* m, const settings& s, std::int64_t max_feed)
       : runner(m), n_ctx_(s.budget + max_feed), keep_(s.sinks) {
-    auto p = context_params(std::uint32_t(n_ctx_), std::uint32_t(max_feed), s.threads);
+    auto p = runner_params(s, n_ctx_, max_feed);
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_examples::engine_fail("infkv-stream: cannot create a context of {} cells", n_ctx_);
     if (!llama_memory_can_shift(llama_get_memory(ctx_.get())))
@@ -324,6 +399,7 @@ class shift_runner final : public runner {
   }
   std::int64_t evict() override { return std::exchange(pending_, 0); }
   std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
 
  private:
   std::int64_t n_ctx_, keep_;
