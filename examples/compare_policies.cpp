@@ -216,6 +216,10 @@ int main(int argc, char** argv) {
   app.add_option("--beta", s.beta, "attention bias of inf_mllm_bias")->check(at_least(0, false));
   app.add_option("--ea-window", s.ea_window, "queries whose mean and covariance expected_attention uses")
       ->check(at_least(1));
+  app.add_option("--recent-share", s.recent_share, "recent_keydiff: share of each budget kept as the recency region")
+      ->check(at_least(0, false, 1));
+  app.add_option("--keydiff-kernel", s.keydiff_kernel, "recent_keydiff: KeyDiff scores max-pooled over this many "
+                                                        "neighbours (odd; 1: none)")->check(at_least(1, true, 1001));
   app.add_option("--json", json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)")
       ->check(infkv_examples::writable_file());
   app.add_flag("--list-policies", list, "list the policies and exit");
@@ -234,6 +238,9 @@ int main(int argc, char** argv) {
       usage_error("--policy = " + w + ": unknown policy (see --list-policies)");
   for (const auto& p : infkv_examples::policy_catalog)
     if (compare::compared(p.k) && (wanted.empty() || wanted.count(std::string(p.name)))) chosen.push_back(p);
+  if (s.keydiff_kernel % 2 == 0)
+    usage_error("--keydiff-kernel = " + std::to_string(s.keydiff_kernel) + ": must be odd (a slot and the same number "
+                "of neighbours on each side)");
   if (budgets.empty()) budgets = {256, 512, 1024};
   std::sort(budgets.begin(), budgets.end());
   budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());
@@ -287,7 +294,8 @@ int main(int argc, char** argv) {
     for (const auto& p : chosen) names.emplace_back(p.name);
     nlohmann::json j;
     j["settings"] = {{"block", block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
-                     {"probes", s.probes}, {"beta", s.beta}, {"ea_window", s.ea_window}};
+                     {"probes", s.probes}, {"beta", s.beta}, {"ea_window", s.ea_window},
+                     {"recent_share", s.recent_share}, {"keydiff_kernel", s.keydiff_kernel}};
     const bool text = json_path != "-";
     std::vector<record> recs;
     std::size_t n_blocks = 0;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -17,7 +18,7 @@ namespace infkv_examples {
 /// The policies the example programs know (infkv-compare runs all but `recompute`).
 enum class policy_kind {
   full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, inf_mllm_v, expected_attention, recompute,
-  context_shift
+  context_shift, recent_keydiff
 };
 
 /// A policy's name on the command line and a one-line description.
@@ -28,7 +29,7 @@ struct policy_entry {
 };
 
 /// Every policy, in `policy_kind` order.
-inline constexpr std::array<policy_entry, 13> policy_catalog{{
+inline constexpr std::array<policy_entry, 14> policy_catalog{{
     {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
     {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
     {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens"},
@@ -44,6 +45,8 @@ inline constexpr std::array<policy_entry, 13> policy_catalog{{
     {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
     {"context_shift", policy_kind::context_shift,
      "llama.cpp's own context shift, no infkv: keep --sinks, drop half the rest when full"},
+    {"recent_keydiff", policy_kind::recent_keydiff,
+     "budget split: sinks + a recency region (--recent-share of the budget) + KeyDiff saddles for the rest"},
 }};
 
 /// True for the runs only an engine can make (the recompute oracle, llama.cpp's context shift):
@@ -64,6 +67,8 @@ struct policy_knobs {
   std::int64_t window = 32; ///< queries that score the cache (snapkv, inf_mllm*)
   double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, age in ranks)
   std::int64_t ea_window = 128;  ///< queries whose statistics expected_attention uses
+  double recent_share = 0.75;    ///< recent_keydiff: share of the budget that is the recency region (tuned)
+  std::int32_t keydiff_kernel = 1;  ///< recent_keydiff: max pooling width of the KeyDiff scores (odd; 1: none)
   std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
 
@@ -101,6 +106,9 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
     case policy_kind::expected_attention:
       b.sinks = s.sinks, b.recent = s.recent;
       break;
+    case policy_kind::recent_keydiff:
+      b.sinks = s.sinks, b.recent = std::max(s.recent, std::int64_t(std::llround(s.recent_share * double(capacity))));
+      break;
   }
   return b;
 }
@@ -116,6 +124,9 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::tova: return f(infkv::tova{});
     case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
     case policy_kind::keydiff: return f(infkv::keydiff{});
+    case policy_kind::recent_keydiff:
+      return f(infkv::keydiff{.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
+                              .kernel = s.keydiff_kernel});
     case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
     case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
       return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});

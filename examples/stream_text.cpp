@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -67,6 +68,13 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
       ->check(at_least(0, false));
   app.add_option("--ea-window", o.s.ea_window, "queries whose mean and covariance expected_attention uses")->check(pos);
+  app.add_option("--reduce", o.s.reduce, "how the heads' and layers' scores combine into one per token (mean, max)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean},
+                                                                                   {"max", infkv::reduction::max}}));
+  app.add_option("--recent-share", o.s.recent_share, "recent_keydiff: share of --budget kept as the recency region")
+      ->check(at_least(0, false, 1));
+  app.add_option("--keydiff-kernel", o.s.keydiff_kernel, "recent_keydiff: KeyDiff scores max-pooled over this many "
+                                                          "neighbours (odd; 1: none)")->check(at_least(1, true, 1001));
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
@@ -83,10 +91,13 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--needle", o.needle, "needle retrieval in real text: needle statements planted into the --text "
                                        "prose, the question DISTANCE tokens after each (comma list: asked at each)")
       ->delimiter(',')->check(pos)->excludes("--passkey");
-  app.add_option("--needle-kind", o.needle_kinds, "needle kinds the trials cycle through (number, word, fact; default "
-                                                  "all three)")->delimiter(',')->check(CLI::IsMember({"number", "word", "fact"}));
-  app.add_option("--needles", o.needles, "needles planted in one stream, each about its own person (the others are "
-                                         "distractors for its question)")->check(at_least(1, true, 16));
+  std::vector<std::string> kind_names;
+  for (const auto& k : stream::needle_kinds) kind_names.emplace_back(k.name);
+  app.add_option("--needle-kind", o.needle_kinds, fmt::format("needle kinds the keys cycle through ({}; default number, "
+                                                              "word, fact)", fmt::join(kind_names, ", ")))
+      ->delimiter(',')->check(CLI::IsMember(kind_names));
+  app.add_option("--needles", o.needles, "needles planted in one stream, each about its own person and of its own kind "
+                                         "(at most the kinds cycled through)")->check(at_least(1, true, 12));
   app.add_option("--needle-gap", o.needle_gap, "tokens of prose between two needles of a stream")->check(pos);
   app.add_option("--trials", o.trials, "retrieval keys per policy, each asked at every distance (seeded)")->check(pos);
   app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(at_least(1, true, 256));
@@ -104,6 +115,11 @@ std::vector<stream::policy_info> check(const options& o) {
   if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
   if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
   if (o.needles > 1 && o.needle.empty()) usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
+  if (o.s.keydiff_kernel % 2 == 0)
+    usage_error(fmt::format("--keydiff-kernel = {}: must be odd (a slot and the same number of neighbours on each side)",
+                            o.s.keydiff_kernel));
+  if (std::set<std::string>(o.needle_kinds.begin(), o.needle_kinds.end()).size() != o.needle_kinds.size())
+    usage_error(fmt::format("--needle-kind = {}: a kind is listed twice", fmt::join(o.needle_kinds, ",")));
   for (const auto& [flag, list] : {std::pair{"--passkey", &o.passkey}, {"--needle", &o.needle}})
     if (std::set<std::int64_t>(list->begin(), list->end()).size() != list->size())
       usage_error(fmt::format("{} = {}: a distance is listed twice", flag, fmt::join(*list, ",")));
@@ -143,7 +159,10 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
                            {"head_dim", sh.head_dim}, {"vocab", sh.vocab}, {"n_ctx_train", sh.n_ctx_train}}},
           {"text", o.text},
           {"settings", {{"budget", o.s.budget}, {"block", o.s.block}, {"sinks", o.s.sinks}, {"recent", o.s.recent},
-                        {"window", o.s.window}, {"beta", o.s.beta}, {"ea_window", o.s.ea_window}, {"threads", o.s.threads}, {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
+                        {"window", o.s.window}, {"beta", o.s.beta}, {"ea_window", o.s.ea_window},
+                        {"recent_share", o.s.recent_share}, {"keydiff_kernel", o.s.keydiff_kernel},
+                        {"reduce", infkv::to_string(o.s.reduce)}, {"threads", o.s.threads},
+                        {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
 
@@ -215,7 +234,15 @@ std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const 
     return streams;
   }
   stream::needle_layout lay{.distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
-  if (lay.kinds.empty()) lay.kinds.assign(stream::needle_kinds.begin(), stream::needle_kinds.end());
+  if (lay.kinds.empty()) {
+    lay.kinds = {"number", "word", "fact"};
+    for (const auto& k : stream::needle_kinds)  // a stream of more needles cycles through more kinds
+      if (std::int64_t(lay.kinds.size()) < o.needles && k.name != "number" && k.name != "word" && k.name != "fact")
+        lay.kinds.emplace_back(k.name);
+  }
+  if (o.needles > std::int64_t(lay.kinds.size()))
+    usage_error(fmt::format("--needles = {}: more than the {} --needle-kind given ({}): each needle of a stream is of its "
+                            "own kind", o.needles, lay.kinds.size(), fmt::join(lay.kinds, ",")));
   const auto text = stream::tokenize_file(m, o.text, 0);
   if (std::int64_t(text.size()) <= lay.text_needed())
     usage_error(fmt::format("--needle = {}: --text = {} has {} tokens; a stream of {} needle(s) --needle-gap {} apart "
@@ -247,13 +274,14 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
   for (const auto& p : chosen) {
     stream::passkey_run run;
     run.policy = std::string(p.name);
-    if (p.k == stream::kind::full && longest + stream::ask_room(m, streams.front(), o.gen) > sh.n_ctx_train) {
-      run.note = "skipped: streams exceed the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
-      runs.push_back(std::move(run));
-      continue;
-    }
     const auto t0 = std::chrono::steady_clock::now();
-    for (const auto& rs : streams) {
+    for (const auto& whole : streams) {
+      // The full cache asks only the questions within the model's trained context.
+      const std::int64_t limit = sh.n_ctx_train - stream::ask_room(m, whole, o.gen);
+      const auto rs = p.k == stream::kind::full ? stream::within(whole, limit) : whole;
+      if (rs.probes.size() < whole.probes.size())
+        run.note = fmt::format("questions beyond the trained context ({} tokens) not asked", sh.n_ctx_train);
+      if (rs.probes.empty()) continue;
       auto got = stream::run_retrieval(m, p.k, o.s, rs, o.gen, [&](const stream::passkey_trial& t) {
         if (o.progress > 0)
           fmt::print(stderr, "[{}] key {}: {} {} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "

@@ -75,6 +75,8 @@ def cases(a, tmp):
     ints(a.compare, cmp, "--probes", ["-1", "0", HUGE, "abc"])
     ints(a.compare, cmp, "--beta", ["-1", "nan", "inf", "abc"])
     ints(a.compare, cmp, "--ea-window", ["-1", "0", HUGE, "abc"])
+    ints(a.compare, cmp, "--recent-share", ["-0.1", "1.5", "nan", "abc"])
+    ints(a.compare, cmp, "--keydiff-kernel", ["-1", "0", "4", HUGE, "abc"])
     files(a.compare, cmp, "--trace", [missing, empty, binary])
     out.append((a.compare, cmp + ["--json", unwritable + ".json"], "--json", unwritable + ".json"))
     if not a.stream:
@@ -99,6 +101,10 @@ def cases(a, tmp):
     ints(a.stream, st, "--smooth", ["-1", "0", HUGE, "abc"])
     ints(a.stream, st, "--progress", ["-1", HUGE, "abc"])
     ints(a.stream, st, "--ea-window", ["-1", "0", HUGE, "abc"])
+    ints(a.stream, st, "--recent-share", ["-0.1", "1.5", "nan", "abc"])
+    ints(a.stream, st, "--keydiff-kernel", ["-1", "0", "4", HUGE, "abc"])
+    ints(a.stream, st, "--reduce", ["sum", "abc"])
+    out.append((a.stream, with_opt(st, "--policy", "recent_keydiff") + ["--recent-share", "1"], "--budget", None))
     ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])  # --tokens belongs to the text stream
     pk = [a.stream, "--model", a.model, "--passkey", "300", "--trials", "1", "--budget", "256", "--block", "64",
           "--policy", "streaming_llm", "--threads", "1"]
@@ -115,7 +121,9 @@ def cases(a, tmp):
     out.append((a.stream, st + ["--needle-kind", "word"], "--needle-kind", None))  # without --needle
     out.append((a.stream, pk + ["--needle", "300"], "--needle", None))  # not with --passkey
     out.append((a.stream, with_opt(nd, "--needle", "300,300"), "--needle", None))  # a distance twice
-    ints(a.stream, nd, "--needles", ["-1", "0", "17", HUGE, "abc"])
+    ints(a.stream, nd, "--needles", ["-1", "0", "13", HUGE, "abc"])
+    out.append((a.stream, nd + ["--needle-kind", "word,word"], "--needle-kind", None))  # a kind twice
+    out.append((a.stream, nd + ["--needles", "3", "--needle-kind", "word,fact"], "--needles", None))  # more than kinds
     ints(a.stream, nd, "--needle-gap", ["-1", "0", HUGE, "abc"])
     out.append((a.stream, st + ["--needles", "3"], "--needles", None))  # without --needle
     out.append((a.stream, nd + ["--needles", "3", "--needle-gap", "1000000"], "--needle", None))  # beyond the text

@@ -26,27 +26,44 @@ def ppl(rows):
 
 
 def passkey_table(rows):
-    """Success and key tokens cached per policy (rows) and distance in thousands (columns)."""
+    """Success and key tokens cached per policy (rows) and distance in thousands (columns), with
+    the mean log-probability of the needle after the question where the CSV has it."""
     cells = OrderedDict()
     distances = sorted({round(int(r["distance"]) / 1000) for r in rows})
+    has_lp = "needle_logprob" in rows[0]
     for r in rows:
-        c = cells.setdefault(r["policy"], {}).setdefault(round(int(r["distance"]) / 1000), [0, 0, 0.0])
+        c = cells.setdefault(r["policy"], {}).setdefault(round(int(r["distance"]) / 1000), [0, 0, 0.0, 0.0])
         c[0] += int(r["success"])
         c[1] += 1
         c[2] += int(r["key_kept"]) / int(r["key_tokens"])
-    print("| policy | " + " | ".join(f"{d}K: success (key tokens cached)" for d in distances) + " |")
+        c[3] += float(r["needle_logprob"]) if has_lp else 0.0
+    what = "success (key tokens cached" + (", mean log p" if has_lp else "") + ")"
+    print("| policy | " + " | ".join(f"{d}K: {what}" for d in distances) + " |")
     print("|---|" + "---|" * len(distances))
     for name, by_d in cells.items():
         line = f"| {name} |"
         for d in distances:
             if d in by_d:
-                ok, n, kept = by_d[d]
-                line += f" {ok}/{n} = {100 * ok / n:.0f}% ({100 * kept / n:.0f}%) |"
+                ok, n, kept, lp = by_d[d]
+                line += f" {ok}/{n} = {100 * ok / n:.0f}% ({100 * kept / n:.0f}%" + (f", {lp / n:.2f}" if has_lp else "") + ") |"
             else:
                 line += " |"
         print(line)
+    # Where the full cache ran the same questions: how many of the ones it answers each policy answers.
+    full = {(r["trial"], r["distance"]): int(r["success"]) for r in rows if r["policy"] == "full"}
+    if full and any(full.values()):
+        print()
+        print("| policy | " + " | ".join(f"{d}K: of the full cache's successes" for d in distances) + " |")
+        print("|---|" + "---|" * len(distances))
+        for name in cells:
+            line = f"| {name} |"
+            for d in distances:
+                both = [int(r["success"]) for r in rows if r["policy"] == name and round(int(r["distance"]) / 1000) == d
+                        and full.get((r["trial"], r["distance"]))]
+                line += f" {sum(both)}/{len(both)} |" if both else " |"
+            print(line)
     kinds = sorted({r.get("kind", "passkey") for r in rows})
-    if len(kinds) > 1:
+    if 1 < len(kinds) <= 3:  # beyond three kinds (one of each per stream), too few questions per kind
         print()
         print("| policy | " + " | ".join(f"{d}K {k}" for d in distances for k in kinds) + " |")
         print("|---|" + "---|" * (len(distances) * len(kinds)))

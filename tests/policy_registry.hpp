@@ -17,6 +17,7 @@ void for_each_policy(const infkv::layer_inputs<R>& observed, F&& f) {
   f("streaming_llm", streaming_llm{});
   f("tova", tova{});
   f("keydiff", keydiff{});
+  f("keydiff max 5", keydiff{.pool = pooling::max, .kernel = 5});
   f("snapkv avg", snapkv{.window = 4, .kernel = 3, .pool = pooling::avg});
   f("snapkv max", snapkv{.window = 3, .kernel = 5, .pool = pooling::max});
   f("snapkv no pooling", snapkv{.window = 2, .kernel = 1});

@@ -12,6 +12,7 @@
 #include <array>
 #include <cctype>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -19,6 +20,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "runner.hpp"
 
@@ -118,17 +121,78 @@ inline retrieval_stream make_passkey(const llama_model* m, std::span<const std::
   return s;
 }
 
-/// The needle kinds, in the order keys cycle through them.
-inline constexpr std::array<std::string_view, 3> needle_kinds{"number", "word", "fact"};
-/// The people needles are about; a stream holds at most this many needles (each about its own).
+/// A kind of needle: a statement about a person and the question that asks it back ("{name}":
+/// the person's name, "{v}": the value). Values are drawn from `values`, or are random digits
+/// (`digits` of them) when it is empty.
+struct needle_kind {
+  std::string_view name, statement, question;
+  std::span<const std::string_view> values;
+  int digits = 0;
+};
+
+namespace detail {
+inline constexpr std::array<std::string_view, 12> words{"pineapple", "telescope", "umbrella", "volcano", "penguin", "lantern",
+                                                        "bicycle", "avocado", "kangaroo", "helicopter", "trampoline", "compass"};
+inline constexpr std::array<std::string_view, 8> cities{"Lisbon", "Oslo", "Nairobi", "Kyoto", "Toronto", "Santiago",
+                                                        "Helsinki", "Melbourne"};
+inline constexpr std::array<std::string_view, 8> colours{"turquoise", "magenta", "orange", "lavender", "beige", "maroon",
+                                                         "teal", "pink"};
+inline constexpr std::array<std::string_view, 8> pets{"hamster", "parrot", "iguana", "rabbit", "goldfish", "tortoise",
+                                                      "ferret", "canary"};
+inline constexpr std::array<std::string_view, 8> cars{"Volvo", "Toyota", "Renault", "Ford", "Honda", "Fiat", "Skoda", "Tesla"};
+inline constexpr std::array<std::string_view, 8> jobs{"dentist", "pilot", "chemist", "plumber", "librarian", "firefighter",
+                                                      "journalist", "architect"};
+inline constexpr std::array<std::string_view, 8> sports{"tennis", "chess", "hockey", "volleyball", "badminton", "golf",
+                                                        "cricket", "baseball"};
+inline constexpr std::array<std::string_view, 8> languages{"Portuguese", "Swahili", "Finnish", "Japanese", "Polish",
+                                                           "Turkish", "Dutch", "Korean"};
+inline constexpr std::array<std::string_view, 8> drinks{"espresso", "lemonade", "cocoa", "cider", "smoothie", "kombucha",
+                                                        "milkshake", "iced tea"};
+inline constexpr std::array<std::string_view, 8> fruits{"mango", "kiwi", "banana", "papaya", "cherry", "lime", "coconut",
+                                                        "blueberry"};
+}  // namespace detail
+
+/// The needle kinds, in the order keys cycle through them: every kind asks a different question,
+/// so the needles of one stream (up to one of each kind) never answer each other's question.
+inline constexpr std::array<needle_kind, 12> needle_kinds{{
+    {"number", "{name}'s magic number is {v}.", "What is {name}'s magic number? {name}'s magic number is", {}, 5},
+    {"word", "{name}'s secret word is {v}.", "What is {name}'s secret word? {name}'s secret word is", detail::words},
+    {"fact", "{name} lives in {v}.", "Where does {name} live? {name} lives in", detail::cities},
+    {"colour", "{name}'s favourite colour is {v}.", "What is {name}'s favourite colour? {name}'s favourite colour is",
+     detail::colours},
+    {"pet", "{name}'s pet is a {v}.", "What is {name}'s pet? {name}'s pet is a", detail::pets},
+    {"car", "{name} drives a {v}.", "What car does {name} drive? {name} drives a", detail::cars},
+    {"job", "{name} works as a {v}.", "What is {name}'s job? {name} works as a", detail::jobs},
+    {"sport", "{name} plays {v} every week.", "What does {name} play every week? {name} plays", detail::sports},
+    {"code", "{name}'s door code is {v}.", "What is {name}'s door code? {name}'s door code is", {}, 4},
+    {"language", "{name} speaks {v}.", "What language does {name} speak? {name} speaks", detail::languages},
+    {"drink", "{name}'s favourite drink is {v}.", "What is {name}'s favourite drink? {name}'s favourite drink is",
+     detail::drinks},
+    {"fruit", "{name}'s favourite fruit is {v}.", "What is {name}'s favourite fruit? {name}'s favourite fruit is",
+     detail::fruits},
+}};
+
+/// The people needles are about (a stream's needles are about different people).
 inline constexpr std::array<std::string_view, 16> needle_names{
     "Marta", "Tobias", "Ingrid", "Kenji", "Amara", "Lukas", "Priya", "Mateo",
     "Sofia", "Dmitri", "Leila", "Oscar", "Hannah", "Rafael", "Yuki", "Nadia"};
 
+/// The kind called `name`, or nullptr.
+inline const needle_kind* find_needle_kind(std::string_view name) {
+  for (const auto& k : needle_kinds)
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+/// `pattern` with "{name}" replaced by `name` and "{v}" by `value`.
+inline std::string fill_needle(std::string_view pattern, std::string_view name, std::string_view value) {
+  return fmt::format(fmt::runtime(pattern), fmt::arg("name", name), fmt::arg("v", value));
+}
+
 /// The layout of the needle streams.
 struct needle_layout {
   std::vector<std::int64_t> distances;  ///< tokens from the end of a needle statement to its question
-  std::vector<std::string> kinds;       ///< kinds the needles cycle through
+  std::vector<std::string> kinds;       ///< kinds the needles cycle through (names in needle_kinds)
   std::int64_t per_stream = 1;          ///< needles in one stream
   std::int64_t gap = 1024;              ///< prose tokens between two needles of a stream
   /// The most prose tokens one stream takes (the prefix before the first needle is up to one gap,
@@ -151,14 +215,9 @@ struct needle_layout {
 inline retrieval_stream make_needles(const llama_model* m, std::span<const llama_token> text,
                                      const std::vector<bool>& line_start, const needle_layout& lay, std::int64_t first,
                                      std::int64_t n, std::int64_t index, std::uint64_t seed) {
-  static constexpr std::array<std::string_view, 12> words{"pineapple", "telescope", "violin", "umbrella", "volcano", "penguin",
-                                                          "lantern", "bicycle", "saxophone", "avocado", "kangaroo", "helicopter"};
-  static constexpr std::array<std::string_view, 8> cities{"Lisbon", "Oslo", "Nairobi", "Kyoto", "Toronto", "Santiago",
-                                                          "Helsinki", "Melbourne"};
-  INFKV_REQUIRE(n >= 1 && n <= std::int64_t(needle_names.size()), "needles in a stream", n, "must be in [1, ",
-                needle_names.size(), "]: each is about a different person");
+  INFKV_REQUIRE(n >= 1 && n <= std::int64_t(lay.kinds.size()), "needles in a stream", n, "must be in [1, ",
+                lay.kinds.size(), "] (the needle kinds): each asks its own question");
   std::mt19937_64 rng(seed * 1000003u + std::uint64_t(index) + 7777u);
-  const auto pick = [&](const auto& list) { return std::string(list[std::size_t(rng() % list.size())]); };
   std::array<std::string_view, 16> names = needle_names;
   std::shuffle(names.begin(), names.end(), rng);
   const auto total = std::int64_t(text.size());
@@ -184,20 +243,15 @@ inline retrieval_stream make_needles(const llama_model* m, std::span<const llama
     key.trial = first + j;
     key.kind = lay.kinds[std::size_t(key.trial) % lay.kinds.size()];
     const std::string name(names[std::size_t(j)]);
-    std::string statement, question;
-    if (key.kind == "number") {
-      key.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
-      statement = name + "'s magic number is " + key.needle + ".";
-      question = "\nWhat is " + name + "'s magic number? " + name + "'s magic number is";
-    } else if (key.kind == "word") {
-      key.needle = pick(words);
-      statement = name + "'s secret word is " + key.needle + ".";
-      question = "\nWhat is " + name + "'s secret word? " + name + "'s secret word is";
-    } else {
-      key.needle = pick(cities);
-      statement = name + " lives in " + key.needle + ".";
-      question = "\nWhere does " + name + " live? " + name + " lives in";
-    }
+    const needle_kind* nk = find_needle_kind(key.kind);
+    INFKV_REQUIRE(nk != nullptr, "needle kind", key.kind, "is not one of the kinds infkv-stream knows");
+    if (nk->values.empty())
+      key.needle = std::to_string(std::uniform_int_distribution<int>(int(std::pow(10, nk->digits - 1)),
+                                                                     int(std::pow(10, nk->digits)) - 1)(rng));
+    else
+      key.needle = std::string(nk->values[std::size_t(rng() % nk->values.size())]);
+    const std::string statement = fill_needle(nk->statement, name, key.needle);
+    const std::string question = "\n" + fill_needle(nk->question, name, key.needle);
     key.key_at = std::int64_t(s.tokens.size());
     const auto stmt = tokenize(m, statement + "\n", false);
     s.tokens.insert(s.tokens.end(), stmt.begin(), stmt.end());
@@ -209,6 +263,16 @@ inline retrieval_stream make_needles(const llama_model* m, std::span<const llama
   const std::int64_t end_at = s.probes.back().at;
   s.tokens.insert(s.tokens.end(), text.begin() + cur, text.begin() + cur + (end_at - std::int64_t(s.tokens.size())));
   return s;
+}
+
+/// `s` cut to the questions asked within its first `limit` tokens (and the tokens up to the last
+/// of them); no questions and no tokens when none is.
+inline retrieval_stream within(const retrieval_stream& s, std::int64_t limit) {
+  retrieval_stream out;
+  for (const auto& p : s.probes)
+    if (p.at <= limit) out.probes.push_back(p);
+  if (!out.probes.empty()) out.tokens.assign(s.tokens.begin(), s.tokens.begin() + out.probes.back().at);
+  return out;
 }
 
 /// True when the answer contains the needle, ignoring case.

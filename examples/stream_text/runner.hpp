@@ -37,6 +37,7 @@ struct settings : infkv_examples::policy_knobs {
   int threads = 2;             ///< llama.cpp and scoring threads
   bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
   std::int64_t ask_room = 0;   ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
+  infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
@@ -212,6 +213,7 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
   o.values = infkv_examples::policy_reads_values(k);
   o.capture = infkv_examples::policy_observes(k, s);
   o.key_type = infkv::dtype::f16;
+  o.reduce = s.reduce;
   o.positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact;
   if (k == kind::h2o) o.track_h2o = infkv::h2o{};
   o.executor = {s.threads};

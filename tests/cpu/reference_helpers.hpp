@@ -217,6 +217,22 @@ inline ref_matrix ref_window_mass(const problem& p, std::int64_t first = 0) {
   return out;
 }
 
+/// `v` (values in time order) with its first `prefix` values pooled along time over `kernel`
+/// neighbours: avg_pool1d (padding kernel / 2 zeros, counted), max_pool1d, or a plain local sum.
+inline std::vector<double> ref_pool(const std::vector<double>& v, std::int64_t prefix, std::int32_t kernel,
+                                    infkv::pooling kind) {
+  std::vector<double> out = v;
+  for (std::int64_t t = 0; t < prefix; ++t) {
+    double acc = kind == infkv::pooling::max ? -std::numeric_limits<double>::infinity() : 0.0;
+    for (std::int64_t u = t - kernel / 2; u <= t + kernel / 2; ++u) {
+      if (u < 0 || u >= prefix) continue;  // padding: a zero (avg, sum) or nothing (max)
+      acc = kind == infkv::pooling::max ? std::max(acc, v[std::size_t(u)]) : acc + v[std::size_t(u)];
+    }
+    out[std::size_t(t)] = kind == infkv::pooling::avg ? acc / kernel : acc;
+  }
+  return out;
+}
+
 /// SnapKV's scores as its reference code and kvpress's SnapKVPress compute them, for slots in
 /// any order: per query head, the attention mass the last `window` queries give each key; the keys
 /// of the observation window (the last `window` in time order) are cut off (`attn[..., :-window]`);
@@ -242,16 +258,7 @@ inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::
     }
     if (vnorm)
       for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] *= (*vnorm)[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])];
-    std::vector<double> head = mass;
-    if (pooled)
-      for (std::int64_t t = 0; t < prefix; ++t) {
-        double acc = kind == infkv::pooling::max ? -std::numeric_limits<double>::infinity() : 0.0;
-        for (std::int64_t u = t - kernel / 2; u <= t + kernel / 2; ++u) {
-          if (u < 0 || u >= prefix) continue;  // padding: a zero (avg, sum) or nothing (max)
-          acc = kind == infkv::pooling::max ? std::max(acc, mass[std::size_t(u)]) : acc + mass[std::size_t(u)];
-        }
-        head[std::size_t(t)] = kind == infkv::pooling::avg ? acc / kernel : acc;
-      }
+    const std::vector<double> head = pooled ? ref_pool(mass, prefix, kernel, kind) : mass;
     for (std::int64_t t = 0; t < n; ++t) out[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])] += head[std::size_t(t)] / g;
   }
   if (pooled)
@@ -460,7 +467,19 @@ inline ref_matrix ref_expected(const problem& p, const infkv::expected_attention
 /// registry's state observed, p's own queries).
 inline ref_matrix ref_scores(const problem& p, const infkv::streaming_llm&) { return ref_streaming_llm(p); }
 inline ref_matrix ref_scores(const problem& p, const infkv::tova&) { return ref_tova(p); }
-inline ref_matrix ref_scores(const problem& p, const infkv::keydiff&) { return ref_keydiff(p); }
+/// KeyDiff's scores pooled along time over every slot (no observation window).
+inline ref_matrix ref_scores(const problem& p, const infkv::keydiff& c) {
+  ref_matrix s = ref_keydiff(p);
+  if (c.pool == infkv::pooling::none || c.kernel == 1) return s;
+  const auto o = ref_time_order(p.tokens);
+  for (auto& row : s) {
+    std::vector<double> t(o.size());
+    for (std::size_t i = 0; i < o.size(); ++i) t[i] = row[std::size_t(o[i])];
+    t = ref_pool(t, std::int64_t(t.size()), c.kernel, c.pool);
+    for (std::size_t i = 0; i < o.size(); ++i) row[std::size_t(o[i])] = t[i];
+  }
+  return s;
+}
 inline ref_matrix ref_scores(const problem& p, const infkv::snapkv& c) { return ref_snapkv(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::inf_mllm& c) { return ref_inf_mllm(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::expected_attention& c) { return ref_expected(p, c); }

@@ -13,8 +13,19 @@ namespace infkv {
 struct keydiff {
   static constexpr std::string_view name = "keydiff";
 
-  void validate() const {}
-  policy_spec spec() const { return {.name = name, .source = score_source::key_diversity, .natural = granularity::per_head}; }
+  /// Optional pooling along time (not in the paper; the default is its rule): with max pooling
+  /// over `kernel` neighbours a slot scores as its most distinctive neighbour, so a statement that
+  /// stands out is kept whole rather than token by token.
+  pooling pool = pooling::none;
+  std::int32_t kernel = 1;
+
+  void validate() const {
+    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "keydiff.kernel", kernel, "must be odd and >= 1");
+  }
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::key_diversity, .pool = pool, .kernel = kernel,
+            .natural = granularity::per_head};
+  }
 };
 
 }  // namespace infkv
