@@ -93,8 +93,8 @@ void add_options(CLI::App& app, options& o) {
       ->delimiter(',')->check(pos)->excludes("--passkey");
   std::vector<std::string> kind_names;
   for (const auto& k : stream::needle_kinds) kind_names.emplace_back(k.name);
-  app.add_option("--needle-kind", o.needle_kinds, fmt::format("needle kinds the keys cycle through ({}; default number, "
-                                                              "word, fact)", fmt::join(kind_names, ", ")))
+  app.add_option("--needle-kind", o.needle_kinds, fmt::format("needle kinds the keys cycle through ({}; default: the first "
+                                                              "three, or the first --needles)", fmt::join(kind_names, ", ")))
       ->delimiter(',')->check(CLI::IsMember(kind_names));
   app.add_option("--needles", o.needles, "needles planted in one stream, each about its own person and of its own kind "
                                          "(at most the kinds cycled through)")->check(at_least(1, true, 12));
@@ -234,12 +234,9 @@ std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const 
     return streams;
   }
   stream::needle_layout lay{.distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
-  if (lay.kinds.empty()) {
-    lay.kinds = {"number", "word", "fact"};
-    for (const auto& k : stream::needle_kinds)  // a stream of more needles cycles through more kinds
-      if (std::int64_t(lay.kinds.size()) < o.needles && k.name != "number" && k.name != "word" && k.name != "fact")
-        lay.kinds.emplace_back(k.name);
-  }
+  if (lay.kinds.empty())  // number, word, fact; a stream of more needles cycles through more kinds
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(3, o.needles); ++i)
+      lay.kinds.emplace_back(stream::needle_kinds[std::size_t(i)].name);
   if (o.needles > std::int64_t(lay.kinds.size()))
     usage_error(fmt::format("--needles = {}: more than the {} --needle-kind given ({}): each needle of a stream is of its "
                             "own kind", o.needles, lay.kinds.size(), fmt::join(lay.kinds, ",")));

@@ -29,10 +29,14 @@ def passkey_table(rows):
     """Success and key tokens cached per policy (rows) and distance in thousands (columns), with
     the mean log-probability of the needle after the question where the CSV has it."""
     cells = OrderedDict()
-    distances = sorted({round(int(r["distance"]) / 1000) for r in rows})
+    # distances in K: of 1024 when every distance is a multiple of 1024, else of 1000
+    unit = 1024 if all(int(r["distance"]) % 1024 == 0 for r in rows) else 1000
+    for r in rows:
+        r["distance_k"] = round(int(r["distance"]) / unit)
+    distances = sorted({r["distance_k"] for r in rows})
     has_lp = "needle_logprob" in rows[0]
     for r in rows:
-        c = cells.setdefault(r["policy"], {}).setdefault(round(int(r["distance"]) / 1000), [0, 0, 0.0, 0.0])
+        c = cells.setdefault(r["policy"], {}).setdefault(r["distance_k"], [0, 0, 0.0, 0.0])
         c[0] += int(r["success"])
         c[1] += 1
         c[2] += int(r["key_kept"]) / int(r["key_tokens"])
@@ -58,7 +62,7 @@ def passkey_table(rows):
         for name in cells:
             line = f"| {name} |"
             for d in distances:
-                both = [int(r["success"]) for r in rows if r["policy"] == name and round(int(r["distance"]) / 1000) == d
+                both = [int(r["success"]) for r in rows if r["policy"] == name and r["distance_k"] == d
                         and full.get((r["trial"], r["distance"]))]
                 line += f" {sum(both)}/{len(both)} |" if both else " |"
             print(line)
@@ -71,8 +75,7 @@ def passkey_table(rows):
             line = f"| {name} |"
             for d in distances:
                 for k in kinds:
-                    sel = [r for r in rows if r["policy"] == name and r.get("kind") == k
-                           and round(int(r["distance"]) / 1000) == d]
+                    sel = [r for r in rows if r["policy"] == name and r.get("kind") == k and r["distance_k"] == d]
                     line += f" {sum(int(r['success']) for r in sel)}/{len(sel)} |" if sel else " |"
             print(line)
     return 0
