@@ -238,9 +238,7 @@ int main(int argc, char** argv) {
       usage_error("--policy = " + w + ": unknown policy (see --list-policies)");
   for (const auto& p : infkv_examples::policy_catalog)
     if (compare::compared(p.k) && (wanted.empty() || wanted.count(std::string(p.name)))) chosen.push_back(p);
-  if (s.keydiff_kernel % 2 == 0)
-    usage_error("--keydiff-kernel = " + std::to_string(s.keydiff_kernel) + ": must be odd (a slot and the same number "
-                "of neighbours on each side)");
+  if (const std::string why = infkv_examples::knobs_problem(s); !why.empty()) usage_error(why);
   if (budgets.empty()) budgets = {256, 512, 1024};
   std::sort(budgets.begin(), budgets.end());
   budgets.erase(std::unique(budgets.begin(), budgets.end()), budgets.end());

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
@@ -71,6 +72,15 @@ struct policy_knobs {
   std::int32_t keydiff_kernel = 1;  ///< recent_keydiff: max pooling width of the KeyDiff scores (odd; 1: none)
   std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
+
+/// What is wrong with knobs a command line set that its range checks cannot see (naming the flag),
+/// or empty.
+inline std::string knobs_problem(const policy_knobs& s) {
+  if (s.keydiff_kernel % 2 == 0)
+    return "--keydiff-kernel = " + std::to_string(s.keydiff_kernel) +
+           ": must be odd (a slot and the same number of neighbours on each side)";
+  return {};
+}
 
 /// The queries a policy reads: what a session must keep per layer.
 inline std::int64_t policy_window(policy_kind k, const policy_knobs& s) {

@@ -115,9 +115,7 @@ std::vector<stream::policy_info> check(const options& o) {
   if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
   if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
   if (o.needles > 1 && o.needle.empty()) usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
-  if (o.s.keydiff_kernel % 2 == 0)
-    usage_error(fmt::format("--keydiff-kernel = {}: must be odd (a slot and the same number of neighbours on each side)",
-                            o.s.keydiff_kernel));
+  if (const std::string why = infkv_examples::knobs_problem(o.s); !why.empty()) usage_error(why);
   if (std::set<std::string>(o.needle_kinds.begin(), o.needle_kinds.end()).size() != o.needle_kinds.size())
     usage_error(fmt::format("--needle-kind = {}: a kind is listed twice", fmt::join(o.needle_kinds, ",")));
   for (const auto& [flag, list] : {std::pair{"--passkey", &o.passkey}, {"--needle", &o.needle}})

@@ -112,11 +112,10 @@ inline retrieval_stream make_passkey(const llama_model* m, std::span<const std::
   retrieval_stream s;
   s.tokens = tokenize(m, text, true);
   key.question = tokenize(m, " What is the pass key? The pass key is", false);
-  for (const std::int64_t d : distances) {
-    probe p = key;
-    p.at = std::min<std::int64_t>(key.key_end + reps_of(d) * unit, std::int64_t(s.tokens.size()));
-    s.probes.push_back(std::move(p));
-  }
+  std::vector<std::int64_t> whole;  // the distances rounded up to whole filler sentences, within the stream
+  for (const std::int64_t d : distances)
+    whole.push_back(std::min<std::int64_t>(reps_of(d) * unit, std::int64_t(s.tokens.size()) - key.key_end));
+  add_probes(s, key, whole);
   order_probes(s);
   return s;
 }
@@ -198,14 +197,10 @@ struct needle_layout {
   /// The most prose tokens one stream takes (the prefix before the first needle is up to one gap,
   /// or a quarter of the farthest distance when the stream holds one needle; up to 32 tokens per
   /// needle to reach a line start): --text must hold more.
-  std::int64_t text_needed() const {
-    const std::int64_t far = *std::max_element(distances.begin(), distances.end());
-    return first_gap() + (per_stream - 1) * gap + far + 32 * per_stream + 32;
-  }
-  std::int64_t first_gap() const {
-    const std::int64_t far = *std::max_element(distances.begin(), distances.end());
-    return per_stream == 1 ? far / 4 : gap;
-  }
+  std::int64_t text_needed() const { return first_gap() + (per_stream - 1) * gap + farthest() + 32 * per_stream + 32; }
+  /// The most prose before the first needle.
+  std::int64_t first_gap() const { return per_stream == 1 ? farthest() / 4 : gap; }
+  std::int64_t farthest() const { return *std::max_element(distances.begin(), distances.end()); }
 };
 
 /// Needle stream `index` holding keys `first`, first + 1, ..., first + n - 1: an intro, then from

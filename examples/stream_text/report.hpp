@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -168,30 +169,26 @@ inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   return os.str();
 }
 
-/// Per policy and distance asked (the nominal one: a question's exact distance is in the CSV):
-/// questions, successes, key tokens cached, mean log-probability of the needle's first token.
+/// Per policy and distance asked: questions, successes, key tokens cached, mean log-probability
+/// of the needle after the question.
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
   fmt::print("{:<18} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}\n", "policy", "distance", "questions", "success", "key_kept",
              "logp", "s/run");
+  struct tally {
+    double n = 0, ok = 0, kept = 0, lp = 0;
+  };
   for (const auto& r : runs) {
     if (r.trials.empty()) fmt::print("{:<18} {:>8} {:9}{}\n", r.policy, "-", 0, note_suffix(r.note));
-    std::vector<std::int64_t> ds;  // questions of one trial, in the order asked, give the distances
-    for (const auto& t : r.trials)
-      if (t.p.trial == r.trials.front().p.trial) ds.push_back(t.p.distance());
-    for (std::size_t d = 0; d < ds.size(); ++d) {
-      double ok = 0, kept = 0, lp = 0, n = 0;
-      for (const auto& t : r.trials) {
-        std::size_t i = 0;  // rank of this question among its key's questions
-        for (const auto& u : r.trials) i += u.p.trial == t.p.trial && u.p.at < t.p.at;
-        if (i != d) continue;
-        ok += t.success, kept += double(t.key_kept) / double(t.p.key_tokens()), lp += t.needle_logprob, ++n;
-      }
-      fmt::print("{:<18} {:8} {:9.0f} {:>7.0f}% {:>8.0f}% {} {}{}\n", r.policy, ds[d], n, 100.0 * ok / n,
-                 100.0 * kept / n, cell(lp / n, 9, 2), cell(r.seconds, 8, 1), note_suffix(r.note));
+    std::map<std::int64_t, tally> by_distance;
+    for (const auto& t : r.trials) {
+      auto& c = by_distance[t.p.distance()];
+      ++c.n, c.ok += t.success, c.kept += double(t.key_kept) / double(t.p.key_tokens()), c.lp += t.needle_logprob;
     }
+    for (const auto& [d, c] : by_distance)
+      fmt::print("{:<18} {:8} {:9.0f} {:>7.0f}% {:>8.0f}% {} {}{}\n", r.policy, d, c.n, 100.0 * c.ok / c.n,
+                 100.0 * c.kept / c.n, cell(c.lp / c.n, 9, 2), cell(r.seconds, 8, 1), note_suffix(r.note));
   }
-  fmt::print("distance: the first key's (the others differ by a few tokens); logp: mean log-probability of the "
-             "needle after the question (teacher forcing)\n");
+  fmt::print("logp: mean log-probability of the needle after the question (teacher forcing)\n");
 }
 
 /// Plots the CSV at `csv` into `png` with gnuplot (the script of examples/plot_stream.gp).

@@ -326,12 +326,7 @@ class recompute_runner final : public runner {
       plain_decode(toks, n_, 0);
       n_ += std::int64_t(toks.size());
     } else {
-      llama_memory_clear(llama_get_memory(ctx_.get()), true);
-      const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
-      std::vector<llama_token> all(history_.end() - std::ptrdiff_t(prefix), history_.end());
-      all.insert(all.end(), toks.begin(), toks.end());
-      plain_decode(all, 0, std::int64_t(prefix));
-      n_ = std::int64_t(all.size());
+      n_ = rebuild(toks) + std::int64_t(toks.size());
     }
     history_.insert(history_.end(), toks.begin(), toks.end());
     note_fed(toks.size());
@@ -347,14 +342,23 @@ class recompute_runner final : public runner {
   /// The question goes after the last `budget` tokens of the stream in a rebuilt cache, as a
   /// block would; the next feed rebuilds the cache anyway.
   answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) override {
-    llama_memory_clear(llama_get_memory(ctx_.get()), true);
-    const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
-    if (prefix > 0) plain_decode(std::span(history_).last(prefix), 0, std::int64_t(prefix) - 1);
+    const std::int64_t prefix = rebuild({});
     n_ = 0;  // nothing of the stream to extend: the next feed starts afresh
-    return answer_on(0, question, expected, std::int64_t(prefix), gen);
+    return answer_on(0, question, expected, prefix, gen);
   }
 
  private:
+  /// Clears the cache and decodes the last `budget` tokens of the stream, then `toks` (logits
+  /// for `toks`, or for the last token when there are none); returns the tokens before `toks`.
+  std::int64_t rebuild(std::span<const llama_token> toks) {
+    llama_memory_clear(llama_get_memory(ctx_.get()), true);
+    const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
+    std::vector<llama_token> all(history_.end() - std::ptrdiff_t(prefix), history_.end());
+    all.insert(all.end(), toks.begin(), toks.end());
+    if (!all.empty()) plain_decode(all, 0, std::min<std::int64_t>(std::int64_t(prefix), std::int64_t(all.size()) - 1));
+    return std::int64_t(prefix);
+  }
+
   std::int64_t budget_;
   std::int64_t n_ = 0;
   std::vector<llama_token> history_;
