@@ -12,7 +12,7 @@
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
-#include <infkv/cuda/backend.hpp>
+#include <infkv/cuda.hpp>
 
 namespace {
 

@@ -1,9 +1,9 @@
-// infkv-cuda-paged: the shape of a serving engine's decode loop with a paged device KV cache
+// infkv-example-cuda-paged: the shape of a serving engine's decode loop with a paged device KV cache
 // (FlashInfer / vLLM page table: [pages][page_size][heads][head_dim] per tensor, CSR indptr /
 // indices / last-page lengths) bounded by infkv::cuda: every `block` tokens the cache is scored
 // (Inf-MLLM-style window attention + bias, one decision per token), compacted in its pages, and
 // the freed pages go back to the engine's free list. Keys, values and queries are random: the
-// point is the calls and the memory, not the model. Usage: infkv-cuda-paged [tokens] (4096).
+// point is the calls and the memory, not the model. Usage: infkv-example-cuda-paged [tokens] (4096).
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -12,8 +12,7 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/core.h>
-#include <infkv/cuda/backend.hpp>
-#include <infkv/policies/inf_mllm.hpp>
+#include <infkv/cuda.hpp>
 
 namespace {
 
@@ -36,7 +35,7 @@ void download(std::vector<T>& dst, const T* src) { ok(cudaMemcpy(dst.data(), src
 int main(int argc, char** argv) try {
   const std::int64_t total = argc > 1 ? std::stoll(argv[1]) : 4096;
   if (!infkv::cuda::device_available()) {
-    fmt::print(stderr, "infkv-cuda-paged: no CUDA device: nothing to run\n");
+    fmt::print(stderr, "infkv-example-cuda-paged: no CUDA device: nothing to run\n");
     return 77;
   }
   const std::int32_t heads = 8, q_heads = 32, dim = 128, page = 16, pool = 256, window = 32;
@@ -106,6 +105,6 @@ int main(int argc, char** argv) try {
   fmt::print("streamed {} tokens through {} slots ({} pages of {})\n", total, tokens.size(), indices.size(), page);
   return 0;
 } catch (const std::exception& e) {
-  fmt::print(stderr, "infkv-cuda-paged: {}\n", e.what());
+  fmt::print(stderr, "infkv-example-cuda-paged: {}\n", e.what());
   return 1;
 }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include <infkv/cpu.hpp>
-#include <infkv/cuda/steps.hpp>
+#include <infkv/cuda/detail/steps.hpp>
 
 #include "cuda/host_launcher.hpp"
 #include "input.hpp"

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cmake --preset release >/dev/null
 cmake --build --preset release -j "$(nproc)" --target infkv_compare >&2
-exec build/release/examples/infkv-compare "$@"
+exec build/release/tools/infkv-compare "$@"

@@ -18,11 +18,11 @@ targets=("$@")
 out=build/fuzz
 mkdir -p "$out/crashes"
 flags=(-std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Iinclude -Ibackends/cpu/include
-       -Ibackends/cuda/include -Itests -Iexamples -Ifuzz)
+       -Ibackends/cuda/include -Itests -Itools/common -Ifuzz)
 status=0
 for t in "${targets[@]}"; do
   src=fuzz/fuzz_$t.cpp bin=$out/fuzz_$t
-  if [ ! -x "$bin" ] || [ -n "$(find "$src" fuzz/input.hpp include backends examples/trace_io.hpp -newer "$bin" -print -quit)" ]; then
+  if [ ! -x "$bin" ] || [ -n "$(find "$src" fuzz/input.hpp include backends tools/common -newer "$bin" -print -quit)" ]; then
     echo "fuzz: building $t" >&2
     "$cxx" "${flags[@]}" "$src" -o "$bin" -lfmt -lpthread
   fi

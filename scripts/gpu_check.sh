@@ -40,8 +40,8 @@ gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 step gpu nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv
 step configure cmake -S . -B $b "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DINFKV_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-  -DINFKV_BUILD_TESTS=ON -DINFKV_BUILD_EXAMPLES=ON -DINFKV_BUILD_BENCH=ON -DINFKV_NVCC_HEADER_CHECK=OFF "${prefix[@]}"
-step build cmake --build $b -j "$(nproc)" --target infkv_gpu_tests infkv_tests infkv_bench_cuda infkv_cuda_paged
+  -DINFKV_BUILD_TESTS=ON -DINFKV_BUILD_EXAMPLES=ON -DINFKV_BUILD_TOOLS=OFF -DINFKV_BUILD_BENCH=ON -DINFKV_NVCC_HEADER_CHECK=OFF "${prefix[@]}"
+step build cmake --build $b -j "$(nproc)" --target infkv_gpu_tests infkv_tests infkv_bench_cuda infkv_example_cuda_paged
 step gpu_tests env REQUIRE_GPU=1 ctest --test-dir $b -L gpu --output-on-failure
 step host_steps $b/tests/infkv_tests --test-case='cuda steps*'
 if command -v compute-sanitizer >/dev/null; then
@@ -51,7 +51,7 @@ if command -v compute-sanitizer >/dev/null; then
 else
   printf '{"step": "memcheck", "rc": -1, "ms": 0, "note": "no compute-sanitizer"}\n' >>"$out/steps.jsonl"
 fi
-step example $b/examples/infkv-cuda-paged 8192
+step example $b/examples/infkv-example-cuda-paged 8192
 step bench $b/bench/infkv_bench_cuda --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
   --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 python3 - "$out" <<'PY' || true

@@ -25,11 +25,11 @@ source scripts/llama_env.sh
 cmake --build --preset release --target infkv_stream infkv_engine_bench >&2
 for o in 2 3; do  # the kernels as a user compiling at -O2 or -O3 gets them
   cmake -S . -B "build/bench-o$o" -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O$o -DNDEBUG" \
-    -DINFKV_ARCH_FLAGS=-march=x86-64-v3 -DINFKV_BUILD_TESTS=OFF -DINFKV_BUILD_EXAMPLES=OFF -DINFKV_BUILD_BENCH=ON \
+    -DINFKV_ARCH_FLAGS=-march=x86-64-v3 -DINFKV_BUILD_TESTS=OFF -DINFKV_BUILD_EXAMPLES=OFF -DINFKV_BUILD_TOOLS=OFF -DINFKV_BUILD_BENCH=ON \
     -DINFKV_WITH_LLAMA_CPP=OFF -DINFKV_WITH_CUDA=OFF >/dev/null
   cmake --build "build/bench-o$o" --target infkv_bench >&2
 done
-bin=build/release/examples
+bin=build/release/tools
 step() {  # step NAME COMMAND...: runs COMMAND (which writes NAME.json.tmp) unless OUT_DIR/NAME.json exists
   local name=$1; shift
   if [[ -s "$out/$name.json" ]]; then echo "perf: $out/$name.json exists, kept" >&2; return; fi

@@ -12,7 +12,7 @@ mkdir -p "$out"
 scripts/setup.sh
 cmake --preset release >/dev/null
 cmake --build --preset release --target infkv_soak
-build/release/examples/infkv-soak --tokens "$tokens" --csv "$out/soak.csv" --json "$out/soak.json" --sample-every 256 | tee "$out/soak.txt"
+build/release/tools/infkv-soak --tokens "$tokens" --csv "$out/soak.csv" --json "$out/soak.json" --sample-every 256 | tee "$out/soak.txt"
 policies=$(tail -n +2 "$out/soak.csv" | cut -d, -f1 | uniq | tr '\n' ' ')
 gnuplot <<GP
 set datafile separator ','

@@ -16,7 +16,7 @@ threads=${4:-2}
 mkdir -p "$out"
 source scripts/llama_env.sh
 cmake --build --preset release --target infkv_stream
-build/release/examples/infkv-stream --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
+build/release/tools/infkv-stream --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
   --policy "$policy" --threads "$threads" --progress 100 --csv "$out/soak_llama.csv" --json "$out/soak_llama.json" \
   | tee "$out/soak_llama.txt"
 exec scripts/soak_llama_report.sh "$out" "$policy" "$tokens" "$threads"

@@ -17,13 +17,15 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
 #include "budget.hpp"
+#include "detail/carver.hpp"
 #include "error.hpp"
 #include "keep_set.hpp"
-#include "policies/allocation.hpp"
+#include "allocation.hpp"
 #include "policy.hpp"
 #include "scores.hpp"
 #include "tokens.hpp"
@@ -55,7 +57,7 @@ struct plan_options {
   granularity g = granularity::per_head;  ///< what one decision covers
   reduction r = reduction::mean;          ///< how rows (heads, layers) combine below per_head
   std::int32_t n_layers = 1;              ///< layers combined into one per-token decision
-  double adakv_alpha = -1;                ///< >= 0: AdaKV per-head capacities (per_head only)
+  std::optional<infkv::adakv> adakv{};    ///< AdaKV per-head capacities (per_head only)
 };
 
 /// A sized pipeline run: output sizes and workspace layout (bytes from the workspace's start).
@@ -101,14 +103,6 @@ concept backend = requires(const B& b, const policy_spec& spec, const layer_shap
   b.select(s, tokens, corder, caps, std::int64_t{0}, bud, out, scratch);
 };
 
-namespace detail {
-inline std::size_t carve(std::size_t& at, std::size_t bytes) {
-  const std::size_t start = (at + 63) / 64 * 64;
-  at = start + bytes;
-  return start;
-}
-}  // namespace detail
-
 /// Plans a run of policy spec `spec` with budget `b` over layers of shape `shape` on backend `be`.
 /// Checks every parameter against the shape (no data is read).
 template <class B>
@@ -127,7 +121,7 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   INFKV_REQUIRE(spec.pool_tail >= 0, std::string(spec.name) + ".pool_tail", spec.pool_tail, "must be >= 0");
   spec.bias.validate();
   if (spec.source == score_source::expected_attention) spec.expect.validate(spec.name);
-  if (spec.needs() & needs_queries) {
+  if (spec.reads_queries()) {
     INFKV_REQUIRE(spec.queries >= 1, std::string(spec.name) + ".window", spec.queries, "must be >= 1");
     INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, spec.name, " needs at least one query");
     INFKV_REQUIRE(shape.q_heads >= 1 && shape.q_heads % shape.kv_heads == 0, "queries.n_heads", shape.q_heads,
@@ -143,21 +137,21 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   p.units = per_head ? p.finished_rows : 1;
   p.keep_per_unit = p.keep.keep_count(n);
   p.kept_total = p.units * p.keep_per_unit;
-  if (opt.adakv_alpha >= 0) {
-    INFKV_REQUIRE(opt.adakv_alpha <= 1.0, "adakv.alpha", opt.adakv_alpha, "must be in [0, 1]");
-    INFKV_REQUIRE(per_head && p.units > 1, "plan_options.adakv_alpha", opt.adakv_alpha,
+  if (opt.adakv) {
+    opt.adakv->validate();
+    INFKV_REQUIRE(per_head && p.units > 1, "plan_options.adakv.alpha", opt.adakv->alpha,
                   "AdaKV shares a layer's budget between heads: it needs per_head granularity and a per-head score "
                   "(", spec.name, " at ", to_string(opt.g), " has ", p.units, " unit)");
   }
-  std::size_t at = 0;
+  detail::carver c;
   const auto f = sizeof(float), i64 = sizeof(std::int64_t);
-  p.order = detail::carve(at, std::size_t(n) * i64);
-  p.scores = detail::carve(at, std::size_t(p.source_rows * n) * f);
-  p.finished = spec.pools_per_query_head() ? detail::carve(at, std::size_t(p.finished_rows * n) * f) : p.scores;
-  p.acc = detail::carve(at, per_head ? 0 : std::size_t(n) * f);
-  p.caps = detail::carve(at, opt.adakv_alpha >= 0 ? std::size_t(p.units) * i64 : 0);
-  p.backend = detail::carve(at, std::size_t(be.scratch_bytes(spec, shape, opt)));
-  p.workspace_bytes = (at + 63) / 64 * 64;
+  p.order = c.offset(std::size_t(n) * i64);
+  p.scores = c.offset(std::size_t(p.source_rows * n) * f);
+  p.finished = spec.pools_per_query_head() ? c.offset(std::size_t(p.finished_rows * n) * f) : p.scores;
+  p.acc = c.offset(per_head ? 0 : std::size_t(n) * f);
+  p.caps = c.offset(opt.adakv ? std::size_t(p.units) * i64 : 0);
+  p.backend = c.offset(std::size_t(be.scratch_bytes(spec, shape, opt)));
+  p.workspace_bytes = c.size();
   return p;
 }
 
@@ -182,14 +176,14 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, at("tokens.size()"), s.n_slots,
                 "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads, " KV heads; this layer has ",
                 s.kv_heads);
-  if (p.spec.needs() & needs_keys) {
+  if (p.spec.needs().keys) {
     INFKV_REQUIRE(!in.keys.empty(), at("keys.data"), "null", p.spec.name, " reads the keys");
     INFKV_REQUIRE(in.keys.n_slots == s.n_slots, at("tokens.size()"), s.n_slots, "must equal keys.n_slots (",
                   in.keys.n_slots, ")");
     INFKV_REQUIRE(s.head_dim == p.shape.head_dim, at("keys.head_dim"), s.head_dim, "the plan was made for ",
                   p.shape.head_dim);
   }
-  if (p.spec.needs() & needs_queries) {
+  if (p.spec.reads_queries()) {
     INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, at("queries.n_heads"), s.q_heads,
                   "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
     const std::int64_t planned = std::min(p.spec.queries, p.shape.n_queries);
@@ -197,7 +191,7 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
                   "the plan's workspace holds ", planned,
                   " window queries: plan with the largest query count the layers will have");
   }
-  if (p.spec.needs() & needs_values) {
+  if (p.spec.needs().values) {
     INFKV_REQUIRE(!in.values.empty(), at("values.data"), "null", p.spec.name, " weights scores by value norms");
     INFKV_REQUIRE(in.values.n_slots == s.n_slots && in.values.n_heads == s.kv_heads, at("values.n_slots"),
                   in.values.n_slots, "values must have the keys' ", s.n_slots, " slots and ", s.kv_heads,
@@ -304,9 +298,9 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   }
   if (p.opt.g != granularity::per_head) be.finish_reduction(acc, p.opt.r, folded);
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
-  if (p.opt.adakv_alpha >= 0) {
+  if (p.opt.adakv) {
     caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(adakv{.alpha = p.opt.adakv_alpha}, final_scores, order, p.keep, p.keep_per_unit, caps,
+    be.allocate(*p.opt.adakv, final_scores, order, p.keep, p.keep_per_unit, caps,
                 detail::scratch(p, ws));
   }
   be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));

@@ -13,20 +13,28 @@
 
 #include "budget.hpp"
 #include "kv_view.hpp"
-#include "policies/attention_bias.hpp"
+#include "bias.hpp"
 #include "rope.hpp"
 #include "scores.hpp"
 #include "tokens.hpp"
 
 namespace infkv {
 
-/// Inputs a score source reads, as bit flags.
-enum input : unsigned {
-  needs_nothing = 0,
-  needs_keys = 1u << 0,       ///< cached keys
-  needs_values = 1u << 1,     ///< cached values (value-norm weighting)
-  needs_queries = 1u << 2,    ///< a window of recent (post-RoPE) queries
-  needs_attention = 1u << 3,  ///< attention probabilities of every decode step (stateful)
+/// What a policy reads from an engine, per layer: the answer to "what must my engine capture?".
+/// Every policy also reads the cached tokens' positions (`layer_inputs::tokens`).
+struct capture_needs {
+  bool keys = false;         ///< post-RoPE keys of every cached slot (`layer_inputs::keys`)
+  bool values = false;       ///< values of every cached slot (`layer_inputs::values`): value-norm weighting
+  std::int64_t queries = 0;  ///< the last `queries` post-RoPE queries and their positions (0: none)
+  /// The attention of every decoded query, accumulated between evictions (H2O): after each decode,
+  /// the step's queries and the cached keys go to `cpu::observe`, whose state the pipeline reads as
+  /// `layer_inputs::accumulated`.
+  bool attention = false;
+  bool rope = false;  ///< the layer's RoPE (`layer_inputs::rotary`, else the policy's): queries are turned back
+
+  /// True when the policy reads anything besides positions: the engine must observe its forward pass.
+  constexpr bool observes() const { return keys || values || queries > 0 || attention; }
+  friend constexpr bool operator==(const capture_needs&, const capture_needs&) = default;
 };
 
 /// Where a policy's raw scores come from. A backend implements each source once.
@@ -70,25 +78,28 @@ struct policy_spec {
   std::int32_t kernel = 1;          ///< pooling width (odd)
   std::int64_t pool_tail = 0;       ///< last slots in time order left out of pooling (the observation window)
   attention_bias bias{};
+  std::int64_t protect_sinks = 0;   ///< the policy keeps at least this many oldest tokens
   std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
   granularity natural = granularity::per_token;
   bool value_norm = false;          ///< scores times |v_j| of their KV head, before pooling
   expectation expect{};             ///< expected_attention's parameters
 
-  /// Inputs the source reads.
-  constexpr unsigned needs() const {
-    const unsigned values = value_norm ? needs_values : 0u;
-    switch (source) {
-      case score_source::recency: return needs_nothing;
-      case score_source::key_diversity: return needs_keys | values;
-      case score_source::window_attention: case score_source::last_query: case score_source::expected_attention:
-        return needs_keys | needs_queries | values;
-      case score_source::accumulated: return needs_attention | values;
-    }
-    return needs_nothing;
+  /// True when the source reads window queries (`queries` of them).
+  constexpr bool reads_queries() const {
+    return source == score_source::window_attention || source == score_source::last_query ||
+           source == score_source::expected_attention;
   }
-  /// The budget the policy actually keeps: recent widened to protect_recent.
+  /// What the source reads (see capture_needs).
+  constexpr capture_needs needs() const {
+    return {.keys = source != score_source::recency && source != score_source::accumulated,
+            .values = value_norm,
+            .queries = reads_queries() ? queries : 0,
+            .attention = source == score_source::accumulated,
+            .rope = source == score_source::expected_attention && expect.rotated};
+  }
+  /// The budget the policy actually keeps: sinks widened to protect_sinks, recent to protect_recent.
   budget protect(budget b) const {
+    b.sinks = std::max(b.sinks, protect_sinks);
     b.recent = std::max(b.recent, protect_recent);
     return b;
   }
@@ -108,10 +119,17 @@ concept policy = requires(const P& p) {
   { p.spec() } -> std::same_as<policy_spec>;
 };
 
-/// The budget policy `p` keeps given `b` (its window widens the recent tokens).
+/// The budget policy `p` keeps given `b` (its window widens the recent tokens, its sinks the first).
 template <policy P>
 budget protect(const P& p, const budget& b) {
   return p.spec().protect(b);
+}
+
+/// What an engine must capture, per layer, for policy `p` to score (checks `p` first).
+template <policy P>
+capture_needs capture_needs_of(const P& p) {
+  p.validate();
+  return p.spec().needs();
 }
 
 /// What one layer of one sequence offers a scorer. `keys`/`values`: [n_slots][Hkv][D] rows;

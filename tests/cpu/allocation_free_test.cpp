@@ -77,7 +77,7 @@ void check_run(const P& pol, std::span<const layer_inputs<R>> layers, const budg
   const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
   CHECK(allocations_in([&] { run(pl, be, layers, ws.span(), out); }) == 0);
   // The result is the convenience call's (which allocates), so the run did its job.
-  if (opt.n_layers == 1 && opt.adakv_alpha < 0)
+  if (opt.n_layers == 1 && !opt.adakv)
     CHECK(keep_set::from_view(out) == cpu::select(pol, b, layers[0], opt.g, opt.r));
   if (opt.n_layers == 1) {
     score_view s;
@@ -114,6 +114,6 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
     const std::vector<layer_inputs<>> three(3, one);  // one per-token decision over three layers
     check_run(pol, std::span<const layer_inputs<>>(three), b, {.g = granularity::per_token, .n_layers = 3});
     if (pol.spec().natural == granularity::per_head && pol.spec().source != score_source::recency)
-      check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = granularity::per_head, .adakv_alpha = 0.2});
+      check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}});
   });
 }

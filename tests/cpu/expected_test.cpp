@@ -2,6 +2,7 @@
 // references (ref_expected builds kvpress's matrices: RoPE as d x d rotations, the covariance as
 // a d x d matrix; the backend never forms either), invariant to where the stream stands, and
 // refusing bad input by name. The CUDA steps are compared with these in cuda/steps_test.cpp.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -110,6 +111,30 @@ TEST_CASE("expected attention does not depend on where the stream stands: shifti
   check_close(sa, ref_expected(a.p, ea), 2e-4, 2e-6, "at 0");
 }
 
+TEST_CASE("expected attention keeps its sinks whatever the budget's sinks, however small their values") {
+  // Found by a float64 reference written from kvpress's code: the sinks scored 1 and were then
+  // multiplied by |v|, so with budget.sinks below the policy's sinks a sink with a small value
+  // vector was evicted (kvpress keeps its n_sink slots). n = 32, d = 16, one KV head, window 28.
+  const problem p = make_problem(77, 32, 1, 1, 16, 28, dtype::f32, false);  // slot j at time rank j
+  const layer ly(p);
+  std::vector<float> v(std::size_t(p.n * 16));
+  std::mt19937 gen(78);
+  std::normal_distribution<float> normal;
+  for (auto& x : v) x = normal(gen);
+  for (std::size_t i = 0; i < 4 * 16; ++i) v[i] *= 1e-3f;  // the 4 sinks: tiny values
+  layer_inputs<> in = ly.in();
+  in.values = nhd(v.data(), dtype::f32, p.n, 1, 16);
+  for (const std::int64_t sinks : {0, 2, 4}) {
+    CAPTURE(sinks);
+    const keep_set keep = cpu::select(expected_attention{.window = 28}, {.capacity = 8, .sinks = sinks}, in);
+    REQUIRE(keep.size(0) == 8);
+    for (std::int64_t s = 0; s < 4; ++s) CHECK(std::binary_search(keep.unit(0).begin(), keep.unit(0).end(), s));
+  }
+  CHECK(protect(expected_attention{.sinks = 6}, {.capacity = 8, .sinks = 2}).sinks == 6);
+  CHECK_ERROR(cpu::select(expected_attention{.sinks = 6}, {.capacity = 8, .recent = 4}, in),
+              "budget.capacity = 8: cannot hold its protected tokens: sinks (6) + recent (4)");
+}
+
 TEST_CASE("expected attention and value norms refuse bad input by name") {
   const problem p = make_problem(5, 40, 2, 2, 8, 4);
   const layer ly(p);
@@ -148,6 +173,30 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), "query_pos[2] = 9223372036854775807");
   qpos[2] = std::numeric_limits<std::int64_t>::min();
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), "query_pos[2] = -9223372036854775808");
+  // Found by a float64 reference of kvpress's press: finite keys or queries near 1e19 (representable
+  // in bf16) overflow the covariance term in f32; the error named "scores[0, 4] = nan" instead of
+  // the input. Now the key (slot and head) and the queries' largest element are named.
+  in.query_pos = p.qpos;
+  std::vector<float> big_k = p.k;
+  const auto slot4 = std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 20; }) -
+                                  p.tokens.begin());  // a slot that is not a sink
+  for (std::int32_t e = 0; e < p.d; ++e) big_k[std::size_t((slot4 * p.hkv + 1) * p.d + e)] = 1e19f;
+  const stored big_keys = store(big_k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  in.keys = big_keys.tensor;
+  const std::string at = "keys[slot " + std::to_string(slot4) + ", head 1]: expected_attention's logit under the window";
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), at.c_str());
+  const std::string why = "overflows f32 (largest |element|: keys 1e+19 at slot " + std::to_string(slot4);
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), why.c_str());
+  CHECK_NOTHROW(cpu::select(expected_attention{.covariance = false}, b, in));  // |s mu'.k| stays finite
+  in.keys = ly.keys.tensor;
+  std::vector<float> big_q = p.q;
+  for (const std::int64_t i : {1, 2})  // their sum overflows
+    for (std::int32_t e = 0; e < p.d; ++e) big_q[std::size_t((i * p.hq + 3) * p.d + e)] = 3e38f;
+  const stored big_queries = store(big_q, p.nq, p.hq, p.d, p.type, layout::nhd);
+  in.queries = big_queries.tensor;
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries[slot 1, head 3] (largest |element| 3e+38): the mean "
+                                                        "and covariance of expected_attention's window overflow f32");
+  in.queries = ly.queries.tensor;
   // A one-row score (all heads together) has no KV head to take value norms from.
   const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};
   CHECK_ERROR(make_plan(cpu::backend{}, tova_v, b, shape_of(ly.in())), "tova_v.value_norm = true");

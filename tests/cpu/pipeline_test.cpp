@@ -3,6 +3,7 @@
 // misuse (workspace too small or misaligned, a layer of another shape, a keep view of other
 // units, several layers at per-head granularity) raises naming the argument.
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -51,7 +52,7 @@ TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the prote
   for (const double alpha : {0.0, 0.2, 1.0}) {
     CAPTURE(alpha);
     const snapkv pol{.window = 5, .kernel = 3};
-    const plan pl = make_plan(be, pol, b, shape_of(in), {.g = granularity::per_head, .adakv_alpha = alpha});
+    const plan pl = make_plan(be, pol, b, shape_of(in), {.g = granularity::per_head, .adakv = adakv{.alpha = alpha}});
     plan_buffers buf(pl);
     run(pl, be, std::span<const layer_inputs<>>(&in, 1), buf.ws.span(), buf.out);
     const auto keep = keep_set::from_view(buf.out);
@@ -94,10 +95,16 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     CHECK_ERROR(run(pl, be, std::span<const layer_inputs<>>(two), buf.ws.span(), buf.out), "layers.size() = 2");
     CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_head, .n_layers = 2}),
                 "plan_options.n_layers = 2");
-    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_layer, .adakv_alpha = 0.5}),
-                "plan_options.adakv_alpha");
+    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_layer, .adakv = adakv{.alpha = 0.5}}),
+                "plan_options.adakv.alpha");
+    // Was accepted, and silently turned AdaKV off (alpha >= 0 was the switch).
+    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0),
+                          {.g = granularity::per_head, .adakv = adakv{.alpha = std::numeric_limits<double>::quiet_NaN()}}),
+                "adakv.alpha = nan: must be in [0, 1]");
+    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_head, .adakv = adakv{.alpha = -0.5}}),
+                "adakv.alpha = -0.5");
     CHECK_ERROR(make_plan(be, pol, budget{.capacity = 3, .sinks = 2, .recent = 2}, shape_of(l0)), "budget.capacity = 3");
-    if (pol.spec().needs() & needs_queries) {  // more window queries than the plan's workspace holds
+    if (pol.spec().needs().queries > 0) {  // more window queries than the plan's workspace holds
       auto fewer = l0;
       fewer.queries.n_slots = 1;
       fewer.queries.data = l0.queries.row(3, 0);
@@ -123,6 +130,33 @@ TEST_CASE("pipeline: a source that reads queries refuses a layer without any") {
   CHECK_NOTHROW(make_plan(cpu::backend{}, keydiff{}, budget{.capacity = 8}, shape_of(no_queries)));
   const layer_inputs<> no_keys{{}, {}, {}, {}, p.tokens, 0.f};
   CHECK_ERROR(cpu::select(keydiff{}, budget{.capacity = 8}, no_keys), "layers[0].keys.data = null");
+}
+
+TEST_CASE("pipeline: what capture_needs_of names is all a policy reads, and enough") {
+  const layer ly(make_problem(12, 60, 2, 2, 8, 7));
+  const layer_inputs<> full = ly.in();
+  std::vector<float> v(std::size_t(60 * 2 * 8), 0.5f);
+  const stored values = store(v, 60, 2, 8, dtype::f32, layout::nhd);
+  const budget b{.capacity = 30, .sinks = 2, .recent = 6};
+  for_each_policy(full, [&](const std::string& label, const auto& pol) {
+    INFO(label);
+    const capture_needs c = capture_needs_of(pol);
+    // Only what the policy needs: no keys, values or queries it does not read, and just its
+    // last c.queries queries.
+    layer_inputs<> in{.tokens = ly.p.tokens};
+    if (c.keys) in.keys = full.keys;
+    if (c.values) in.values = values.tensor;
+    if (c.queries > 0) {
+      REQUIRE(c.queries <= ly.p.nq);
+      const std::int64_t drop = ly.p.nq - c.queries;
+      in.queries = full.queries;
+      in.queries.data = full.queries.row(drop, 0), in.queries.n_slots = c.queries;
+      in.query_pos = std::span(ly.p.qpos).subspan(std::size_t(drop));
+    }
+    layer_inputs<> all = full;
+    all.values = values.tensor;
+    CHECK(cpu::select(pol, b, in) == cpu::select(pol, b, all));
+  });
 }
 
 TEST_CASE("pipeline: PyramidKV's layer budgets are plain budgets, one plan per layer") {

@@ -17,7 +17,7 @@
 
 #include <doctest/doctest.h>
 #include <infkv/cpu.hpp>
-#include <infkv/cuda/backend.hpp>
+#include <infkv/cuda.hpp>
 
 #include "cpu/reference_helpers.hpp"
 #include "policy_registry.hpp"
@@ -177,7 +177,7 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
     for (const granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token})
       options.push_back({.g = g, .r = reduction(gen() % 3)});
     options.push_back({.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
-    if (heads > 1 && b.capacity < n) options.push_back({.g = granularity::per_head, .adakv_alpha = 0.3});
+    if (heads > 1 && b.capacity < n) options.push_back({.g = granularity::per_head, .adakv = adakv{.alpha = 0.3}});
     for (const plan_options& o : options) {
       CAPTURE(to_string(o.g));
       CAPTURE(o.n_layers);

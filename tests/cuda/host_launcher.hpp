@@ -11,7 +11,7 @@
 #include <span>
 #include <vector>
 
-#include <infkv/cuda/cache_steps.hpp>
+#include <infkv/cuda/detail/cache_steps.hpp>
 
 namespace infkv_test {
 

@@ -141,7 +141,7 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
       }
     if (heads > 1 && b.capacity < n)
       for (const double alpha : {0.0, 0.3, 1.0}) {
-        const plan_options ada{.g = granularity::per_head, .adakv_alpha = alpha};
+        const plan_options ada{.g = granularity::per_head, .adakv = adakv{.alpha = alpha}};
         const std::span<const layer_inputs<>> first(layers.data(), 1);
         CHECK(keep_of(gpu_be, spec, b, first, ada) == keep_of(cpu_be, spec, b, first, ada));
       }
@@ -293,6 +293,20 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     CHECK((st.kind == cuda::fault::value_not_finite && st.b == 29 && st.a == 1));
     CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("values[slot 29, head 1] is not finite"),
                          invalid_argument);
+  }
+  SUBCASE("a finite key so large that Expected Attention's logit overflows names the key, not a NaN score") {
+    problem p = ly.p;
+    const auto slot = std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 40; }) -
+                                   p.tokens.begin());  // not a sink
+    for (std::int32_t e = 0; e < 8; ++e) p.k[std::size_t((slot * 2 + 1) * 8 + e)] = 1e19f;
+    const layer big(p);
+    const layer_inputs<> in = big.in();
+    cuda::status st;
+    keep_of(be, expected_attention{.window = 4, .value_norm = false}.spec(), budget{.capacity = 30, .sinks = 4},
+            std::span<const layer_inputs<>>(&in, 1), {}, &st);
+    CHECK((st.kind == cuda::fault::logit_overflow && st.a == 1 && st.b == slot));
+    const std::string named = "keys[slot " + std::to_string(slot) + ", head 1]: expected_attention's logit";
+    CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains(named.c_str()), invalid_argument);
   }
   SUBCASE("a query position past 2^62 is recorded for Expected Attention, not overflowed") {
     std::vector<std::int64_t> qpos = ly.p.qpos;

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <infkv/adapters/llama_cpp.hpp>
+#include <infkv/llama_cpp.hpp>
 
 namespace infkv_test {
 

@@ -96,6 +96,49 @@ TEST_CASE("llama session: eviction works with every policy") {
   }
 }
 
+TEST_CASE("llama session: session_options::for_policy captures what the policy reads, and nothing more") {
+  auto model = tiny_model(2);
+  const lc::session_options base{.key_type = infkv::dtype::f16, .reduce = infkv::reduction::max};
+  SUBCASE("streaming_llm: no capture at all") {
+    const auto o = lc::session_options::for_policy(infkv::streaming_llm{}, base);
+    CHECK_FALSE(o.capture);
+    CHECK_FALSE(o.values);
+    CHECK(o.key_type == infkv::dtype::f16);  // the rest of the base stays
+    CHECK(o.reduce == infkv::reduction::max);
+    lc::session s(model.get(), o);
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, infkv::streaming_llm{});
+  }
+  SUBCASE("snapkv: its window of queries") {
+    const infkv::snapkv p{.window = 12};
+    const auto o = lc::session_options::for_policy(p, base);
+    CHECK((o.capture && !o.values && o.window == 12 && !o.track_h2o));
+    lc::session s(model.get(), o);
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, p);
+    CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 13}, {.capacity = 20}), doctest::Contains("snapkv.window = 13"),
+                         infkv::invalid_argument);
+  }
+  SUBCASE("expected_attention: values too") {
+    lc::session probe(model.get());
+    const infkv::expected_attention p{.window = 16, .rotary = probe.rope().params};
+    const auto o = lc::session_options::for_policy(p, base);
+    CHECK((o.capture && o.values && o.window == 16));
+    lc::session s(model.get(), o);
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, p);
+  }
+  SUBCASE("h2o: the attention of every decode") {
+    const infkv::h2o p{.forgetting = 0.9};
+    const auto o = lc::session_options::for_policy(p, base);
+    REQUIRE(o.track_h2o);
+    CHECK((o.capture && !o.values && o.track_h2o->forgetting == 0.9));
+    lc::session s(model.get(), o);
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, p);
+  }
+}
+
 TEST_CASE("llama session: the per-token choice is the top of the layers' combined scores") {
   auto model = tiny_model(2);
   lc::session s(model.get(), {.window = 8, .positions = lc::position_mode::keep});

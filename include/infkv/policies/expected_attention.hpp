@@ -22,7 +22,7 @@ struct expected_attention {
   std::int64_t window = 64;           ///< recent queries whose statistics model the future ones
   std::optional<rope> rotary = rope{};  ///< the model's RoPE; nullopt for a model without RoPE
   std::int64_t future = 512;          ///< future positions RoPE is averaged over (kvpress: 512)
-  std::int64_t sinks = 4;             ///< first slots left out of the softmax (kvpress: n_sink = 4)
+  std::int64_t sinks = 4;             ///< first slots left out of the softmax and always kept (kvpress: n_sink = 4)
   bool covariance = true;             ///< the covariance term (kvpress: use_covariance)
   bool value_norm = true;             ///< times |v_j| (kvpress: use_vnorm)
 
@@ -35,7 +35,7 @@ struct expected_attention {
             .covariance = covariance};
   }
   policy_spec spec() const {
-    return {.name = name, .source = score_source::expected_attention, .queries = window,
+    return {.name = name, .source = score_source::expected_attention, .queries = window, .protect_sinks = sinks,
             .natural = granularity::per_head, .value_norm = value_norm, .expect = expect()};
   }
 };

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "../error.hpp"
+#include "../policy.hpp"
 
 namespace infkv {
 
@@ -25,5 +26,12 @@ struct h2o {
                   forgetting, "must be in (0, 1]");
   }
 };
+
+/// What an engine must capture for H2O: the attention of every decoded query, accumulated
+/// (cpu::observe after each decode, cpu::h2o_state scores).
+inline capture_needs capture_needs_of(const h2o& config) {
+  config.validate();
+  return {.attention = true};
+}
 
 }  // namespace infkv

@@ -9,7 +9,7 @@
 #include <string_view>
 
 #include "../policy.hpp"
-#include "attention_bias.hpp"
+#include "../bias.hpp"
 
 namespace infkv {
 

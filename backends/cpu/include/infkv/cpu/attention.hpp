@@ -1,9 +1,6 @@
 // infkv CPU backend: attention recomputed from Q and K (so policies work with flash attention
-// on): per-key probability mass from a window of queries, and attention outputs.
-// Logits are a small GEMM per KV head: keys converted to f32 a tile at a time and transposed,
-// then a register-blocked micro-kernel (4 query rows x 24 keys, plain loops that compilers
-// vectorise) over all query rows. window_attention's softmax runs in two passes over the tiles
-// (row max and normaliser, then normalised sums), keeping memory bounded for any cache length.
+// on): per-key probability mass from a window of queries, and attention outputs. The softmax is
+// computed a key tile at a time with bounded memory (detail/softmax.hpp).
 #pragma once
 
 #include <algorithm>
@@ -23,231 +20,21 @@
 #include <infkv/tokens.hpp>
 
 #include "executor.hpp"
-#include "kernels.hpp"
+#include "detail/kernels.hpp"
+#include "detail/softmax.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
 
-namespace detail {
-
-/// Per worker, tiles of probabilities up to this size are kept between the two softmax passes;
-/// tiles beyond it are recomputed, so memory stays bounded for any number of slots.
-inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
-
-/// Rounds a float count up to whole 64-byte lines.
-inline std::int64_t lines(std::int64_t floats) { return (floats + 15) / 16 * 16; }
-
-/// The blocks one worker's softmax over `rows` query rows, head_dim d and n keys uses.
-struct softmax_layout {
-  std::int64_t rows, padded, n_tiles, tile_floats, cached, d;
-  softmax_layout(std::int64_t rows_, std::int64_t d_, std::int64_t n)
-      : rows(rows_), padded((rows_ + kernel_rows - 1) / kernel_rows * kernel_rows), n_tiles((n + key_tile - 1) / key_tile),
-        tile_floats(padded * key_tile),
-        cached(std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))))), d(d_) {}
-  /// Floats of scratch: queries, transposed key tile, 8 converted rows, kept tiles, one more
-  /// tile, per-tile maxima and sums, and two throwaway rows.
-  std::int64_t floats() const {
-    return lines(padded * d) + lines(d * key_tile) + lines(8 * d) + lines(cached * tile_floats) + lines(tile_floats) +
-           2 * lines(n_tiles * rows) + lines(2 * rows);
-  }
-};
-
-/// Floats of scratch each worker of window_attention_into needs for G x n_q query rows of
-/// head_dim d against n keys, rounded to 64-byte lines.
-inline std::int64_t window_scratch_floats(std::int64_t group, std::int64_t n_q, std::int64_t d, std::int64_t n) {
-  return lines(softmax_layout(group * n_q, d, n).floats());
-}
-template <row_source R>
-std::int64_t window_scratch_floats(const layer_inputs<R>& in) {
-  return window_scratch_floats(in.queries.n_heads / in.keys.n_heads, in.queries.n_slots, in.keys.head_dim,
-                               in.keys.n_slots);
-}
-
-/// Throws naming the first non-finite element of `t`'s rows [first, first + count) of `head`.
-template <row_source R>
-[[noreturn]] void fail_not_finite(const R& t, const char* name, std::int64_t first, std::int64_t count, std::int32_t head) {
-  std::vector<float> x(static_cast<std::size_t>(t.head_dim));
-  for (std::int64_t j = first; j < first + count; ++j) {
-    to_f32(t.type, t.row(j, head), x.data(), t.head_dim);
-    for (std::int32_t e = 0; e < t.head_dim; ++e)
-      if (!std::isfinite(x[std::size_t(e)]))
-        infkv::detail::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ", name,
-                            " must be finite (a NaN or Inf would silently distort every score of the layer)");
-  }
-  infkv::detail::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ", head);
-}
-
-/// Checks the queries/keys/tokens of `in` against each other.
-template <row_source R>
-void check_attention_inputs(const layer_inputs<R>& in) {
-  validate(in.keys, "keys");
-  validate(in.queries, "queries");
-  validate_tokens(in.tokens, in.keys.n_slots);
-  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                "must equal keys.head_dim (", in.keys.head_dim, ")");
-  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
-                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()",
-                in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, ")");
-  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
-  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
-}
-
-/// Keys [t0, t0 + tn) of `head` (tn <= key_tile) as f32, transposed: kt[e * key_tile + j].
-/// `rows` holds 8 * head_dim floats of scratch.
-template <row_source R>
-void load_key_tile(const R& keys, std::int32_t head, std::int64_t t0, std::int64_t tn, float* kt, float* rows) {
-  const std::int64_t d = keys.head_dim;
-  std::int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  for (; j + 8 <= tn; j += 8) {  // eight keys at a time, 8 x 8 blocks transposed in registers
-    const float* src[8];
-    for (int i = 0; i < 8; ++i) {  // f32 rows are read in place, others converted first
-      const void* p = keys.row(t0 + j + i, head);
-      if (keys.type != dtype::f32) to_f32(keys.type, p, rows + i * d, d);
-      src[i] = keys.type == dtype::f32 ? static_cast<const float*>(p) : rows + i * d;
-    }
-    std::int64_t e = 0;
-    for (; e + 8 <= d; e += 8) transpose8(src, e, kt + e * key_tile + j, key_tile);
-    for (; e < d; ++e)
-      for (int i = 0; i < 8; ++i) kt[e * key_tile + j + i] = src[i][e];
-  }
-#endif
-  for (; j < tn; ++j) {
-    to_f32(keys.type, keys.row(t0 + j, head), rows, d);
-    for (std::int64_t e = 0; e < d; ++e) kt[e * key_tile + j] = rows[e];
-  }
-  bool finite = true;  // one NaN or Inf key would zero or poison the whole tile's softmax
-  for (std::int64_t e = 0; e < d; ++e) finite &= all_finite(kt + e * key_tile, tn);
-  if (!finite) [[unlikely]] fail_not_finite(keys, "keys", t0, tn, head);
-}
-
-/// Logits out[r * key_tile + j] (r < rows, j < tn rounded up to kernel_keys) of f32 query rows
-/// q[rows][d] (rows a multiple of kernel_rows) against a transposed key tile.
-inline void tile_logits(const float* q, std::int64_t rows, std::int64_t d, const float* kt, std::int64_t tn,
-                        float scale, float* out) {
-  for (std::int64_t c0 = 0; c0 < tn; c0 += kernel_keys)  // one key strip stays in L1 over all rows
-    for (std::int64_t r0 = 0; r0 < rows; r0 += kernel_rows)
-      dot_block(q + r0 * d, d, kt + c0, scale, out + r0 * key_tile + c0, key_tile);
-}
-
-/// Queries of KV head `h`'s group as f32 [G * n_q][d] into `out`, query-major within each head;
-/// a NaN or Inf raises naming the query (counted from `first`, the queries dropped before the
-/// view) and head.
-inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group, std::int64_t first,
-                          float* out) {
-  const std::int64_t d = q.head_dim, n_q = q.n_slots;
-  for (std::int32_t g = 0; g < group; ++g)
-    for (std::int64_t i = 0; i < n_q; ++i) {
-      float* row = out + (g * n_q + i) * d;
-      to_f32(q.type, q.row(i, kv_head * group + g), row, d);
-      if (!all_finite(row, d)) [[unlikely]] {
-        tensor_view all = q;  // name the query as the caller counts it
-        all.data = q.row(-first, 0);
-        all.n_slots += first;
-        fail_not_finite(all, "queries", first + i, 1, kv_head * group + g);
-      }
-    }
-}
-
-inline float effective_scale(float scale, std::int32_t head_dim) {
-  return scale > 0.f ? scale : 1.f / std::sqrt(float(head_dim));
-}
-
-/// Softmax pieces of one key tile for every query row of one KV head: masked logits turned into
-/// e[r][j] = exp(l[r][j] - m[r]) with m[r] the row's largest visible logit in the tile (-inf and
-/// e = 0 when it sees none) and s[r] = sum_j e[r][j]. Deterministic, so a tile recomputed in the
-/// second pass equals the first.
-template <row_source R>
-struct tile_softmax {
-  const layer_inputs<R>& in;
-  std::int32_t head;
-  std::int64_t rows, padded;  // group * n_q query rows; rounded up to kernel_rows
-  float scale;
-  float* q;      // [padded][d]
-  float* kt;     // [d][key_tile]
-  float* rows8;  // [8][d] scratch
-
-  void operator()(std::int64_t t0, std::int64_t tn, float* e, float* m, float* s) const {
-    const std::int64_t n_q = in.queries.n_slots;
-    load_key_tile(in.keys, head, t0, tn, kt, rows8);
-    tile_logits(q, padded, in.keys.head_dim, kt, tn, scale, e);
-    std::int64_t newest = std::numeric_limits<std::int64_t>::min();
-    for (std::int64_t j = 0; j < tn; ++j) newest = std::max(newest, in.tokens[std::size_t(t0 + j)].pos);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      float* x = e + r * key_tile;
-      const std::int64_t qp = in.query_pos[std::size_t(r % n_q)];
-      if (newest > qp)  // some keys of the tile are in this query's future
-        for (std::int64_t j = 0; j < tn; ++j)
-          if (in.tokens[std::size_t(t0 + j)].pos > qp) x[j] = -std::numeric_limits<float>::infinity();
-      const float mx = m[r] = max_of(x, tn);
-      if (mx == -std::numeric_limits<float>::infinity()) {
-        std::fill(x, x + tn, 0.f);
-        s[r] = 0.f;
-        continue;
-      }
-      exp_shifted(x, tn, mx);
-      s[r] = sum_of(x, nullptr, tn);
-    }
-  }
-};
-
-/// The softmax of KV head `h`'s query rows (r = g * n_q + i) over all keys, a key tile at a
-/// time: calls use(t0, tn, e, c) for each tile, where the probability of key t0 + j for row r is
-/// c[r] * e[r * key_tile + j] (rows that see no key have c[r] = 0). Two passes over the tiles: the
-/// first finds each row's max and normaliser, the second hands out the tiles, kept from the first
-/// pass up to prob_cache_bytes and recomputed beyond, so memory stays bounded for any length.
-/// `work` is 64-byte aligned and holds softmax_layout(group * n_q, d, n).floats() floats.
-template <row_source R, class F>
-void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group, float scale, std::int64_t first_query,
-                   float* work, F&& use) {
-  const std::int64_t d = in.keys.head_dim, n = in.keys.n_slots, rows = group * in.queries.n_slots;
-  const softmax_layout lay(rows, d, n);
-  const std::int64_t padded = lay.padded, n_tiles = lay.n_tiles, tile_floats = lay.tile_floats, cached = lay.cached;
-  float* next = work;
-  const auto take = [&](std::int64_t floats) { float* p = next; next += lines(floats); return p; };
-  float *const qbuf = take(padded * d), *const kt = take(d * key_tile), *const rows8 = take(8 * d);
-  float *const cache = take(cached * tile_floats), *const scratch = take(tile_floats);
-  float *const tmax = take(n_tiles * rows), *const tsum = take(n_tiles * rows), *const unused = take(2 * rows);
-  group_queries(in.queries, h, group, first_query, qbuf);
-  std::fill(qbuf + rows * d, qbuf + padded * d, 0.f);  // padding rows: 0
-  std::fill(kt, kt + d * key_tile, 0.f);              // key columns past a short last tile stay 0
-  const tile_softmax<R> tile{in, h, rows, padded, scale, qbuf, kt, rows8};
-  for (std::int64_t t = 0; t < n_tiles; ++t)
-    tile(t * key_tile, std::min(key_tile, n - t * key_tile), t < cached ? cache + t * tile_floats : scratch,
-         tmax + t * rows, tsum + t * rows);
-  // Row max and normaliser over all tiles; tmax becomes each tile's row coefficients.
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-    for (std::int64_t t = 0; t < n_tiles; ++t) mx = std::max(mx, tmax[t * rows + r]);
-    for (std::int64_t t = 0; t < n_tiles; ++t) {
-      const std::int64_t i = t * rows + r;
-      if (tsum[i] > 0.f) sum += tsum[i] * std::exp(tmax[i] - mx);
-    }
-    for (std::int64_t t = 0; t < n_tiles; ++t) {
-      const std::int64_t i = t * rows + r;
-      tmax[i] = tsum[i] > 0.f ? std::exp(tmax[i] - mx) / sum : 0.f;
-    }
-  }
-  for (std::int64_t t = 0; t < n_tiles; ++t) {
-    const std::int64_t t0 = t * key_tile, tn = std::min(key_tile, n - t0);
-    float* e = t < cached ? cache + t * tile_floats : scratch;
-    if (t >= cached) tile(t0, tn, e, unused, unused + rows);
-    use(t0, tn, static_cast<const float*>(e), static_cast<const float*>(tmax + t * rows));
-  }
-}
-
-}  // namespace detail
-
 /// Attention mass each cached key receives from the window, into `out`: per KV head h (or per
 /// query head, with `per_query_head`) and slot j, the sum over queries of the softmax probability
 /// (visible keys only); per KV head, averaged over the G query heads of h. `scratch` holds
-/// ex.threads x window_scratch_floats(in) floats, 64-byte aligned. Allocates nothing with one
+/// workers(ex, Hkv) x detail::window_scratch_bytes(in) bytes, 64-byte aligned. Allocates nothing with one
 /// thread. NaN or Inf in the keys or queries raise, naming slot and head (queries counted from
 /// `first_query`, for a window cut from a longer query view). Cost O(Hq n_q n d); parallel over
 /// KV heads; results do not depend on the thread count.
 template <row_source R>
-void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_query_head, float* scratch,
+void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_query_head, std::byte* scratch,
                            const executor& ex = {}, std::int64_t first_query = 0) {
   detail::check_attention_inputs(in);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv;
@@ -255,11 +42,12 @@ void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_q
                 out.rows, "must be ", per_query_head ? in.queries.n_heads : hkv, " x ", in.keys.n_slots,
                 "; out.cols = ", out.cols);
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
-  const std::int64_t per_worker = detail::window_scratch_floats(in), n_q = in.queries.n_slots;
+  const std::size_t per_worker = detail::window_scratch_bytes(in);
+  const std::int64_t n_q = in.queries.n_slots;
   parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     const std::int64_t first = per_query_head ? h * group : h, count = per_query_head ? group : 1;
     for (std::int64_t r = 0; r < count; ++r) std::fill(out.row(first + r), out.row(first + r) + out.cols, 0.f);
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, first_query, scratch + w * per_worker,
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, first_query, scratch + std::size_t(w) * per_worker,
                           [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
       for (std::int64_t r = 0; r < group * n_q; ++r) {
         const float cr = c[r];  // a local, so the loop below vectorises
@@ -280,8 +68,8 @@ template <row_source R>
 score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}) {
   detail::check_attention_inputs(in);
   score_matrix out(in.keys.n_heads, in.keys.n_slots);
-  const workspace work(std::size_t(workers(ex, in.keys.n_heads) * detail::window_scratch_floats(in)) * sizeof(float));
-  window_attention_into(in, out.view(), false, work.as<float>(), ex);
+  const workspace work(std::size_t(workers(ex, in.keys.n_heads)) * detail::window_scratch_bytes(in));
+  window_attention_into(in, out.view(), false, work.span().data(), ex);
   return out;
 }
 
@@ -305,12 +93,12 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
   const std::int64_t n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
   std::vector<float> out(static_cast<std::size_t>(n_q * in.queries.n_heads * dv), 0.f);
-  const std::int64_t per_worker = detail::window_scratch_floats(in);
-  const workspace work(std::size_t(workers(ex, hkv) * per_worker) * sizeof(float));
+  const std::size_t per_worker = detail::window_scratch_bytes(in);
+  const workspace work(std::size_t(workers(ex, hkv)) * per_worker);
   parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
     std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
-    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.as<float>() + w * per_worker, [&](std::int64_t t0, std::int64_t tn, const float* e,
-                                                                 const float* c) {
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.span().data() + std::size_t(w) * per_worker,
+                          [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
       for (std::int64_t j = 0; j < tn; ++j)
         to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);
       for (std::int64_t r = 0; r < group * n_q; ++r) {

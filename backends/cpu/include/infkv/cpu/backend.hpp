@@ -16,7 +16,7 @@
 #include "attention.hpp"
 #include "executor.hpp"
 #include "expected.hpp"
-#include "kernels.hpp"
+#include "detail/kernels.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
@@ -37,22 +37,23 @@ layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
 }  // namespace detail
 
 /// -cos(k_j, anchor) per KV head into `out` [Hkv][n_slots], anchor = mean of the unit-length
-/// keys. `scratch` holds ex.threads x keydiff_scratch_floats(head_dim, n_heads) floats. Two
+/// keys. `scratch` holds workers(ex, n_heads) x keydiff_scratch_bytes(head_dim, n_heads) bytes. Two
 /// passes over the keys, each slot by slot (all of a worker's heads of one slot before the
 /// next: in an NHD cache that is one contiguous stream; the second pass runs backwards, so it
 /// starts on the keys the first pass left in cache); a NaN or Inf key raises naming slot and
 /// head. Cost O(Hkv * n * d). Results do not depend on the thread count (parallel over heads,
 /// each head summed in slot order).
-inline std::int64_t keydiff_scratch_floats(std::int64_t head_dim, std::int64_t n_heads) {
-  return detail::lines(8 * head_dim) + detail::lines(head_dim * n_heads);
+inline std::size_t keydiff_scratch_bytes(std::int64_t head_dim, std::int64_t n_heads) {
+  return infkv::detail::bytes_of([&](infkv::detail::carver& c) { c.take<float>(8 * head_dim), c.take<float>(head_dim * n_heads); });
 }
 template <row_source R>
-void keydiff_into(const R& keys, score_view out, float* scratch, const executor& ex = {}) {
+void keydiff_into(const R& keys, score_view out, std::byte* scratch, const executor& ex = {}) {
   validate(keys, "keys");
   INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == keys.n_slots, "out.rows", out.rows, "must be ", keys.n_heads,
                 " x ", keys.n_slots, "; out.cols = ", out.cols);
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads;
-  const std::int64_t nw = workers(ex, hkv), per_worker = keydiff_scratch_floats(d, hkv);
+  const std::int64_t nw = workers(ex, hkv);
+  const std::size_t per_worker = keydiff_scratch_bytes(d, hkv);
   const std::int64_t row_bytes = d * std::int64_t(size_of(keys.type)), ahead = 16;  // slots prefetched ahead
   // f32 rows aligned to 4 bytes are read in place; others are converted into the row buffer.
   const auto key_row = [&](std::int64_t j, std::int32_t h, float* buf) -> const float* {
@@ -64,8 +65,9 @@ void keydiff_into(const R& keys, score_view out, float* scratch, const executor&
   };
   parallel_for_workers(ex, nw, [&](std::int64_t w, std::int64_t) {
     const auto h0 = std::int32_t(hkv * w / nw), h1 = std::int32_t(hkv * (w + 1) / nw);
-    float* buf = scratch + w * per_worker;
-    float* anchors = buf + detail::lines(8 * d);  // [h1 - h0][d]
+    infkv::detail::carver mine{scratch + std::size_t(w) * per_worker};
+    float* const buf = mine.take<float>(8 * d);
+    float* const anchors = mine.take<float>(d * hkv);  // [h1 - h0][d]
     std::fill(anchors, anchors + (h1 - h0) * d, 0.f);
     for (std::int64_t j0 = 0; j0 < n; j0 += 8)  // eight slots at a time: their norms are independent
       for (std::int32_t h = h0; h < h1; ++h) {
@@ -112,25 +114,24 @@ struct backend {
   /// source's, pooling's (one row), the bias's, selection's and AdaKV's.
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
-    std::int64_t floats = 0;
+    const std::int64_t group = shape.q_heads / shape.kv_heads, m = std::min(spec.queries, shape.n_queries);
+    std::size_t source = 0;
     switch (spec.source) {
-      case score_source::key_diversity: floats = workers * keydiff_scratch_floats(shape.head_dim, shape.kv_heads); break;
+      case score_source::key_diversity: source = workers * keydiff_scratch_bytes(shape.head_dim, shape.kv_heads); break;
       case score_source::window_attention: case score_source::last_query: {
-        floats = workers * detail::window_scratch_floats(shape.q_heads / shape.kv_heads,
-                                                         std::min(spec.queries, shape.n_queries), shape.head_dim, n);
-        if (spec.source == score_source::last_query) floats += detail::lines(std::int64_t(shape.kv_heads) * n);
+        source = workers * detail::window_scratch_bytes(group, m, shape.head_dim, n);
+        if (spec.source == score_source::last_query)  // every KV head's mass first
+          source += infkv::detail::carver::round_up(std::size_t(shape.kv_heads * n) * sizeof(float));
         break;
       }
       case score_source::expected_attention:
-        floats = expected_scratch_floats(workers, shape.q_heads / shape.kv_heads, std::min(spec.queries, shape.n_queries),
-                                         shape.head_dim, n);
+        source = detail::expected_layout{workers, group, m, shape.head_dim, n}.bytes();
         break;
       case score_source::recency: case score_source::accumulated: break;
     }
     const std::int64_t units = opt.g == granularity::per_head ? shape.kv_heads : 1;
-    const std::int64_t words = std::max(n, opt.adakv_alpha >= 0 ? adakv::scratch_size(units, n) : 0);  // int64 / double
-    return std::max({std::size_t(floats) * sizeof(float), std::size_t(n) * sizeof(float),
-                     std::size_t(words) * sizeof(std::int64_t)});
+    const std::int64_t words = std::max(n, opt.adakv ? adakv::scratch_size(units, n) : 0);  // int64 / double
+    return std::max({source, std::size_t(n) * sizeof(float), std::size_t(words) * sizeof(std::int64_t)});
   }
 
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> = {}) const {
@@ -141,7 +142,7 @@ struct backend {
   template <row_source R>
   void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const {
-    auto* f = reinterpret_cast<float*>(scratch.data());
+    std::byte* const f = scratch.data();
     const std::int64_t n = out.cols;
     switch (spec.source) {
       case score_source::recency:
@@ -154,10 +155,10 @@ struct backend {
         return;
       }
       case score_source::last_query: {  // every KV head's mass, then the mean over all heads
-        const score_view heads{f, in.keys.n_heads, n, n};
+        infkv::detail::carver c{f};
+        const score_view heads{c.take<float>(in.keys.n_heads * n), in.keys.n_heads, n, n};
         const auto last = detail::last_queries(in, spec.queries);
-        window_attention_into(last, heads, false, f + detail::lines(in.keys.n_heads * n), ex,
-                              in.queries.n_slots - last.queries.n_slots);
+        window_attention_into(last, heads, false, f + c.size(), ex, in.queries.n_slots - last.queries.n_slots);
         reduce(out, heads, reduction::mean, true);
         finish_reduction(out, reduction::mean, heads.rows);
         return;
@@ -166,9 +167,11 @@ struct backend {
         for (std::int64_t r = 0; r < out.rows; ++r)
           std::copy(in.accumulated.row(r), in.accumulated.row(r) + n, out.row(r));
         return;
-      case score_source::expected_attention:
-        expected_attention_into(detail::last_queries(in, spec.queries), spec.expect, order, out, f, ex);
+      case score_source::expected_attention: {
+        const auto window = detail::last_queries(in, spec.queries);
+        expected_attention_into(window, spec.expect, order, out, f, ex, in.queries.n_slots - window.queries.n_slots);
         return;
+      }
     }
   }
 

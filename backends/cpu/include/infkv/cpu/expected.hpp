@@ -13,7 +13,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <utility>
+#include <vector>
 
+#include <infkv/detail/carver.hpp>
 #include <infkv/kv_view.hpp>
 #include <infkv/policy.hpp>
 #include <infkv/rope.hpp>
@@ -21,20 +25,32 @@
 
 #include "attention.hpp"
 #include "executor.hpp"
-#include "kernels.hpp"
+#include "detail/kernels.hpp"
+#include "detail/softmax.hpp"
 
 namespace infkv::cpu {
 
 namespace detail {
 
-/// Floats shared by the workers: each window query's cos and sin per rotary pair, then the mean
-/// rotation's ((m + 1) rows of d floats).
-inline std::int64_t expected_shared_floats(std::int64_t m, std::int64_t d) { return lines((m + 1) * d); }
-/// Floats per worker: mu' and the m centred queries of each of the G query heads, a key row,
-/// the G rows of logits.
-inline std::int64_t expected_worker_floats(std::int64_t group, std::int64_t m, std::int64_t d, std::int64_t n) {
-  return lines(group * (m + 1) * d) + lines(d) + lines(group * n);
-}
+/// Expected Attention's scratch: shared by the workers, each window query's cos and sin per
+/// rotary pair, then the mean rotation's ((m + 1) rows of d floats); per worker, mu' and the m
+/// centred queries of each of the G query heads, a key row, the G rows of logits.
+struct expected_layout {
+  std::int64_t workers, group, m, d, n;
+  struct worker_pieces {
+    float *stats, *k, *z;
+  };
+  float* shared(infkv::detail::carver& c) const { return c.take<float>((m + 1) * d); }
+  worker_pieces worker(infkv::detail::carver& c) const {
+    return {c.take<float>(group * (m + 1) * d), c.take<float>(d), c.take<float>(group * n)};
+  }
+  std::size_t worker_bytes() const {
+    return infkv::detail::bytes_of([&](infkv::detail::carver& c) { worker(c); });
+  }
+  std::size_t bytes() const {
+    return infkv::detail::bytes_of([&](infkv::detail::carver& c) { shared(c); }) + std::size_t(workers) * worker_bytes();
+  }
+};
 
 /// Rotates pair (a, b) of x by (c, s): x_a c - x_b s, x_a s + x_b c.
 inline void turn(float* x, std::int32_t a, std::int32_t b, float c, float s) {
@@ -43,21 +59,51 @@ inline void turn(float* x, std::int32_t a, std::int32_t b, float c, float s) {
   x[b] = xa * s + xb * c;
 }
 
-}  // namespace detail
-
-/// Scratch floats of expected_attention_into for `workers` workers.
-inline std::int64_t expected_scratch_floats(std::int64_t workers, std::int64_t group, std::int64_t m, std::int64_t d,
-                                            std::int64_t n) {
-  return detail::expected_shared_floats(m, d) + workers * detail::expected_worker_floats(group, m, d, n);
+/// The largest |element| of rows [0, rows) of `head` in `t`, and the row holding it.
+template <row_source R>
+std::pair<float, std::int64_t> largest(const R& t, std::int32_t head, std::int64_t rows) {
+  std::vector<float> x(static_cast<std::size_t>(t.head_dim));
+  std::pair<float, std::int64_t> top{0.f, 0};
+  for (std::int64_t i = 0; i < rows; ++i) {
+    to_f32(t.type, t.row(i, head), x.data(), t.head_dim);
+    for (const float v : x)
+      if (std::abs(v) > top.first) top = {std::abs(v), i};
+  }
+  return top;
 }
+
+/// Raises for a non-finite expected logit of key j under query head qh (sinks, which the softmax
+/// leaves out, are exempt): it names the window query with the largest element (counted from
+/// `first_query`) when the query statistics `stats` themselves overflowed, else the key, with the
+/// queries' largest element.
+template <row_source R>
+void on_logit_overflow(const tensor_view& q, std::int64_t first_query, const R& keys, std::int32_t qh, std::int64_t j,
+                       const std::int64_t* order, std::int64_t sinks, std::span<const float> stats) {
+  if (std::find(order, order + sinks, j) != order + sinks) return;
+  auto [qmax, qi] = largest(q, qh, q.n_slots);
+  qi += first_query;  // as the caller counts the queries
+  if (!all_finite(stats.data(), std::int64_t(stats.size())))
+    infkv::detail::fail("infkv: queries[slot ", qi, ", head ", qh, "] (largest |element| ", qmax,
+                        "): the mean and covariance of expected_attention's window overflow f32: queries must be "
+                        "small enough for their sums and squares");
+  const std::int32_t h = std::int32_t(qh / (q.n_heads / keys.n_heads));
+  const auto [kmax, kj] = largest(keys, h, keys.n_slots);
+  infkv::detail::fail("infkv: keys[slot ", j, ", head ", h, "]: expected_attention's logit under the window queries of ",
+                      "head ", qh, " overflows f32 (largest |element|: keys ", kmax, " at slot ", kj, ", queries ", qmax,
+                      " at queries[slot ", qi, ", head ", qh, "]): keys and queries must be small enough that s^2 ",
+                      "(q.k)^2 / 2 stays finite");
+}
+
+}  // namespace detail
 
 /// Expected Attention scores [Hkv][n_slots] of `in` (every query of `in` is a window query; see
 /// the file comment) into `out`; `order` is the slots' time order. `scratch`:
-/// expected_scratch_floats(workers(ex, Hkv), G, n_q, d, n) floats. Non-finite keys or queries
-/// raise naming slot and head.
+/// detail::expected_layout{workers(ex, Hkv), G, n_q, d, n}.bytes() bytes, 64-byte aligned. Non-finite keys or queries,
+/// and keys or queries so large that a logit overflows f32, raise naming slot and head (queries counted from
+/// `first_query`, for a window cut from a longer query view).
 template <row_source R>
 void expected_attention_into(const layer_inputs<R>& in, const expectation& e, const std::int64_t* order, score_view out,
-                             float* scratch, const executor& ex = {}) {
+                             std::byte* scratch, const executor& ex = {}, std::int64_t first_query = 0) {
   detail::check_attention_inputs(in);
   const R& keys = in.keys;
   const tensor_view& q = in.queries;
@@ -69,8 +115,10 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
   const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
   const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
   const std::int64_t sinks = std::min(e.sinks, n);
+  const detail::expected_layout lay{workers(ex, keys.n_heads), group, m, d, n};
+  infkv::detail::carver shared{scratch};
   // Rotation tables: query i's cos / sin per pair, then the mean over the future positions.
-  float* table = scratch;
+  float* table = lay.shared(shared);
   std::int64_t t0 = 0;  // the first future position: after the newest window query
   for (std::size_t i = 0; i < in.query_pos.size(); ++i) {
     const std::int64_t p = in.query_pos[i];
@@ -88,12 +136,12 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
     for (std::int64_t t = t0; t < t0 + e.future; ++t) c += std::cos(double(t) * w), s += std::sin(double(t) * w);
     table[m * d + k] = float(c / double(e.future)), table[m * d + half + k] = float(s / double(e.future));
   }
-  float* workers_base = scratch + detail::expected_shared_floats(m, d);
-  const std::int64_t per_worker = detail::expected_worker_floats(group, m, d, n);
+  std::byte* workers_base = scratch + shared.size();
+  const std::size_t per_worker = lay.worker_bytes();
   parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
-    float* stats = workers_base + w * per_worker;  // per query head: mu', then c'_1 .. c'_m
-    float* k = stats + detail::lines(group * (m + 1) * d);
-    float* z = k + detail::lines(d);
+    infkv::detail::carver mine{workers_base + std::size_t(w) * per_worker};
+    const auto pieces = lay.worker(mine);
+    float *const stats = pieces.stats, *const k = pieces.k, *const z = pieces.z;  // stats per query head: mu', c'_1..m
     for (std::int64_t g = 0; g < group; ++g) {
       const auto qh = std::int32_t(h * group + g);
       float* mu = stats + g * (m + 1) * d;
@@ -102,7 +150,7 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
       for (std::int64_t i = 0; i < m; ++i) {
         float* x = c + i * d;
         to_f32(q.type, q.row(i, qh), x, d);
-        if (!detail::all_finite(x, d)) [[unlikely]] detail::fail_not_finite(q, "queries", i, 1, qh);
+        if (!detail::all_finite(x, d)) [[unlikely]] detail::fail_query_not_finite(q, first_query, i, qh);
         for (std::int32_t p = 0; p < half; ++p) {  // rotate back by -pos_i
           std::int32_t a = 0, b = 0;
           rope_pair(rot.style, p, dims, a, b);
@@ -133,7 +181,10 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
             const float proj = detail::dot_of(mu + i * d, k, d);
             quad = detail::fmadd(proj, proj, quad);
           }
-        z[g * n + j] = scale * detail::dot_of(mu, k, d) + cov_coef * quad;
+        const float zj = z[g * n + j] = scale * detail::dot_of(mu, k, d) + cov_coef * quad;
+        if (!std::isfinite(zj)) [[unlikely]]
+          detail::on_logit_overflow(q, first_query, keys, std::int32_t(h * group + g), j, order, sinks,
+                                    {mu, std::size_t((e.covariance ? m + 1 : 1) * d)});
       }
     }
     float* row = out.row(h);

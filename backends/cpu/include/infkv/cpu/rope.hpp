@@ -16,7 +16,7 @@
 #include <infkv/tokens.hpp>
 
 #include "executor.hpp"
-#include "kernels.hpp"
+#include "detail/kernels.hpp"
 
 namespace infkv::cpu {
 

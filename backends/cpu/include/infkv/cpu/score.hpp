@@ -24,8 +24,8 @@ template <row_source R>
 score_matrix keydiff_scores(const R& keys, const executor& ex = {}) {
   validate(keys, "keys");
   score_matrix out(keys.n_heads, keys.n_slots);
-  const workspace work(std::size_t(workers(ex, keys.n_heads) * keydiff_scratch_floats(keys.head_dim, keys.n_heads)) * sizeof(float));
-  keydiff_into(keys, out.view(), work.as<float>(), ex);
+  const workspace work(std::size_t(workers(ex, keys.n_heads)) * keydiff_scratch_bytes(keys.head_dim, keys.n_heads));
+  keydiff_into(keys, out.view(), work.span().data(), ex);
   return out;
 }
 

@@ -20,7 +20,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cache_steps.hpp"
+#include "detail/cache_steps.hpp"
 
 namespace infkv::cuda {
 

@@ -1,0 +1,504 @@
+// infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
+// post-RoPE Q and K (and V on request) through `cb_eval`, keeps its own position <-> slot
+// bookkeeping (llama.h has no public cell -> position map) and a host copy of each layer's keys
+// (values) and recent queries, so
+// that every infkv policy can score; it evicts by removing position runs with
+// llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add (llama.cpp
+// re-rotates its K; the session re-rotates its own copy). Per-token granularity: head and layer
+// scores are combined by the chosen reduction.
+#pragma once
+
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <llama.h>
+
+#include <infkv/cpu.hpp>
+#include <infkv/infkv.hpp>
+
+#include "capture.hpp"
+#include "detail/layer_cache.hpp"
+#include "model_info.hpp"
+
+namespace infkv::llama_cpp {
+
+/// What happens to positions after an eviction.
+enum class position_mode : std::uint8_t {
+  compact,  ///< close the gaps (llama_memory_seq_add): positions stay 0..n-1; needs can_shift
+  keep,     ///< original positions, holes left (M-RoPE models, or by choice)
+};
+
+/// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
+/// that wraps its memory passes its own; tests pass failing ones to check that the session's
+/// bookkeeping still follows the memory when the engine refuses.
+struct memory_calls {
+  std::function<bool(llama_memory_t, llama_seq_id, llama_pos, llama_pos)> seq_rm = llama_memory_seq_rm;
+  std::function<void(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos)> seq_add = llama_memory_seq_add;
+  std::function<bool(llama_memory_t)> can_shift = llama_memory_can_shift;
+};
+
+/// Session configuration.
+struct session_options {
+  llama_seq_id seq = 0;                              ///< the sequence the session owns
+  std::int64_t window = 32;                          ///< recent queries kept per layer
+  dtype key_type = dtype::f32;                       ///< host copy of the keys (and values): f32 or f16
+  bool values = false;                               ///< also copy the values (value-norm policies)
+  /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
+  /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
+  /// then cost the decode nothing. Evicting with a policy that reads them raises.
+  bool capture = true;
+  reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
+  position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
+  std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
+  cpu::executor executor{};                          ///< threads for scoring and re-rotation
+  float scale = 0.f;                                 ///< attention scale; 0 = 1/sqrt(head_dim)
+  memory_calls memory{};                             ///< how the cache is changed (llama.h by default)
+
+  /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
+  /// window queries, the values where it weights by them, nothing at all where it reads nothing
+  /// (streaming_llm), H2O's running scores for an `h2o` configuration.
+  template <class P>
+  static session_options for_policy(const P& policy, session_options base = {}) {
+    const capture_needs needs = capture_needs_of(policy);
+    base.window = std::max<std::int64_t>(1, needs.queries);
+    base.values = needs.values;
+    base.capture = needs.observes();
+    base.track_h2o.reset();
+    if constexpr (std::same_as<P, h2o>) base.track_h2o = policy;
+    return base;
+  }
+};
+
+/// Metadata given to the tokens of one decode call.
+struct token_meta {
+  std::int32_t segment = 0;
+  modality kind = modality::text;
+};
+
+/// Where a session's time went, in seconds, accumulated since bind (or reset_stats()).
+struct session_stats {
+  double decode = 0;      ///< llama_decode: the graph, the capture callbacks and llama.cpp's K-shift included
+  double capture = 0;     ///< inside cb_eval: copying Q / K (V) rows out of the graph (part of decode)
+  double append = 0;      ///< after each decode: rows into the host copies (f16 conversion, query windows)
+  double h2o = 0;         ///< H2O's attention of every decoded query (track_h2o)
+  double score = 0;       ///< the policy's pipeline: scores and selection
+  double seq_rm = 0;      ///< llama_memory_seq_rm
+  double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
+  double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
+  double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
+  std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
+  /// The session's own work outside llama_decode.
+  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
+};
+
+/// What one eviction did.
+struct eviction_result {
+  std::int64_t evicted = 0;            ///< slots removed
+  std::int64_t kept = 0;               ///< slots left
+  std::vector<position_run> removed;   ///< position runs removed, before any shift
+  bool shifted = false;                ///< positions were compacted
+};
+
+/// A session over one llama_context and sequence. Usage: construct from the model, `attach` to
+/// the context parameters, create the context, `bind` it, then `decode` and `evict`.
+/// Not copyable or movable (the context holds its address).
+class session {
+ public:
+  explicit session(const llama_model* model, session_options opt = {})
+      : model_(model), opt_(opt), observer_(checked_layers(model), opt.values) {
+    INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
+    INFKV_REQUIRE(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
+                  "must be f32 or f16");
+    INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
+    if (opt_.track_h2o) opt_.track_h2o->validate();
+    INFKV_REQUIRE(opt_.capture || (!opt_.values && !opt_.track_h2o), "session_options.capture", "false",
+                  opt_.values ? "values = true" : "track_h2o", " needs the graph observed: set capture = true");
+    INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory",
+                  "empty", "every call must be set (the defaults are llama.h's)");
+    layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
+    rope_ = model_rope(model);
+    layer_rope_.assign(layers_.size(), rope_);
+    n_swa_ = llama_model_n_swa(model);
+  }
+  session(const session&) = delete;
+  session& operator=(const session&) = delete;
+
+  /// Routes `p.cb_eval` to the session (a callback already set keeps being called) and records
+  /// the RoPE overrides of `p`. For a model with sliding-window layers (llama.cpp's iSWA cache,
+  /// Gemma 3) it sets `p.swa_full`: llama.cpp shifts positions (compact mode) only when the
+  /// sliding layers' cache is as large as the others'. Call before creating the context from `p`.
+  void attach(llama_context_params& p) {
+    if (opt_.capture) observer_.install(p);
+    rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
+    layer_rope_.assign(layers_.size(), rope_);
+    if (n_swa_ > 0) p.swa_full = true;
+    attached_ = true;
+  }
+
+  /// Binds the context created from the attached parameters. The sequence must be empty.
+  void bind(llama_context* ctx) {
+    if (ctx == nullptr) infkv::detail::fail("infkv: ctx = null: a llama_context is required");
+    INFKV_REQUIRE(attached_, "attached", "false", "call attach(params) before creating the context");
+    ctx_ = ctx;
+    mem_ = llama_get_memory(ctx);
+    if (mem_ == nullptr) infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    // llama.cpp asserts (ends the process) on a sequence id beyond the context's.
+    INFKV_REQUIRE(opt_.seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.seq", opt_.seq,
+                  "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
+    const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
+    INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
+    shift_ = opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) &&
+             (rope_.supported || !rope_.has_rope);
+  }
+
+  llama_context* context() const { return ctx_; }
+  const session_options& options() const { return opt_; }
+  /// The position mode in effect (compact only where the memory can shift).
+  position_mode mode() const { return shift_ ? position_mode::compact : position_mode::keep; }
+  /// The model's RoPE (from its metadata).
+  const rope_info& rope() const { return rope_; }
+  /// The RoPE layer `layer` applies: read from its key node after the first decode (layers may
+  /// differ, e.g. Gemma 3's sliding layers), the model's before.
+  const rope_info& layer_rope(std::int32_t layer) const {
+    INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
+    return layer_rope_[std::size_t(layer)];
+  }
+  /// Where the time went since bind (or the last reset_stats()).
+  const session_stats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+  /// Metadata of the cached tokens, in the session's slot order.
+  std::span<const token> tokens() const { return tokens_; }
+  std::int64_t size() const { return std::int64_t(tokens_.size()); }
+  std::int32_t n_layers() const { return std::int32_t(layers_.size()); }
+  /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
+  /// consecutive positions), or the stream's next position when nothing is cached.
+  std::int64_t next_pos() const { return tokens_.empty() ? stream_next_ : max_pos() + 1; }
+
+  /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
+  /// their positions, tokens, the layer's RoPE.
+  layer_inputs<tensor_view> inputs(std::int32_t layer) {
+    INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
+    auto& l = layers_[std::size_t(layer)];
+    const rope_info& r = layer_rope_[std::size_t(layer)];
+    return {l.keys(), l.values(), l.queries(), l.query_pos(), tokens_, opt_.scale, {},
+            r.has_rope && r.supported ? &r.params : nullptr};
+  }
+  /// H2O state of one layer (requires session_options.track_h2o).
+  const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
+    require_h2o();
+    INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
+                  "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
+    return h2o_[std::size_t(layer)];
+  }
+
+  /// Decodes `tokens` at positions next_pos(), next_pos() + 1, ...; logits for the last token
+  /// (or all when `all_logits`). Returns llama_decode's status; bookkeeping grows only on 0.
+  std::int32_t decode(std::span<const llama_token> tokens, token_meta meta = {}, bool all_logits = false) {
+    INFKV_REQUIRE(!tokens.empty(), "tokens.size()", 0, "decode needs at least one token");
+    llama_batch b = llama_batch_init(std::int32_t(tokens.size()), 0, 1);
+    const std::int64_t p0 = next_pos();
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      b.token[i] = tokens[i];
+      b.pos[i] = llama_pos(p0 + std::int64_t(i));
+      b.n_seq_id[i] = 1;
+      b.seq_id[i][0] = opt_.seq;
+      b.logits[i] = all_logits || i + 1 == tokens.size();
+    }
+    b.n_tokens = std::int32_t(tokens.size());
+    struct guard { llama_batch& b; ~guard() { llama_batch_free(b); } } g{b};
+    return decode(b, meta);
+  }
+
+  /// Decodes a caller-built batch: every entry must belong to the session's sequence only and
+  /// carry its position. Returns llama_decode's status; bookkeeping grows only on 0; after a
+  /// failure any partly processed micro-batches are removed again so the memory matches it.
+  std::int32_t decode(const llama_batch& batch, token_meta meta = {}) {
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before decoding");
+    INFKV_REQUIRE(batch.n_tokens > 0, "batch.n_tokens", batch.n_tokens, "must be > 0");
+    // llama.cpp asserts (ends the process) on a batch larger than n_batch.
+    INFKV_REQUIRE(std::uint32_t(batch.n_tokens) <= llama_n_batch(ctx_), "batch.n_tokens", batch.n_tokens,
+                  "exceeds the context's n_batch = ", llama_n_batch(ctx_), ": split it into several decodes");
+    INFKV_REQUIRE(batch.pos != nullptr, "batch.pos", "null", "the session needs explicit positions");
+    INFKV_REQUIRE(batch.n_seq_id != nullptr && batch.seq_id != nullptr, "batch.seq_id", "null",
+                  "the session needs explicit sequence ids");
+    for (std::int32_t i = 0; i < batch.n_tokens; ++i)
+      INFKV_REQUIRE(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
+                    "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
+                    "every entry must belong to the session's sequence ", opt_.seq, " only");
+    observer_.begin();
+    std::int32_t rc = 0;
+    {
+      const stopwatch w{stats_.decode};
+      rc = llama_decode(ctx_, batch);
+    }
+    observer_.end();
+    stats_.capture += observer_.seconds();
+    const std::int64_t n = batch.n_tokens;
+    std::string why = observer_.error();
+    if (rc == 0 && why.empty() && opt_.capture)
+      for (std::int32_t l = 0; l < n_layers(); ++l) {
+        const auto& r = observer_.layers()[std::size_t(l)];
+        if (r.n_q != n || r.n_k != n || (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
+          why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
+                std::to_string(r.n_k) + " key rows" +
+                (opt_.values ? " (" + std::to_string(r.n_v) + " value rows)" : std::string()) + " for " +
+                std::to_string(n) + " tokens; was the context created from attach()ed parameters?";
+      }
+    if (rc != 0 || !why.empty()) {
+      rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);
+      if (!why.empty()) throw engine_error(why);
+      return rc;
+    }
+    std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
+    for (std::int64_t i = 0; i < n; ++i) tokens_.push_back({pos[std::size_t(i)], meta.segment, meta.kind});
+    if (opt_.capture) {
+      const stopwatch w{stats_.append};
+      for (std::int32_t l = 0; l < n_layers(); ++l) {
+        const auto& rows = observer_.layers()[std::size_t(l)];
+        layers_[std::size_t(l)].append(rows, pos, opt_.window);
+        if (rows.rope.seen && !layer_rope_seen_) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
+      }
+      layer_rope_seen_ = true;  // a layer's RoPE does not change between decodes
+    }
+    stream_next_ = std::max(stream_next_, *std::max_element(pos.begin(), pos.end()) + 1);
+    ++stats_.decodes, stats_.decoded_tokens += n;
+    if (opt_.track_h2o) {
+      const stopwatch w{stats_.h2o};
+      observe_h2o(observer_.layers(), pos);
+    }
+    verify();
+    return 0;
+  }
+
+  /// Evicts down to `b` (after the policy's protection): scores every layer with `p`, combines heads and
+  /// layers with the session's reduction, keeps the top tokens, removes the others' position
+  /// runs from the llama memory, then compacts positions in compact mode.
+  template <policy P>
+  eviction_result evict(const P& p, const budget& b) {
+    return run_pipeline(p, b, [&](std::int32_t l) { return inputs(l); });
+  }
+
+  /// H2O eviction from the scores accumulated at every decode (session_options.track_h2o).
+  eviction_result evict(const h2o& config, const budget& b) {
+    require_h2o();
+    INFKV_REQUIRE(config.forgetting == opt_.track_h2o->forgetting &&
+                  config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
+                  "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
+                  opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
+    if (h2o_.empty()) return {0, size(), {}, false};
+    return run_pipeline(h2o_.front(), b, [&](std::int32_t l) {
+      auto in = inputs(l);
+      in.accumulated = h2o_[std::size_t(l)].scores().view();
+      return in;
+    });
+  }
+
+  /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
+  /// positions in compact mode: for callers that select themselves.
+  eviction_result apply(const keep_set& keep) {
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before evicting");
+    INFKV_REQUIRE(keep.n_units() == 1, "keep.n_units()", keep.n_units(), "llama.cpp frees per token: one unit");
+    INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
+    eviction_result res;
+    res.removed = keep.evicted_runs(tokens_);
+    ++stats_.evictions;
+    for (std::size_t i = 0; i < res.removed.size(); ++i) {
+      const auto& r = res.removed[i];
+      bool removed = false;
+      {
+        const stopwatch w{stats_.seq_rm};
+        removed = opt_.memory.seq_rm(mem_, opt_.seq, llama_pos(r.begin), llama_pos(r.end));
+      }
+      if (!removed) {
+        const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
+        std::vector<std::int64_t> left;
+        for (std::size_t s = 0; s < tokens_.size(); ++s)
+          if (std::none_of(done.begin(), done.end(), [&](const position_run& d) {
+                return tokens_[s].pos >= d.begin && tokens_[s].pos < d.end; }))
+            left.push_back(std::int64_t(s));
+        keep_set partial(size());
+        partial.add_unit(left);
+        drop(partial);
+        verify();
+        infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
+                            ") = false: the memory cannot remove part of the sequence; ", i, " of ",
+                            res.removed.size(), " runs were removed and the bookkeeping follows them");
+      }
+    }
+    res.evicted = size() - keep.size(0);
+    drop(keep);
+    if (shift_ && !tokens_.empty()) res.shifted = compact_positions();
+    res.kept = size();
+    verify();
+    return res;
+  }
+
+  /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch.
+  /// With sliding-window layers llama.cpp answers from their cache, whose cells of tokens that
+  /// fell out of the window may already be reused (and position compaction may since have moved
+  /// the rest closer): its minimum then lies anywhere from the session's to the newest position.
+  void verify() const {
+    if (mem_ == nullptr) return;
+    const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
+    const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
+    INFKV_REQUIRE(n_swa_ > 0 ? lo >= want_lo && lo <= want_hi : lo == want_lo,
+                  "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo, "the session's bookkeeping says ",
+                  want_lo, n_swa_ > 0 ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
+    INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
+                  "the session's bookkeeping says ", want_hi);
+  }
+
+ private:
+  /// Runs the pipeline over every layer (inputs_of(layer)) for one per-token decision, heads
+  /// and layers combined by the session's reduction, and applies the keep set.
+  template <policy P, class Inputs>
+  eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
+    p.validate();
+    const policy_spec spec = p.spec();
+    const capture_needs needs = spec.needs();  // checked against what the session captures
+    INFKV_REQUIRE(opt_.capture || !needs.observes(), "session_options.capture", "false", spec.name,
+                  " reads the keys or queries: create the session with capture = true "
+                  "(session_options::for_policy sets what a policy needs)");
+    INFKV_REQUIRE(opt_.values || !needs.values, "session_options.values", "false", spec.name,
+                  " weights scores by value norms: create the session with values = true");
+    INFKV_REQUIRE(needs.queries <= opt_.window, std::string(spec.name) + ".window", needs.queries,
+                  "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
+    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    std::optional<stopwatch> w{std::in_place, stats_.score};
+    layers_in_.clear();
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      layers_in_.push_back(inputs_of(l));
+      if (needs.queries > 0)
+        INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
+                      "decode at least one token after the last eviction before scoring with ", spec.name);
+    }
+    const cpu::backend be{opt_.executor};
+    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
+                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
+    if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
+    std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
+    const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
+    run(pl, be, std::span<const layer_inputs<tensor_view>>(layers_in_), workspace_->span(), out);
+    w.reset();
+    return apply(keep_set::from_view(out));
+  }
+
+  static std::int32_t checked_layers(const llama_model* model) {
+    if (model == nullptr) infkv::detail::fail("infkv: model = null: a llama_model is required");
+    return llama_model_n_layer(model);
+  }
+  void require_h2o() const {
+    INFKV_REQUIRE(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
+                  "H2O needs the attention of every decode: set it when creating the session");
+  }
+  std::int64_t min_pos() const {
+    return std::min_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
+  }
+  std::int64_t max_pos() const {
+    return std::max_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
+  }
+
+  /// After a decode the session cannot follow (`why`): removes whatever llama.cpp kept of the
+  /// batch beyond the bookkeeping. When the memory refuses, the session cannot follow it (the
+  /// batch's keys were not captured) and says so.
+  void rollback(const std::string& why) {
+    const llama_pos p0 = tokens_.empty() ? -1 : llama_pos(max_pos() + 1);
+    const llama_pos kept = llama_memory_seq_pos_max(mem_, opt_.seq);
+    if (kept >= std::max<llama_pos>(p0, 0) && !opt_.memory.seq_rm(mem_, opt_.seq, p0, -1))
+      infkv::detail::raise<engine_error>(
+          "infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0, ", p1 = -1) = false while rolling back a decode (",
+          why, "): the memory keeps positions up to ", kept, ", which the session never captured; clear the "
+          "sequence and start a new session");
+  }
+
+  void observe_h2o(const std::vector<layer_rows>& rows, std::span<const std::int64_t> pos) {
+    if (h2o_.empty())
+      for (std::int32_t l = 0; l < n_layers(); ++l) h2o_.emplace_back(*opt_.track_h2o, rows[std::size_t(l)].n_head_kv);
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      const auto& r = rows[std::size_t(l)];
+      auto& st = h2o_[std::size_t(l)];
+      st.append(size() - st.n_slots());
+      auto in = inputs(l);
+      in.queries = nhd(const_cast<float*>(r.q.data()), dtype::f32, r.n_q, r.n_head, r.head_dim);
+      in.query_pos = pos;
+      cpu::observe(st, in, opt_.executor);
+    }
+  }
+
+  /// Keeps the slots of `keep` in the bookkeeping, key copies, query windows and H2O states.
+  void drop(const keep_set& keep) {
+    const stopwatch w{stats_.host_evict};
+    for (auto& l : layers_) l.evict(keep, tokens_);
+    for (auto& s : h2o_) s.evict(keep);
+    std::vector<token> kept;
+    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]);
+    tokens_ = std::move(kept);
+    std::vector<std::pair<std::int64_t, std::int64_t>> same;
+    for (const auto& t : tokens_) same.push_back({t.pos, 0});
+    std::sort(same.begin(), same.end());
+    for (auto& l : layers_) l.remap_queries(same, nullptr, opt_.executor);
+  }
+
+  /// Gives the cached tokens positions 0..n-1 in time order: llama_memory_seq_add per run of
+  /// equal delta, the key copies and window queries re-rotated alike. True when anything moved.
+  bool compact_positions() {
+    const std::vector<token> old = tokens_;
+    const auto delta = cpu::compact_positions(tokens_, 0);
+    const auto order = time_order(old);
+    bool moved = false;
+    for (std::size_t i = 0; i < order.size();) {
+      const auto d = delta[std::size_t(order[i])];
+      std::size_t j = i;
+      while (j < order.size() && delta[std::size_t(order[j])] == d) ++j;
+      if (d != 0) {
+        const stopwatch w{stats_.seq_add};
+        opt_.memory.seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
+                             llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
+        moved = true;
+      }
+      i = j;
+    }
+    if (!moved) return false;
+    const stopwatch w{stats_.rerotate};
+    std::vector<std::pair<std::int64_t, std::int64_t>> map;
+    for (std::size_t s = 0; s < old.size(); ++s) map.push_back({old[s].pos, delta[s]});
+    std::sort(map.begin(), map.end());
+    for (std::size_t l = 0; l < layers_.size(); ++l) {  // each layer with its own RoPE
+      const cpu::rope* r = layer_rope_[l].has_rope ? &layer_rope_[l].params : nullptr;
+      if (r) layers_[l].rerotate_keys(delta, *r, opt_.executor);
+      layers_[l].remap_queries(map, r, opt_.executor);
+    }
+    for (auto& s : h2o_) s.shift(tokens_);
+    stream_next_ = max_pos() + 1;
+    return true;
+  }
+
+  const llama_model* model_;
+  session_options opt_;
+  graph_observer observer_;
+  rope_info rope_;
+  std::vector<rope_info> layer_rope_;
+  std::int64_t n_swa_ = 0;  // sliding window of the model's SWA layers (0: none)
+  llama_context* ctx_ = nullptr;
+  llama_memory_t mem_ = nullptr;
+  bool attached_ = false;
+  bool shift_ = false;
+  bool layer_rope_seen_ = false;  // layer_rope_ read from the graph (at the first decode)
+  session_stats stats_;
+  std::vector<token> tokens_;
+  std::vector<layer_cache> layers_;
+  std::vector<cpu::h2o_state> h2o_;
+  std::int64_t stream_next_ = 0;
+  std::vector<layer_inputs<tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;            // grown on demand, reused across evictions
+};
+
+}  // namespace infkv::llama_cpp

@@ -1,0 +1,233 @@
+// infkv CUDA backend: what every step shares: the status word through which device code reports
+// faults (the smallest code wins; the host raises it by name), element loads and stores of f32 / f16
+// / bf16 rows, order-preserving score bits, and the scratch layouts, one function each, used by the
+// steps and by the sizing alike. See steps.hpp for the launcher model.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
+
+#include <infkv/detail/carver.hpp>
+#include <infkv/error.hpp>
+#include <infkv/keep_set.hpp>
+#include <infkv/kv_view.hpp>
+#include <infkv/pipeline.hpp>
+#include <infkv/policies/h2o.hpp>
+#include <infkv/rope.hpp>
+#include <infkv/select.hpp>
+
+namespace infkv::cuda {
+
+/// What a device step found wrong, by priority (the smallest recorded code wins).
+enum class fault : std::uint8_t {
+  none = 0,
+  bad_keep = 1,           ///< a keep set that does not fit the cache (a = unit, b = entry)
+  bad_pages = 2,          ///< a page table that does not match the sequence (b = the sequence's slots)
+  bad_position = 3,       ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1)
+  key_not_finite = 4,     ///< a = head, e = element, b = slot
+  query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
+  value_not_finite = 6,   ///< a = head, b = slot
+  logit_overflow = 7,     ///< Expected Attention's logit of key b of head a under query head e is not finite
+  nan_score = 8,          ///< a = row, b = column
+};
+
+/// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
+using status_word = unsigned long long;
+inline constexpr status_word status_ok = ~status_word{0};
+
+/// A decoded status word.
+struct status {
+  fault kind = fault::none;
+  std::int64_t a = 0, e = 0, b = 0;
+  bool ok() const { return kind == fault::none; }
+};
+
+INFKV_HOST_DEVICE inline status_word encode(fault kind, std::int64_t a, std::int64_t e, std::int64_t b) {
+  return (status_word(kind) << 56) | (status_word(a & 0xfff) << 44) | (status_word(e & 0xfff) << 32) |
+         status_word(std::uint32_t(b));
+}
+inline status decode(status_word w) {
+  if (w == status_ok) return {};
+  return {fault(w >> 56), std::int64_t((w >> 44) & 0xfff), std::int64_t((w >> 32) & 0xfff), std::int64_t(w & 0xffffffffu)};
+}
+
+/// Raises `infkv::invalid_argument` describing a recorded fault; `what` names the call.
+inline void raise_if(status s, const char* what) {
+  using infkv::detail::fail;
+  switch (s.kind) {
+    case fault::none: return;
+    case fault::bad_keep:
+      fail("infkv: ", what, ": keep (unit ", s.a, ", entry ", s.b, "): every unit must keep the planned count of slots, "
+           "strictly increasing in [0, n_slots), offsets u x count; nothing was moved");
+    case fault::bad_pages:
+      fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
+           s.a == 0 ? " slots (n_slots)" : "] is not a page of the pool [0, n_pages)", "; nothing was moved");
+    case fault::bad_position:
+      fail("infkv: ", what, s.a == 1 ? ": query_pos[" : ": tokens[", s.b, s.a == 1 ? "]" : "].pos",
+           s.a == 1 ? ": query positions must be in [-2^62, 2^62]" : ": positions must be in [0, 2^62]");
+    case fault::key_not_finite:
+      fail("infkv: ", what, ": keys[slot ", s.b, ", head ", s.a, "][", s.e,
+           "] is not finite: keys must be finite (a NaN or Inf would silently distort every score of the layer)");
+    case fault::query_not_finite:
+      fail("infkv: ", what, ": queries[slot ", s.b, ", head ", s.a, "][", s.e,
+           "] is not finite: queries must be finite (a NaN or Inf would silently distort every score of the layer)");
+    case fault::value_not_finite:
+      fail("infkv: ", what, ": values[slot ", s.b, ", head ", s.a,
+           "] is not finite: values must be finite (their norms weight the scores)");
+    case fault::logit_overflow:
+      fail("infkv: ", what, ": keys[slot ", s.b, ", head ", s.a, "]: expected_attention's logit under the window ",
+           "queries of head ", s.e, " overflows f32: keys and queries must be small enough that s^2 (q.k)^2 / 2 ",
+           "stays finite");
+    case fault::nan_score: fail("infkv: ", what, ": scores[", s.a, ", ", s.b, "] = nan: scores must not be NaN");
+  }
+  fail("infkv: ", what, ": unknown device status ", int(s.kind));
+}
+
+namespace detail {
+
+/// Records `code` in the status word (the smallest code wins).
+INFKV_HOST_DEVICE inline void record(status_word* st, status_word code) {
+#if defined(__CUDA_ARCH__)
+  atomicMin(st, code);
+#else
+  if (code < *st) *st = code;
+#endif
+}
+
+INFKV_HOST_DEVICE inline bool finite(float x) { return x - x == 0.f; }
+
+/// Element e of a row of type t, as f32 (f16 by the GPU's conversion instruction on a device:
+/// exact either way).
+INFKV_HOST_DEVICE inline float load(dtype t, const void* row, std::int64_t e) {
+  if (t == dtype::f32) return static_cast<const float*>(row)[e];
+  const std::uint16_t h = static_cast<const std::uint16_t*>(row)[e];
+#if defined(__CUDA_ARCH__)
+  return t == dtype::f16 ? __half2float(__ushort_as_half(h)) : bf16_to_f32(h);
+#else
+  return t == dtype::f16 ? f16_to_f32(h) : bf16_to_f32(h);
+#endif
+}
+INFKV_HOST_DEVICE inline void store(dtype t, void* row, std::int64_t e, float x) {
+  if (t == dtype::f32) static_cast<float*>(row)[e] = x;
+  else static_cast<std::uint16_t*>(row)[e] = t == dtype::f16 ? f32_to_f16(x) : f32_to_bf16(x);
+}
+
+/// Dot product of two rows of d elements (f32 accumulation, in element order).
+INFKV_HOST_DEVICE inline float dot(dtype ta, const void* a, dtype tb, const void* b, std::int64_t d) {
+  float s = 0.f;
+  for (std::int64_t e = 0; e < d; ++e) s += load(ta, a, e) * load(tb, b, e);
+  return s;
+}
+
+/// Sum of the squares of a row's d elements, accumulated in Acc in element order; a non-finite
+/// element records `kind` (a = head, e = element, b = slot).
+template <class Acc>
+INFKV_HOST_DEVICE Acc squared_norm(dtype t, const void* row, std::int64_t d, status_word* st, fault kind,
+                                   std::int64_t head, std::int64_t slot) {
+  Acc s = 0;
+  for (std::int64_t e = 0; e < d; ++e) {
+    const float x = load(t, row, e);
+    if (!finite(x)) record(st, encode(kind, head, e, slot));
+    s += Acc(x) * Acc(x);
+  }
+  return s;
+}
+
+/// Unsigned bits in the order of the float's value (-0 and +0 equal; NaN excluded by the caller),
+/// inverted so that ascending bits are descending scores.
+INFKV_HOST_DEVICE inline std::uint32_t descending_bits(float x) {
+  if (x == 0.f) x = 0.f;
+  std::uint32_t u;
+  memcpy(&u, &x, 4);
+  const std::uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ~ordered;
+}
+
+/// Bits needed to number `count` things (0 for one).
+inline int bits_for(std::int64_t count) { return count <= 1 ? 0 : int(std::bit_width(std::uint64_t(count - 1))); }
+
+/// Scratch layouts are carved with the core's one carver (64-byte pieces; null base: sizing).
+using infkv::detail::carver;
+
+/// Keys per chunk of the chunked reductions (a thread sums one chunk, another the chunks).
+inline constexpr std::int64_t chunk = 256;
+inline std::int64_t chunks(std::int64_t n) { return (n + chunk - 1) / chunk; }
+/// Keys per tile of the window softmax statistics.
+inline constexpr std::int64_t key_tile = 256;
+inline std::int64_t tiles(std::int64_t n) { return (n + key_tile - 1) / key_tile; }
+
+// Scratch layouts, one function each, used by the steps and by scratch_bytes alike.
+
+/// Window softmax statistics: per (query row, key tile) max and normaliser, per row the max and
+/// the normaliser's inverse.
+struct softmax_scratch {
+  float *tmax, *tsum, *rmax, *rcoef;
+  static softmax_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<float>(rows * tiles(n)), c.take<float>(rows * tiles(n)), c.take<float>(rows), c.take<float>(rows)};
+  }
+};
+/// KeyDiff: per (head, chunk) sums of unit keys, the anchors, their inverse norms.
+struct keydiff_scratch {
+  float *part, *anchor, *inv_an;
+  static keydiff_scratch carve(carver& c, std::int64_t heads, std::int64_t n, std::int64_t d) {
+    return {c.take<float>(heads * chunks(n) * d), c.take<float>(heads * d), c.take<float>(heads)};
+  }
+};
+/// fill_tail: per (row, chunk) sums and the row means.
+struct tail_scratch {
+  double* part;
+  float* mean;
+  static tail_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<double>(rows * chunks(n)), c.take<float>(rows)};
+  }
+};
+/// The attention bias: each slot's age value, per chunk the new positions (then the ranks
+/// before it) and the value range, the newest value and span, per (row, chunk) sums, row factors.
+struct bias_scratch {
+  double* when;
+  std::int64_t* counts;
+  double *lo, *hi, *range, *row_part, *row_inv;
+  static bias_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
+    return {c.take<double>(n), c.take<std::int64_t>(chunks(n)), c.take<double>(chunks(n)), c.take<double>(chunks(n)),
+            c.take<double>(2), c.take<double>(rows * chunks(n)), c.take<double>(rows)};
+  }
+};
+/// Expected Attention: rotation tables (each window query's, then the mean one), each query
+/// head's mean before the mean rotation, mu' and the centred queries, the logits, per (query
+/// head, chunk) maxima and sums, per query head the maximum and the normaliser's inverse.
+struct expected_scratch {
+  float *table, *mu, *stats, *z, *pmax;
+  double* psum;
+  float *rmax, *rinv;
+  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n) {
+    return {c.take<float>((m + 1) * d), c.take<float>(hq * d),          c.take<float>(hq * (m + 1) * d),
+            c.take<float>(hq * n),      c.take<float>(hq * chunks(n)),  c.take<double>(hq * chunks(n)),
+            c.take<float>(hq),          c.take<float>(hq)};
+  }
+};
+/// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie
+/// rank, per unit the kept offsets, AdaKV's shares; the sort's own scratch follows.
+struct sort_scratch {
+  std::uint64_t *keys, *kout;
+  std::int64_t *vals, *vout, *rank, *kept;
+  double* share;
+  static sort_scratch carve(carver& c, std::int64_t items, std::int64_t n, std::int64_t units) {
+    return {c.take<std::uint64_t>(items), c.take<std::uint64_t>(items), c.take<std::int64_t>(items),
+            c.take<std::int64_t>(items),  c.take<std::int64_t>(n),      c.take<std::int64_t>(units + 1),
+            c.take<double>(3 * units)};
+  }
+};
+
+}  // namespace detail
+
+}  // namespace infkv::cuda

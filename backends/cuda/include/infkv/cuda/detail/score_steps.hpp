@@ -1,0 +1,297 @@
+// infkv CUDA backend: the score sources with their own multi-step algorithms, as steps run by a
+// launcher L (see steps.hpp): KeyDiff's key diversity, windowed attention (SnapKV, Inf-MLLM,
+// TOVA's last query, H2O's step) and Expected Attention. basic_backend::score and
+// h2o_observe_steps call them.
+#pragma once
+
+#include "common.hpp"
+
+namespace infkv::cuda::detail {
+
+/// Checks the keys and queries of `in` against each other (shapes, query positions, scale); the
+/// values themselves are checked by the steps, on the device.
+template <row_source R>
+void check_query_inputs(const layer_inputs<R>& in) {
+  validate(in.keys, "keys");
+  validate(in.queries, "queries");
+  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+                "must equal keys.head_dim (", in.keys.head_dim, ")");
+  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
+                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
+                "must equal the number of queries (", in.queries.n_slots, ")");
+  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
+  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+}
+
+/// `in` with its last `count` queries only (all of them when fewer are given).
+template <row_source R>
+layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
+  const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - count);
+  in.queries.data = in.queries.row(drop, 0);
+  in.queries.n_slots -= drop;
+  in.query_pos = in.query_pos.subspan(std::size_t(drop));
+  return in;
+}
+
+/// The rotary pair element `el` belongs to (rope_pair's inverse), or -1 outside the rotary dims.
+INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el, std::int32_t dims) {
+  if (el >= dims) return -1;
+  return s == rope_style::normal ? std::int32_t(el / 2) : std::int32_t(el % (dims / 2));
+}
+
+/// -cos(k_j, mean unit key) per KV head (KeyDiff): inverse norms, chunk sums of unit keys,
+/// the anchor, its norm, then the cosines.
+template <class L, row_source R>
+void keydiff_steps(const L& launch, const R& keys, score_view out, std::span<std::byte> scratch) {
+  validate(keys, "keys");
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  detail::carver c{scratch.data(), 64};
+  const auto w = detail::keydiff_scratch::carve(c, hkv, n, d);
+  float *part = w.part, *anchor = w.anchor, *inv_an = w.inv_an;
+  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    const auto h = std::int32_t(i / n);
+    const std::int64_t j = i % n;
+    const float norm = detail::squared_norm<float>(keys.type, keys.row(j, h), d, st, fault::key_not_finite, h, j);
+    out(h, j) = norm > 0.f ? 1.f / sqrtf(norm) : 0.f;
+  });
+  launch.for_each(hkv * nc * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    const std::int64_t e = i % d, cc = (i / d) % nc;
+    const auto h = std::int32_t(i / (d * nc));
+    float s = 0.f;
+    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
+      s += detail::load(keys.type, keys.row(j, h), e) * out(h, j);
+    part[i] = s;
+  });
+  launch.for_each(hkv * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    const std::int64_t h = i / d, e = i % d;
+    float s = 0.f;
+    for (std::int64_t cc = 0; cc < nc; ++cc) s += part[(h * nc + cc) * d + e];
+    anchor[i] = s;
+  });
+  launch.for_each(hkv, [=] INFKV_HOST_DEVICE(std::int64_t h) {
+    float s = 0.f;
+    for (std::int64_t e = 0; e < d; ++e) s += anchor[h * d + e] * anchor[h * d + e];
+    inv_an[h] = s > 0.f ? 1.f / sqrtf(s) : 0.f;
+  });
+  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    const auto h = std::int32_t(i / n);
+    const std::int64_t j = i % n;
+    out(h, j) = -detail::dot(keys.type, keys.row(j, h), dtype::f32, anchor + h * d, d) * out(h, j) * inv_an[h];
+  });
+}
+
+/// Attention mass the last `window` queries give each cached key (softmax over the visible
+/// keys), per KV head (mean over its G query heads) or per query head. Three steps, nothing of
+/// size queries x keys materialised: per (query row, key tile) the running max and normaliser,
+/// per query row their combination, per (KV head, key) the mass, logits recomputed.
+/// `offset` is where the step's scratch starts (after the status word and anything kept).
+template <class L, row_source R>
+void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int64_t window, bool per_query_head,
+                            score_view out, std::span<std::byte> scratch, std::size_t offset) {
+  check_query_inputs(in);
+  const R keys = in.keys;
+  const tensor_view q = in.queries;
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
+  const std::int64_t w = std::min(window, q.n_slots), q0 = q.n_slots - w, rows = hq * w;
+  const std::int64_t tiles = detail::tiles(n);
+  const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
+  const token* tok = in.tokens.data();
+  const std::int64_t* qpos = in.query_pos.data();
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  detail::carver c{scratch.data(), offset};
+  const auto stats = detail::softmax_scratch::carve(c, rows, n);
+  float *tmax = stats.tmax, *tsum = stats.tsum, *rmax = stats.rmax, *rcoef = stats.rcoef;
+  // Row r = query head * w + i (query q0 + i); its KV head is (r / w) / group.
+  launch.for_each(rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t r = x / tiles, t = x % tiles, qh = r / w, i = r % w;
+    const auto h = std::int32_t(qh / group);
+    const void* qr = q.row(q0 + i, std::int32_t(qh));
+    const std::int64_t qp = qpos[q0 + i];
+    float m = -INFINITY, s = 0.f;
+    for (std::int64_t j = t * detail::key_tile; j < std::min(n, (t + 1) * detail::key_tile); ++j) {
+      if (tok[j].pos > qp) continue;
+      const float l = scale * detail::dot(q.type, qr, keys.type, keys.row(j, h), d);
+      if (l > m) {
+        s = s * expf(m - l) + 1.f;
+        m = l;
+      } else {
+        s += expf(l - m);
+      }
+    }
+    tmax[r * tiles + t] = m, tsum[r * tiles + t] = s;
+  });
+  launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+    const std::int64_t qh = r / w, i = r % w;
+    const void* qr = q.row(q0 + i, std::int32_t(qh));
+    for (std::int64_t e = 0; e < d; ++e)
+      if (!detail::finite(detail::load(q.type, qr, e)))
+        detail::record(st, encode(fault::query_not_finite, qh, e, q0 + i));
+    float m = -INFINITY, s = 0.f;
+    for (std::int64_t t = 0; t < tiles; ++t) m = fmaxf(m, tmax[r * tiles + t]);
+    for (std::int64_t t = 0; t < tiles; ++t)
+      if (tsum[r * tiles + t] > 0.f) s += tsum[r * tiles + t] * expf(tmax[r * tiles + t] - m);
+    rmax[r] = m, rcoef[r] = s > 0.f ? 1.f / s : 0.f;
+  });
+  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const auto h = std::int32_t(x / n);
+    const std::int64_t j = x % n;
+    const void* kr = keys.row(j, h);
+    for (std::int64_t e = 0; e < d; ++e)
+      if (!detail::finite(detail::load(keys.type, kr, e))) detail::record(st, encode(fault::key_not_finite, h, e, j));
+    float total = 0.f;
+    for (std::int64_t g = 0; g < group; ++g) {
+      const std::int64_t qh = h * group + g;
+      float mass = 0.f;
+      for (std::int64_t i = 0; i < w; ++i) {
+        const std::int64_t r = qh * w + i;
+        if (tok[j].pos > qpos[q0 + i] || rcoef[r] == 0.f) continue;
+        mass += expf(scale * detail::dot(q.type, q.row(q0 + i, std::int32_t(qh)), keys.type, kr, d) - rmax[r]) * rcoef[r];
+      }
+      if (per_query_head) out(qh, j) = mass;
+      total += mass;
+    }
+    if (!per_query_head) out(h, j) = total / float(group);
+  });
+}
+
+/// Expected Attention (cpu::expected_attention_into's semantics) over every query of `in`: the
+/// rotation tables, each query head's mean before RoPE, mu' and the centred queries under the
+/// mean rotation, the logits, the sinks left out, a chunked softmax per query head, the group
+/// mean. `offset` is where the step's scratch starts.
+template <class L, row_source R>
+void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const expectation& e,
+                              const std::int64_t* order, score_view out, std::span<std::byte> scratch,
+                              std::size_t offset) {
+  check_query_inputs(in);
+  const R keys = in.keys;
+  const tensor_view q = in.queries;
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
+  const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
+  const rope rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins (read on the host)
+  const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
+  const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
+  const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
+  const bool cov = e.covariance;
+  const std::int64_t* qpos = in.query_pos.data();
+  status_word* st = reinterpret_cast<status_word*>(scratch.data());
+  detail::carver c{scratch.data(), offset};
+  const auto w = detail::expected_scratch::carve(c, hq, m, d, n);
+  float *table = w.table, *mu = w.mu, *stats = w.stats, *z = w.z, *pmax = w.pmax, *rmax = w.rmax, *rinv = w.rinv;
+  double* psum = w.psum;
+  // Element el of query i of head qh turned back to before RoPE.
+  const auto pre = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t qh, std::int64_t el) {
+    const void* row = q.row(i, std::int32_t(qh));
+    const std::int32_t p = rope_pair_of(rot.style, el, dims);
+    if (p < 0) return detail::load(q.type, row, el);
+    std::int32_t a = 0, b = 0;
+    rope_pair(rot.style, p, dims, a, b);
+    const float xa = detail::load(q.type, row, a), xb = detail::load(q.type, row, b);
+    const float cs = table[i * d + p], sn = -table[i * d + half + p];
+    return el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
+  };
+  launch.for_each((m + 1) * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t i = x / half;
+    const auto p = std::int32_t(x % half);
+    const double fr = rope_frequency(rot, p, dims);
+    if (i < m) {
+      if (p == 0 && (qpos[i] < -max_position || qpos[i] > max_position))
+        detail::record(st, encode(fault::bad_position, 1, 0, i));
+      const double a = double(qpos[i]) * fr;
+      table[i * d + p] = float(cos(a)), table[i * d + half + p] = float(sin(a));
+      return;
+    }
+    std::int64_t t0 = 0;  // positions beyond 2^62 are recorded above and skipped here
+    for (std::int64_t k = 0; k < m; ++k) t0 = qpos[k] >= t0 && qpos[k] <= max_position ? qpos[k] + 1 : t0;
+    double cs = 0, sn = 0;
+    for (std::int64_t t = t0; t < t0 + future; ++t) cs += cos(double(t) * fr), sn += sin(double(t) * fr);
+    table[m * d + p] = float(cs / double(future)), table[m * d + half + p] = float(sn / double(future));
+  });
+  launch.for_each(hq * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / d, el = x % d;
+    float s = 0.f;
+    for (std::int64_t i = 0; i < m; ++i) {
+      const float v = detail::load(q.type, q.row(i, std::int32_t(qh)), el);
+      if (!detail::finite(v)) detail::record(st, encode(fault::query_not_finite, qh, el, i));
+      s += pre(i, qh, el);
+    }
+    mu[x] = s / float(m);
+  });
+  // Row 0 of each query head: mu'; row i: c'_i (centred query i - 1 under the mean rotation).
+  launch.for_each(hq * (cov ? m + 1 : 1) * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t rows = cov ? m + 1 : 1, qh = x / (rows * d), r = (x / d) % rows, el = x % d;
+    const auto centred = [&](std::int64_t k) { return r == 0 ? mu[qh * d + k] : pre(r - 1, qh, k) - mu[qh * d + k]; };
+    const std::int32_t p = rope_pair_of(rot.style, el, dims);
+    float v = centred(el);
+    if (p >= 0) {
+      std::int32_t a = 0, b = 0;
+      rope_pair(rot.style, p, dims, a, b);
+      const float xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
+      v = el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
+    }
+    stats[(qh * (m + 1) + r) * d + el] = v;
+  });
+  launch.for_each(hq * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / n, j = x % n;
+    const auto h = std::int32_t(qh / group);
+    const void* kr = keys.row(j, h);
+    const float* s0 = stats + qh * (m + 1) * d;
+    float lin = 0.f, quad = 0.f;
+    for (std::int64_t el = 0; el < d; ++el) {
+      const float k = detail::load(keys.type, kr, el);
+      if (!detail::finite(k)) detail::record(st, encode(fault::key_not_finite, h, el, j));
+      lin += s0[el] * k;
+    }
+    for (std::int64_t i = 1; cov && i <= m; ++i) {
+      const float proj = detail::dot(dtype::f32, s0 + i * d, keys.type, kr, d);
+      quad += proj * proj;
+    }
+    const float zx = z[x] = scale * lin + cov_coef * quad;
+    if (!detail::finite(zx)) {  // sinks are left out of the softmax: their logits do not matter
+      bool sink = false;
+      for (std::int64_t r = 0; r < sinks; ++r) sink = sink || order[r] == j;
+      if (!sink) detail::record(st, encode(fault::logit_overflow, h, qh, j));
+    }
+  });
+  launch.for_each(sinks * hq, [=] INFKV_HOST_DEVICE(std::int64_t x) { z[(x % hq) * n + order[x / hq]] = -INFINITY; });
+  launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / nc, cc = x % nc;
+    float mx = -INFINITY;
+    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j) mx = fmaxf(mx, z[qh * n + j]);
+    pmax[x] = mx;
+  });
+  launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
+    float mx = -INFINITY;
+    for (std::int64_t cc = 0; cc < nc; ++cc) mx = fmaxf(mx, pmax[qh * nc + cc]);
+    rmax[qh] = mx;
+  });
+  launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / nc, cc = x % nc;
+    double s = 0;
+    if (rmax[qh] != -INFINITY)
+      for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
+        s += exp(double(z[qh * n + j]) - double(rmax[qh]));
+    psum[x] = s;
+  });
+  launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
+    double s = 0;
+    for (std::int64_t cc = 0; cc < nc; ++cc) s += psum[qh * nc + cc];
+    rinv[qh] = s > 0 ? float(1.0 / s) : 0.f;
+  });
+  launch.for_each(keys.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t h = x / n, j = x % n;
+    if (z[h * group * n + j] == -INFINITY) {  // a sink, left out of the softmax
+      out(h, j) = 1.f;
+      return;
+    }
+    float s = 0.f;
+    for (std::int64_t g = 0; g < group; ++g) {
+      const std::int64_t qh = h * group + g;
+      s += float(exp(double(z[qh * n + j]) - double(rmax[qh]))) * rinv[qh];
+    }
+    out(h, j) = s / float(group);
+  });
+}
+
+}  // namespace infkv::cuda::detail

@@ -1,0 +1,380 @@
+// infkv CUDA backend: every algorithm of the backend as a sequence of data-parallel steps, each
+// a `__host__ __device__` body run once per index by a launcher. The CUDA library runs them
+// with a kernel per step on a stream (`cuda::backend`, compiled by nvcc); the tests run the very
+// same steps with a host launcher (a loop over odd block shapes, under ASan / UBSan) and compare
+// with the CPU backend, so indexing, bounds and per-thread logic are tested without a GPU.
+//
+// Every body writes only its own outputs and sums in a fixed order: results are deterministic
+// (no float atomics). Sorting is the launcher's one other primitive (CUB's radix sort on a GPU,
+// a stable sort on the host). Device code never throws: a bad value (a NaN key, a negative
+// position, a NaN score, an inconsistent keep set or page table) is recorded in a status word at
+// the start of the scratch, the smallest code wins, and the host wrapper raises naming it.
+//
+// A launcher L provides:
+//   l.for_each(n, f)                            f(i) for every i in [0, n)
+//   l.sort_pairs(kin, kout, vin, vout, n, bits) stable sort of (uint64 key, int64 value) pairs
+//                                               by the low `bits` bits of the key
+//   L::sort_scratch_bytes(n)                    scratch sort_pairs needs for n pairs
+//   l.sort_scratch(std::span<std::byte>)        where sort_pairs finds that scratch
+#pragma once
+
+#include "common.hpp"
+#include "score_steps.hpp"
+
+namespace infkv::cuda {
+
+/// The backend's primitives (pipeline.hpp) as steps run by launcher L. A backend itself: the host
+/// launcher makes it the executable specification the tests compare with the CPU backend.
+template <class L>
+struct basic_backend {
+  L launch{};
+
+  /// Bytes of the status word and the largest scratch of any primitive for layers of `shape`.
+  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
+    const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
+    check_sort_bits(units, n);
+    const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);  // score rows at most
+    std::size_t need = 0;
+    const auto consider = [&](auto&& carve) {
+      detail::carver c{nullptr, 64};  // after the status word
+      carve(c);
+      need = std::max(need, c.size());
+    };
+    if (spec.source == score_source::key_diversity)
+      consider([&](detail::carver& c) { detail::keydiff_scratch::carve(c, hkv, n, shape.head_dim); });
+    if (spec.source == score_source::window_attention || spec.source == score_source::last_query)
+      consider([&](detail::carver& c) {
+        detail::softmax_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n);
+        if (spec.source == score_source::last_query) c.take<float>(hkv * n);
+      });
+    if (spec.source == score_source::expected_attention)
+      consider([&](detail::carver& c) {
+        detail::expected_scratch::carve(c, shape.q_heads, std::min(spec.queries, shape.n_queries), shape.head_dim, n);
+      });
+    consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
+    consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
+    consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
+    consider([&](detail::carver& c) {  // time order, select, allocate
+      detail::sort_scratch::carve(c, units * n, n, units);
+      c.take<std::byte>(std::int64_t(L::sort_scratch_bytes(units * n)));
+    });
+    return need;
+  }
+
+  /// Units x slots must fit the sort keys: unit bits + 32 score bits + rank bits <= 64.
+  static void check_sort_bits(std::int64_t units, std::int64_t n) {
+    INFKV_REQUIRE(detail::bits_for(units) + 32 + detail::bits_for(n) <= 64, "shape.n_slots", n,
+                  "too many slots for one selection on the CUDA backend with ", units,
+                  " units (units x slots must fit in 2^32)");
+  }
+
+  static status_word* status_of(std::span<std::byte> scratch) { return reinterpret_cast<status_word*>(scratch.data()); }
+
+  /// Time order (position, then slot); resets the status word (every run starts here).
+  void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
+    const auto n = std::int64_t(tokens.size());
+    status_word* st = status_of(scratch);
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
+    if (n == 0) return;
+    detail::carver c{scratch.data(), 64};
+    const auto w = detail::sort_scratch::carve(c, n, n, 1);
+    const token* t = tokens.data();
+    std::uint64_t* keys = w.keys;
+    std::int64_t* vals = w.vals;
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      if (t[i].pos < 0 || t[i].pos > max_position) detail::record(st, encode(fault::bad_position, 0, 0, i));
+      keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
+    });
+    launch.sort_scratch(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, order, n, 64);
+  }
+
+  template <row_source R>
+  void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
+             std::span<std::byte> scratch) const {
+    const std::int64_t n = out.cols;
+    switch (spec.source) {
+      case score_source::recency:
+        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(0, order[i]) = float(i); });
+        return;
+      case score_source::accumulated: {
+        const score_view acc = in.accumulated;
+        launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
+        return;
+      }
+      case score_source::key_diversity: detail::keydiff_steps(launch, in.keys, out, scratch); return;
+      case score_source::window_attention:
+        detail::window_attention_steps(launch, in, spec.queries, spec.pools_per_query_head(), out, scratch, 64);
+        return;
+      case score_source::last_query: {  // every KV head's mass, then the mean over the heads
+        const std::int64_t hkv = in.keys.n_heads;
+        detail::carver c{scratch.data(), 64};  // after window_attention's statistics
+        detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots), n);
+        const score_view heads{c.take<float>(hkv * n), hkv, n, n};
+        detail::window_attention_steps(launch, in, spec.queries, false, heads, scratch, 64);
+        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
+          float s = 0.f;
+          for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
+          out(0, j) = s / float(hkv);
+        });
+        return;
+      }
+      case score_source::expected_attention:
+        detail::expected_attention_steps(launch, detail::last_queries(in, spec.queries), spec.expect, order, out,
+                                         scratch, 64);
+        return;
+    }
+  }
+
+  /// Scores times the value norms of their KV head: row r belongs to head r / (rows / heads).
+  template <row_source R>
+  void value_norm(score_view s, const R& values, std::span<std::byte> scratch) const {
+    validate(values, "values");
+    INFKV_REQUIRE(s.cols == values.n_slots && s.rows % values.n_heads == 0, "values.n_slots", values.n_slots,
+                  "value norms weight ", s.rows, " score rows of ", s.cols, " slots; values.n_heads = ", values.n_heads);
+    const std::int64_t n = s.cols, per = s.rows / values.n_heads, dv = values.head_dim;
+    status_word* st = status_of(scratch);
+    launch.for_each(values.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const auto h = std::int32_t(x / n);
+      const std::int64_t j = x % n;
+      const auto norm = float(sqrt(detail::squared_norm<double>(values.type, values.row(j, h), dv, st,
+                                                                  fault::value_not_finite, h, j)));
+      for (std::int64_t r = h * per; r < (h + 1) * per; ++r) s(r, j) *= norm;
+    });
+  }
+
+  /// Pools every row along time order, the last `spec.pool_tail` slots left out (pool_row).
+  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+    const std::int64_t n = s.cols, len = n - std::min(spec.pool_tail, n), half = spec.kernel / 2;
+    if (spec.pool == pooling::none || spec.kernel == 1 || len == 0) return;
+    detail::carver c{scratch.data(), 64};
+    float* tmp = c.take<float>(s.rows * len);
+    launch.for_each(s.rows * len, [=] INFKV_HOST_DEVICE(std::int64_t x) { tmp[x] = s(x / len, order[x % len]); });
+    const pooling kind = spec.pool;
+    const std::int32_t kernel = spec.kernel;
+    launch.for_each(s.rows * len, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / len, i = x % len;
+      const float* t = tmp + r * len;
+      float acc = kind == pooling::max ? -INFINITY : 0.f;
+      for (std::int64_t j = i > half ? i - half : 0; j <= (i + half < len - 1 ? i + half : len - 1); ++j)
+        acc = kind == pooling::max ? fmaxf(acc, t[j]) : acc + t[j];
+      s(r, order[i]) = kind == pooling::avg ? acc / float(kernel) : acc;
+    });
+  }
+
+  /// out[h] = mean of in's rows [h * G, (h + 1) * G).
+  void group_mean(score_view in, score_view out) const {
+    const std::int64_t g = in.rows / out.rows, n = out.cols;
+    launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t h = x / n, c = x % n;
+      float s = 0.f;
+      for (std::int64_t k = 0; k < g; ++k) s += in(h * g + k, c);
+      out(h, c) = s / float(g);
+    });
+  }
+
+  /// The last `tail` slots in time order get their row's mean over the others (fill_tail).
+  void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
+    const std::int64_t n = s.cols, len = n - std::min(tail, n), nc = detail::chunks(len);
+    if (len == 0 || len == n) return;
+    detail::carver c{scratch.data(), 64};
+    const auto w = detail::tail_scratch::carve(c, s.rows, len);
+    double* part = w.part;
+    float* mean = w.mean;
+    launch.for_each(s.rows * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / nc, cc = x % nc;
+      double sum = 0;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(len, (cc + 1) * detail::chunk); ++i) sum += s(r, order[i]);
+      part[x] = sum;
+    });
+    launch.for_each(s.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      double sum = 0;
+      for (std::int64_t cc = 0; cc < nc; ++cc) sum += part[r * nc + cc];
+      mean[r] = float(sum / double(len));
+    });
+    launch.for_each(s.rows * (n - len), [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / (n - len);
+      s(r, order[len + x % (n - len)]) = mean[r];
+    });
+  }
+
+  /// The attention bias (attention_bias::apply): each row divided by its mean, plus beta f(age).
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+            std::span<std::byte> scratch) const {
+    const attention_bias b = spec.bias;
+    const std::int64_t n = std::int64_t(tokens.size()), nc = detail::chunks(n);
+    if (b.beta == 0.0 || s.cols == 0) return;
+    const token* t = tokens.data();
+    detail::carver c{scratch.data(), 64};
+    const auto w = detail::bias_scratch::carve(c, s.rows, n);
+    double *when = w.when, *lo = w.lo, *hi = w.hi, *range = w.range, *row_part = w.row_part, *row_inv = w.row_inv;
+    std::int64_t* counts = w.counts;  // new positions per chunk, then the ranks before it
+    const auto value = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t rank) {
+      return b.unit == age_unit::ranks ? double(rank) : b.unit == age_unit::positions ? double(t[order[i]].pos)
+                                                                                        : double(t[order[i]].segment);
+    };
+    const auto is_new = [=] INFKV_HOST_DEVICE(std::int64_t i) { return i == 0 || t[order[i]].pos != t[order[i - 1]].pos; };
+    launch.for_each(nc, [=] INFKV_HOST_DEVICE(std::int64_t cc) {
+      std::int64_t k = 0;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(n, (cc + 1) * detail::chunk); ++i) k += is_new(i) ? 1 : 0;
+      counts[cc] = k;
+    });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      std::int64_t before = 0;
+      for (std::int64_t cc = 0; cc < nc; ++cc) {
+        const std::int64_t k = counts[cc];
+        counts[cc] = before, before += k;
+      }
+    });
+    launch.for_each(nc, [=] INFKV_HOST_DEVICE(std::int64_t cc) {
+      std::int64_t rank = counts[cc] - 1;
+      double mn = INFINITY, mx = -INFINITY;
+      for (std::int64_t i = cc * detail::chunk; i < std::min(n, (cc + 1) * detail::chunk); ++i) {
+        rank += is_new(i) ? 1 : 0;
+        const double v = when[order[i]] = value(i, rank);
+        mn = fmin(mn, v), mx = fmax(mx, v);
+      }
+      lo[cc] = mn, hi[cc] = mx;
+    });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      double mn = INFINITY, mx = -INFINITY;
+      for (std::int64_t cc = 0; cc < nc; ++cc) mn = fmin(mn, lo[cc]), mx = fmax(mx, hi[cc]);
+      range[0] = mx, range[1] = mx - mn;
+    });
+    const std::int64_t cols = s.cols, rc = detail::chunks(cols);
+    launch.for_each(s.rows * rc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / rc, cc = x % rc;
+      double sum = 0;
+      for (std::int64_t j = cc * detail::chunk; j < std::min(cols, (cc + 1) * detail::chunk); ++j) sum += s(r, j);
+      row_part[x] = sum;
+    });
+    launch.for_each(s.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      double sum = 0;
+      for (std::int64_t cc = 0; cc < rc; ++cc) sum += row_part[r * rc + cc];
+      const double mean = sum / double(cols);
+      row_inv[r] = mean > 0 ? 1.0 / mean : 1.0;
+    });
+    launch.for_each(s.rows * cols, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / cols, j = x % cols;
+      const double a = range[1] > 0 ? (range[0] - when[j]) / range[1] : 0.0;
+      s(r, j) = float(s(r, j) * row_inv[r] + b.beta * b.recency(a));
+    });
+  }
+
+  void reduce(score_view acc, score_view s, reduction r, bool first) const {
+    launch.for_each(s.cols, [=] INFKV_HOST_DEVICE(std::int64_t c) {
+      float a = first ? (r == reduction::max ? -INFINITY : 0.f) : acc(0, c);
+      for (std::int64_t row = 0; row < s.rows; ++row) a = r == reduction::max ? fmaxf(a, s(row, c)) : a + s(row, c);
+      acc(0, c) = a;
+    });
+  }
+
+  void finish_reduction(score_view acc, reduction r, std::int64_t rows) const {
+    if (r != reduction::mean || rows == 0) return;
+    launch.for_each(acc.cols, [=] INFKV_HOST_DEVICE(std::int64_t c) { acc(0, c) /= float(rows); });
+  }
+
+  /// AdaKV (adakv::allocate_into): the layer's top unprotected scores by (score, lower row, newer
+  /// slot), counted per row, blended with an equal share and rounded by largest remainder.
+  void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+                std::int64_t* caps, std::span<std::byte> scratch) const {
+    a.validate();
+    const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
+    const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
+    const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
+    status_word* st = status_of(scratch);
+    detail::carver c{scratch.data(), 64};
+    const auto w = detail::sort_scratch::carve(c, items, n, rows);
+    std::uint64_t* keys = w.keys;
+    std::int64_t *vals = w.vals, *vout = w.vout;
+    double* share = w.share;
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / n, i = x % n;
+      const float v = s(r, order[i]);
+      if (v != v) detail::record(st, encode(fault::nan_score, r, 0, order[i]));
+      const bool candidate = i >= sinks && i < n - recent;
+      keys[x] = candidate ? (std::uint64_t(detail::descending_bits(v)) << (ub + rb)) | (std::uint64_t(r) << rb) |
+                                std::uint64_t(n - 1 - i)
+                          : ~std::uint64_t{0};
+      vals[x] = r;
+    });
+    launch.sort_scratch(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, vout, items, 64);
+    const double alpha = a.alpha;
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      double* wins = share;
+      double* idx = share + rows;  // indices as doubles (exact below 2^53)
+      std::int64_t* out = caps;
+      for (std::int64_t r = 0; r < rows; ++r) wins[r] = 0;
+      for (std::int64_t k = 0; k < total; ++k) wins[vout[k]] += 1.0;
+      std::int64_t sum = 0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        wins[r] = wins[r] * (1.0 - alpha) + alpha * double(free_each);
+        sum += out[r] = std::int64_t(floor(wins[r] + 1e-9));
+        idx[r] = double(r);
+      }
+      // Largest remainder first, ties to the lower row (insertion sort: rows are few).
+      for (std::int64_t r = 1; r < rows; ++r)
+        for (std::int64_t k = r; k > 0; --k) {
+          const auto x = std::int64_t(idx[k]), y = std::int64_t(idx[k - 1]);
+          const double rx = wins[x] - double(out[x]), ry = wins[y] - double(out[y]);
+          if (!(rx > ry || (rx == ry && x < y))) break;
+          idx[k] = double(y), idx[k - 1] = double(x);
+        }
+      for (std::int64_t k = 0; sum < total && k < rows; ++k, ++sum) ++out[std::int64_t(idx[k])];
+      for (std::int64_t r = 0; r < rows; ++r) out[r] += prot;
+    });
+  }
+
+  /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
+  /// best by `keep_before`, as one radix sort of (unit, score, tie rank) keys over all units;
+  /// then the kept slots in increasing order (a second sort). s.data null keeps every slot.
+  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+    const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
+    check_sort_bits(units, n);
+    const int ub = detail::bits_for(units), rb = detail::bits_for(n);
+    std::int64_t* offsets = out.offsets;
+    std::int64_t* slots = out.slots;
+    if (s.data == nullptr) {
+      launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = u * n; });
+      launch.for_each(units * n, [=] INFKV_HOST_DEVICE(std::int64_t x) { slots[x] = x % n; });
+      return;
+    }
+    status_word* st = status_of(scratch);
+    const token* t = tokens.data();
+    const std::int64_t items = units * n;
+    detail::carver c{scratch.data(), 64};
+    const auto w = detail::sort_scratch::carve(c, items, n, units);
+    std::uint64_t *keys = w.keys, *kout = w.kout;
+    std::int64_t *vals = w.vals, *vout = w.vout, *rank = w.rank, *kept = w.kept;  // kept: offsets of each unit's slots
+    const auto sorter = launch.sort_scratch(scratch.subspan(c.size()));
+    // Tie rank: newer position first, then the lower slot (a stable sort of inverted positions).
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) { keys[j] = ~std::uint64_t(t[j].pos), vals[j] = j; });
+    sorter.sort_pairs(keys, kout, vals, vout, n, 64);
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t k) { rank[vout[k]] = k; });
+    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
+      kept[0] = 0;
+      for (std::int64_t u = 0; u < units; ++u) kept[u + 1] = kept[u] + (caps ? caps[u] : cap);  // <= n each
+    });
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t u = x / n, i = x % n, slot = order[i];
+      const float v = s(u, slot);
+      if (v != v) detail::record(st, encode(fault::nan_score, u, 0, slot));
+      const bool protect = i < sinks || i >= n - recent;
+      const std::uint64_t score_part = protect ? 0 : std::uint64_t(detail::descending_bits(v)) + 1;
+      keys[x] = (std::uint64_t(u) << (32 + rb)) | (score_part << rb) | std::uint64_t(rank[slot]);
+      vals[x] = slot;
+    });
+    sorter.sort_pairs(keys, kout, vals, vout, items, ub + 32 + rb);
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {  // the first caps[u] of unit u
+      const std::int64_t u = x / n, k = x % n;
+      if (k >= kept[u + 1] - kept[u]) return;
+      keys[kept[u] + k] = (std::uint64_t(u) << rb) | std::uint64_t(vout[x]);
+      vals[kept[u] + k] = vout[x];
+    });
+    launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = kept[u]; });
+    // units x cap slots in all: AdaKV's capacities add up to it (allocate guarantees it).
+    sorter.sort_pairs(keys, kout, vals, slots, units * cap, ub + rb);
+  }
+};
+
+}  // namespace infkv::cuda

@@ -1,0 +1,415 @@
+// infkv-stream: the policies and the runners that stream text through one bounded llama.cpp
+// context each: a session that evicts with an infkv policy, the full cache (no eviction), and the
+// sliding window with recompute (a fresh cache per block).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include <infkv/llama_cpp.hpp>
+
+#include "errors.hpp"
+#include "policy_catalog.hpp"
+
+#include "llama_util.hpp"
+
+namespace stream {
+
+using kind = infkv_tools::policy_kind;
+using policy_info = infkv_tools::policy_entry;
+using infkv_tools::find_policy;
+
+/// Settings shared by every run. beta (inf_mllm_bias) defaults to 8: on SmolLM2-135M it was the
+/// best of 0 / 0.5 / 2 / 4 / 8 / 32 over the first 3000 KJV tokens at budget 256, and of 2 / 8 at
+/// budget 1024 on held-out KJV text (docs/evaluation.md).
+struct settings : infkv_tools::policy_knobs {
+  std::int64_t budget = 1024;  ///< cache slots kept after each eviction
+  std::int64_t block = 128;    ///< tokens decoded between evictions
+  int threads = 2;             ///< llama.cpp and scoring threads
+  bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
+  std::int64_t ask_room = 0;   ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
+  infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
+};
+
+/// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
+/// question, two sequences when questions are asked.
+inline llama_context_params runner_params(const settings& s, std::int64_t cells, std::int64_t n_batch) {
+  return context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
+                        s.ask_room > 0 ? 2 : 1);
+}
+
+/// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
+inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
+  return infkv_tools::policy_budget(k, s.budget, s);
+}
+
+/// Fails naming `flag` = `value` before anything is allocated when `cells` cache cells (llama.cpp's
+/// f16 K/V plus the session's f16 key copies) cannot fit in the memory available now; `who`
+/// needs them.
+inline void check_cells(const llama_model* m, std::string_view flag, std::int64_t value, std::string_view who,
+                        double cells) {
+  const model_shape sh(m);
+  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1)), avail = memory_available();
+  if (avail > 0 && cells * per_cell > avail)
+    infkv_tools::fail("{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies ({:.1f} KiB a "
+                         "cell), but {:.0f} MiB of memory are available", flag, value, who, cells,
+                         cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
+}
+
+/// A question's answer: the greedy text, and the log-probability of the expected answer.
+struct answer {
+  std::string text;
+  double expected_logprob = 0.0;
+};
+
+/// One context streaming one token sequence. `feed` decodes the next tokens with logits for
+/// each; `evict` brings the cache back to the budget. `max_feed` is the most tokens fed between
+/// two evictions: the cache never holds more than budget + max_feed slots.
+class runner {
+ public:
+  explicit runner(const llama_model* m) : model_(m), shape_(m) {}
+  virtual ~runner() = default;
+  runner(const runner&) = delete;
+  runner& operator=(const runner&) = delete;
+
+  /// Decodes `toks`, the next tokens of the stream (`extend`: append to the current cache even
+  /// where the runner would otherwise rebuild it, as generation does).
+  virtual void feed(std::span<const llama_token> toks, bool extend = false) = 0;
+  /// Evicts down to the budget; returns the slots removed.
+  virtual std::int64_t evict() = 0;
+  /// Tokens cached now.
+  virtual std::int64_t slots() const = 0;
+  /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
+  virtual std::int64_t host_bytes() const { return 0; }
+  /// Where the time went: the session's split, or the decodes and memory calls of the others.
+  virtual infkv::llama_cpp::session_stats stats() const { return stats_; }
+  /// How many of the stream's tokens [begin, end) (indices in feed order) are cached now.
+  std::int64_t cached_in(std::int64_t begin, std::int64_t end) const {
+    return std::int64_t(std::lower_bound(cached_.begin(), cached_.end(), end) -
+                        std::lower_bound(cached_.begin(), cached_.end(), begin));
+  }
+
+  /// Asks `question` without changing the stream: on sequence 1, which shares every cell of
+  /// sequence 0 (llama_memory_seq_cp copies nothing in the one shared cache), at the positions
+  /// after the stream's (see answer_on), then removes sequence 1: its own cells are freed, the
+  /// shared ones stay sequence 0's. The session never sees these decodes: nothing is captured,
+  /// scored or tracked. Needs settings::ask_room >= question + expected + gen.
+  virtual answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) {
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+    llama_memory_seq_cp(mem, 0, 1, -1, -1);
+    answer a = answer_on(1, question, expected, next_pos(), gen);
+    if (!llama_memory_seq_rm(mem, 1, -1, -1) || llama_memory_seq_pos_max(mem, 1) != -1)
+      infkv_tools::engine_fail("infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
+                                  "seq_pos_max = {})", llama_memory_seq_pos_max(mem, 1));
+    return a;
+  }
+
+  /// Logits of the i-th token of the last feed.
+  std::span<const float> logits(std::int64_t i) const {
+    const float* l = llama_get_logits_ith(ctx_.get(), std::int32_t(first_out_ + i));
+    if (l == nullptr) infkv_tools::fail("infkv-stream: no logits for output {} of the last decode", i);
+    return {l, std::size_t(shape_.vocab)};
+  }
+  llama_context* context() const { return ctx_.get(); }
+  /// Bytes of the K/V buffers llama.cpp allocated (computed: n_ctx * layers * 2 * kv_heads * head_dim * f16).
+  std::int64_t kv_alloc_bytes() const { return shape_.kv_bytes(llama_n_ctx(ctx_.get())); }
+  /// Bytes of the sequence's state as llama.cpp serialises it (llama_state_seq_get_size: the cells in use).
+  std::int64_t kv_state_bytes() const { return std::int64_t(llama_state_seq_get_size(ctx_.get(), 0)); }
+  const model_shape& shape() const { return shape_; }
+
+ protected:
+  /// The position the stream's next token takes.
+  virtual std::int64_t next_pos() const = 0;
+
+  /// Decodes `question` followed by `expected` on sequence `seq` from position `pos0` in one
+  /// batch: the log-probability of `expected` after the question (teacher forcing), and the
+  /// first greedy answer token; then drops the `expected` tokens again and decodes up to `gen`
+  /// greedy tokens in all (stopping at end of generation).
+  answer answer_on(llama_seq_id seq, std::span<const llama_token> question, std::span<const llama_token> expected,
+                   std::int64_t pos0, std::int64_t gen) {
+    INFKV_REQUIRE(!question.empty(), "infkv-stream: question tokens", question.size(), "must not be empty");
+    const llama_vocab* vocab = llama_model_get_vocab(model_);
+    std::vector<llama_token> next(question.begin(), question.end());
+    next.insert(next.end(), expected.begin(), expected.end());
+    const auto q = std::int64_t(question.size());
+    plain_decode(next, pos0, q - 1, seq);
+    answer a;
+    for (std::size_t i = 0; i < expected.size(); ++i) a.expected_logprob -= token_nll(logits(std::int64_t(i)), expected[i]);
+    llama_token t = argmax(logits(0));
+    pos0 += q;
+    if (!expected.empty() && !llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
+      infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false", seq,
+                                  pos0);
+    for (std::int64_t g = 0; g < gen && !llama_vocab_is_eog(vocab, t); ++g) {
+      a.text += piece(model_, t);
+      if (g + 1 == gen) break;
+      next.assign(1, t);
+      plain_decode(next, pos0++, 0, seq);
+      t = argmax(logits(0));
+    }
+    return a;
+  }
+
+  /// Decodes `toks` on sequence `seq` at positions pos0, pos0 + 1, ... with logits from batch
+  /// index `out_from` on.
+  void plain_decode(std::span<const llama_token> toks, std::int64_t pos0, std::int64_t out_from, llama_seq_id seq = 0) {
+    llama_batch b = llama_batch_init(std::int32_t(toks.size()), 0, 1);
+    for (std::size_t i = 0; i < toks.size(); ++i) {
+      b.token[i] = toks[i];
+      b.pos[i] = llama_pos(pos0 + std::int64_t(i));
+      b.n_seq_id[i] = 1;
+      b.seq_id[i][0] = seq;
+      b.logits[i] = std::int64_t(i) >= out_from;
+    }
+    b.n_tokens = std::int32_t(toks.size());
+    std::int32_t rc = 0;
+    {
+      const infkv::llama_cpp::stopwatch w{stats_.decode};
+      rc = llama_decode(ctx_.get(), b);
+    }
+    ++stats_.decodes, stats_.decoded_tokens += std::int64_t(toks.size());
+    llama_batch_free(b);
+    if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
+    first_out_ = out_from;
+  }
+
+  /// Records that the next `n` tokens of the stream were appended to the cache.
+  void note_fed(std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) cached_.push_back(fed_++);
+  }
+
+  const llama_model* model_;
+  model_shape shape_;
+  context_ptr ctx_;
+  std::int64_t first_out_ = 0;
+  std::vector<std::int64_t> cached_;  ///< stream indices of the cached tokens, ascending (= position order)
+  std::int64_t fed_ = 0;
+  infkv::llama_cpp::session_stats stats_;  ///< runners without a session: decodes and memory calls
+};
+
+/// The options of a session that evicts with policy `k`: what the policy captures
+/// (session_options::for_policy), f16 key copies, the run's reduction, positions and threads.
+inline infkv::llama_cpp::session_options session_options_for(kind k, const settings& s) {
+  const infkv::llama_cpp::session_options base{
+      .key_type = infkv::dtype::f16,
+      .reduce = s.reduce,
+      .positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact,
+      .executor = {s.threads}};
+  return infkv_tools::with_policy(
+      k, s, [&](const auto& p) { return infkv::llama_cpp::session_options::for_policy(p, base); });
+}
+
+/// An infkv session over a context of budget + max_feed cells, evicting with one policy.
+class session_runner final : public runner {
+ public:
+  session_runner(const llama_model* m, kind k, const settings& s, std::int64_t max_feed)
+      : runner(m), kind_(k), set_(s), budget_(*policy_budget(k, s)), cap_(s.budget + max_feed),
+        session_(m, session_options_for(k, s)) {
+    budget_.validate();
+    auto p = runner_params(s, cap_, max_feed);
+    session_.attach(p);
+    const auto& rope = session_.rope();
+    if (k == kind::expected_attention && rope.has_rope && !rope.supported)
+      infkv_tools::fail("--policy expected_attention: the model's RoPE ({}) is not one infkv can turn back "
+                           "(normal and NeoX only); its queries cannot be taken to before RoPE", rope.kind);
+    set_.rotary = rope.has_rope ? std::optional(rope.params) : std::nullopt;
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", cap_);
+    session_.bind(ctx_.get());
+  }
+
+  void feed(std::span<const llama_token> toks, bool) override {
+    const std::int32_t rc = session_.decode(toks, {}, true);
+    if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
+    first_out_ = 0;
+    note_fed(toks.size());
+    INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(),
+                  "exceed budget + block = ", cap_, ": the cache is not bounded");
+  }
+
+  std::int64_t evict() override {
+    if (session_.size() <= set_.budget) return 0;
+    std::vector<std::int64_t> before;  // positions in stream order, aligned with cached_
+    for (const auto& t : session_.tokens()) before.push_back(t.pos);
+    std::sort(before.begin(), before.end());
+    const auto r = infkv_tools::with_policy(kind_, set_, [&](const auto& p) { return session_.evict(p, budget_); });
+    INFKV_REQUIRE(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
+                  "exceed --budget = ", set_.budget);
+    std::size_t out = 0;
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      const bool gone = std::any_of(r.removed.begin(), r.removed.end(),
+                                    [&](const auto& run) { return before[i] >= run.begin && before[i] < run.end; });
+      if (!gone) cached_[out++] = cached_[i];
+    }
+    cached_.resize(out);
+    INFKV_REQUIRE(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
+                  "differ from the session's slots ", session_.size());
+    return r.evicted;
+  }
+
+  std::int64_t slots() const override { return session_.size(); }
+  std::int64_t next_pos() const override { return session_.next_pos(); }
+  infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
+
+  /// Keys (f16; values too where the policy reads them) of every layer plus the window queries
+  /// (f32), as the session holds them.
+  std::int64_t host_bytes() const override {
+    const std::int64_t keys = shape_.key_copy_bytes(session_.size()) * (session_.options().values ? 2 : 1);
+    const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) *
+                                 shape_.layers * shape_.heads * shape_.head_dim * 4;
+    return keys + queries;
+  }
+
+ private:
+
+  kind kind_;
+  settings set_;
+  infkv::budget budget_;
+  std::int64_t cap_;
+  infkv::llama_cpp::session session_;
+};
+
+/// No eviction: a context large enough for the whole stream.
+class full_runner final : public runner {
+ public:
+  full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
+    auto p = runner_params(s, total, max_feed);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", total);
+  }
+  void feed(std::span<const llama_token> toks, bool) override {
+    plain_decode(toks, n_, 0);
+    n_ += std::int64_t(toks.size());
+    note_fed(toks.size());
+  }
+  std::int64_t evict() override { return 0; }
+  std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
+
+ private:
+  std::int64_t n_ = 0;
+};
+
+/// Sliding window with recompute: each fed block goes into a cleared cache after the last
+/// `budget` tokens before it (positions from 0), so every block sees an exact, freshly computed
+/// window. Costs (budget + block) tokens of compute per block.
+class recompute_runner final : public runner {
+ public:
+  recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
+    auto p = runner_params(s, s.budget + max_feed, s.budget + max_feed);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", s.budget + max_feed);
+  }
+  void feed(std::span<const llama_token> toks, bool extend) override {
+    if (extend && n_ > 0) {
+      plain_decode(toks, n_, 0);
+      n_ += std::int64_t(toks.size());
+    } else {
+      n_ = rebuild(toks) + std::int64_t(toks.size());
+    }
+    history_.insert(history_.end(), toks.begin(), toks.end());
+    note_fed(toks.size());
+  }
+  std::int64_t evict() override {
+    const std::int64_t gone = std::max<std::int64_t>(0, n_ - budget_);
+    n_ = std::min(n_, budget_);
+    cached_.erase(cached_.begin(), cached_.begin() + gone);
+    return gone;
+  }
+  std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
+  /// The question goes after the last `budget` tokens of the stream in a rebuilt cache, as a
+  /// block would; the next feed rebuilds the cache anyway.
+  answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) override {
+    const std::int64_t prefix = rebuild({});
+    n_ = 0;  // nothing of the stream to extend: the next feed starts afresh
+    return answer_on(0, question, expected, prefix, gen);
+  }
+
+ private:
+  /// Clears the cache and decodes the last `budget` tokens of the stream, then `toks` (logits
+  /// for `toks`, or for the last token when there are none); returns the tokens before `toks`.
+  std::int64_t rebuild(std::span<const llama_token> toks) {
+    llama_memory_clear(llama_get_memory(ctx_.get()), true);
+    const std::size_t prefix = std::min<std::size_t>(std::size_t(budget_), history_.size());
+    std::vector<llama_token> all(history_.end() - std::ptrdiff_t(prefix), history_.end());
+    all.insert(all.end(), toks.begin(), toks.end());
+    if (!all.empty()) plain_decode(all, 0, std::min<std::int64_t>(std::int64_t(prefix), std::int64_t(all.size()) - 1));
+    return std::int64_t(prefix);
+  }
+
+  std::int64_t budget_;
+  std::int64_t n_ = 0;
+  std::vector<llama_token> history_;
+};
+
+/// llama.cpp's own context shift, as its examples do it (no infkv, no callback): a context of
+/// budget + max_feed cells; when the next feed does not fit, keep the first `sinks` tokens,
+/// remove half of the rest (llama_memory_seq_rm) and move the other half down over the gap
+/// (llama_memory_seq_add). The cache then holds between about half and all of its cells.
+class shift_runner final : public runner {
+ public:
+  shift_runner(const llama_model* m, const settings& s, std::int64_t max_feed)
+      : runner(m), n_ctx_(s.budget + max_feed), keep_(s.sinks) {
+    auto p = runner_params(s, n_ctx_, max_feed);
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", n_ctx_);
+    if (!llama_memory_can_shift(llama_get_memory(ctx_.get())))
+      infkv_tools::fail("--policy context_shift: this model's cache cannot shift positions (llama_memory_can_shift = false)");
+    INFKV_REQUIRE(keep_ + max_feed < n_ctx_, "--sinks", keep_, "leaves no room to shift in a context of ", n_ctx_,
+                  " cells with blocks of ", max_feed);
+  }
+  void feed(std::span<const llama_token> toks, bool) override {
+    const auto n = std::int64_t(toks.size());
+    while (n_ + n > n_ctx_) {  // llama.cpp's examples: discard half of what follows n_keep
+      const std::int64_t discard = (n_ - keep_) / 2;
+      llama_memory_t mem = llama_get_memory(ctx_.get());
+      bool ok = false;
+      {
+        const infkv::llama_cpp::stopwatch w{stats_.seq_rm};
+        ok = llama_memory_seq_rm(mem, 0, llama_pos(keep_), llama_pos(keep_ + discard));
+      }
+      if (!ok) infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(0, {}, {}) = false", keep_, keep_ + discard);
+      {
+        const infkv::llama_cpp::stopwatch w{stats_.seq_add};
+        llama_memory_seq_add(mem, 0, llama_pos(keep_ + discard), llama_pos(n_), llama_pos(-discard));
+      }
+      cached_.erase(cached_.begin() + keep_, cached_.begin() + keep_ + discard);
+      n_ -= discard, pending_ += discard;
+      ++stats_.evictions;
+    }
+    plain_decode(toks, n_, 0);
+    n_ += n;
+    note_fed(toks.size());
+  }
+  std::int64_t evict() override { return std::exchange(pending_, 0); }
+  std::int64_t slots() const override { return n_; }
+  std::int64_t next_pos() const override { return n_; }
+
+ private:
+  std::int64_t n_ctx_, keep_;
+  std::int64_t n_ = 0, pending_ = 0;  // cached tokens; tokens discarded since the last evict()
+};
+
+/// A runner for policy `k`: `total` is the stream's length (for full), `max_feed` the most
+/// tokens fed between two evictions.
+inline std::unique_ptr<runner> make_runner(const llama_model* m, kind k, const settings& s, std::int64_t total,
+                                           std::int64_t max_feed) {
+  switch (k) {
+    case kind::full: return std::make_unique<full_runner>(m, s, total, max_feed);
+    case kind::recompute: return std::make_unique<recompute_runner>(m, s, max_feed);
+    case kind::context_shift: return std::make_unique<shift_runner>(m, s, max_feed);
+    default: return std::make_unique<session_runner>(m, k, s, max_feed);
+  }
+}
+
+}  // namespace stream
