@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Runs every test: the Release build (vectorised paths, llama.cpp adapter and a short real-model
-# streaming run included; the CUDA backend compiled for sm_80 and sm_90 when nvcc is installed,
-# its GPU tests reported skipped without a device) and the ASan + UBSan build (portable paths,
-# the CUDA backend's steps run on the host), then every fuzz target briefly (clang, libFuzzer). Installs what it needs
-# first; llama.cpp is built once into ~/.cache/infkv (about 6 minutes on 2 cores), the model and
-# text are fetched once, and all are reused afterwards.
+# Runs every test: the C++ formatting check, the Release build (vectorised paths, llama.cpp
+# adapter, tools and a short real-model streaming run included; the CUDA backend compiled for
+# sm_80 and sm_90 when nvcc is installed, its GPU tests reported skipped without a device) and the
+# ASan + UBSan build (portable paths, the CUDA backend's steps run on the host), then every fuzz
+# target briefly (clang, libFuzzer). Installs what it needs first; llama.cpp is built once into
+# ~/.cache/infkv (about 6 minutes on 2 cores), the model and text are fetched once, and all are
+# reused afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/format.sh --check   # every C++ file follows .clang-format
 jobs=$(nproc)
 nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
 llama_prefix=$(scripts/llama_cpp.sh | tail -n 1)

@@ -306,4 +306,16 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
 }
 
+/// As above for layers the caller may still change.
+template <class B, row_source R>
+void run(const plan& p, const B& be, std::span<layer_inputs<R>> layers, std::span<std::byte> ws, keep_view out) {
+  run(p, be, std::span<const layer_inputs<R>>(layers), ws, out);
+}
+
+/// As above for one layer.
+template <class B, row_source R>
+void run(const plan& p, const B& be, const layer_inputs<R>& layer, std::span<std::byte> ws, keep_view out) {
+  run(p, be, std::span<const layer_inputs<R>>(&layer, 1), ws, out);
+}
+
 }  // namespace infkv

@@ -1,3 +1,4 @@
+cmake_minimum_required(VERSION 3.25)
 # Builds and runs the consumer project in MODE find_package (after installing infkv into a
 # prefix) or add_subdirectory. Fails on any error.
 set(work ${BINARY_DIR}/consumer-${MODE})
@@ -10,6 +11,29 @@ function(run)
 endfunction()
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${work}/prefix)
+  # The installed headers: one entry per backend and adapter (infkv/cpu.hpp, cuda.hpp, llama_cpp.hpp
+  # beside the core's infkv.hpp), their public headers in a directory of the same name, internals
+  # under detail/, nothing the tools alone use.
+  file(GLOB_RECURSE headers RELATIVE ${work}/prefix/include ${work}/prefix/include/*)
+  if(NOT "infkv/infkv.hpp" IN_LIST headers OR NOT "infkv/cpu.hpp" IN_LIST headers)
+    message(FATAL_ERROR "installed headers lack infkv/infkv.hpp or infkv/cpu.hpp: ${headers}")
+  endif()
+  foreach(h IN LISTS headers)
+    if(NOT h MATCHES "^infkv/((detail|policies)/)?[a-z0-9_]+\\.hpp$" AND
+       NOT h MATCHES "^infkv/(cpu|cuda|llama_cpp)(/detail)?/[a-z0-9_]+\\.hpp$" AND
+       NOT h MATCHES "^infkv/(cpu|cuda|llama_cpp)\\.hpp$")
+      message(FATAL_ERROR "installed header ${h} is outside the layout (core, policies/, detail/, one directory per backend or adapter)")
+    endif()
+    if(h MATCHES "synthetic")
+      message(FATAL_ERROR "installed header ${h}: the tools' synthetic workload is not part of the library")
+    endif()
+  endforeach()
+  foreach(dir cuda llama_cpp)
+    file(GLOB part ${work}/prefix/include/infkv/${dir}/*.hpp)
+    if(part AND NOT EXISTS ${work}/prefix/include/infkv/${dir}.hpp)
+      message(FATAL_ERROR "infkv/${dir}/ is installed without its entry header infkv/${dir}.hpp")
+    endif()
+  endforeach()
   # An infkv built with the llama.cpp adapter installs infkv::llama_cpp, whose config needs llama.
   set(llama_hint "")
   if(LLAMA_DIR)

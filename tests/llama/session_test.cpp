@@ -333,3 +333,24 @@ TEST_CASE("llama session: without capture no callback runs; the stats account fo
   CHECK(on.stats().decodes == 0);
   CHECK(on.stats().decode == 0);
 }
+
+TEST_CASE("llama session: the README's llama.cpp snippet runs and bounds the cache") {
+  auto owned = tiny_model(2);
+  llama_model* model = owned.get();
+  const std::vector<llama_token> block_tokens = random_tokens(1100, 21);
+  // example-begin llama
+  const auto policy = infkv::inf_mllm{.window = 32, .bias = {.beta = 8, .unit = infkv::age_unit::ranks}};
+  infkv::llama_cpp::session s(model, infkv::llama_cpp::session_options::for_policy(policy));
+  llama_context_params cp = llama_context_default_params();
+  cp.n_ctx = 1024 + 128;                                     // budget + block
+  s.attach(cp);                                              // routes cb_eval to the session
+  llama_context* ctx = llama_init_from_model(model, cp);
+  s.bind(ctx);
+  s.decode(block_tokens);                                    // bookkeeping grows only on success
+  s.evict(policy, {.capacity = 1024, .sinks = 4, .recent = 32});
+  // example-end
+  const context_ptr owns(ctx);
+  CHECK(s.size() == 1024);
+  CHECK(s.options().window == 32);
+  check_memory_matches(s);
+}

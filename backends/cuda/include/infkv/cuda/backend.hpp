@@ -66,6 +66,11 @@ void run(const plan& p, const backend& be, std::span<const layer_inputs<R>> laye
   infkv::run(p, be, layers, ws, out);
   check(ws.data() + p.backend, be.stream, "cuda::run");
 }
+/// As above for layers the caller may still change.
+template <row_source R>
+void run(const plan& p, const backend& be, std::span<layer_inputs<R>> layers, std::span<std::byte> ws, keep_view out) {
+  run(p, be, std::span<const layer_inputs<R>>(layers), ws, out);
+}
 /// As above for one layer.
 template <row_source R>
 void run(const plan& p, const backend& be, const layer_inputs<R>& layer, std::span<std::byte> ws, keep_view out) {
