@@ -22,10 +22,10 @@ constexpr int chains = 12;  // independent accumulators of 8 lanes
 #ifdef INFKV_BENCH_X86
 // Twelve named accumulators (12 independent chains cover FMA latency x pipes on current x86),
 // written out so the blocking does not depend on the optimisation level.
-#define INFKV_FMA12                                                                              \
-  a0 = _mm256_fmadd_ps(a0, m, b), a1 = _mm256_fmadd_ps(a1, m, b), a2 = _mm256_fmadd_ps(a2, m, b),     \
-  a3 = _mm256_fmadd_ps(a3, m, b), a4 = _mm256_fmadd_ps(a4, m, b), a5 = _mm256_fmadd_ps(a5, m, b),     \
-  a6 = _mm256_fmadd_ps(a6, m, b), a7 = _mm256_fmadd_ps(a7, m, b), a8 = _mm256_fmadd_ps(a8, m, b),     \
+#define INFKV_FMA12                                                                               \
+  a0 = _mm256_fmadd_ps(a0, m, b), a1 = _mm256_fmadd_ps(a1, m, b), a2 = _mm256_fmadd_ps(a2, m, b), \
+  a3 = _mm256_fmadd_ps(a3, m, b), a4 = _mm256_fmadd_ps(a4, m, b), a5 = _mm256_fmadd_ps(a5, m, b), \
+  a6 = _mm256_fmadd_ps(a6, m, b), a7 = _mm256_fmadd_ps(a7, m, b), a8 = _mm256_fmadd_ps(a8, m, b), \
   a9 = _mm256_fmadd_ps(a9, m, b), a10 = _mm256_fmadd_ps(a10, m, b), a11 = _mm256_fmadd_ps(a11, m, b)
 
 __attribute__((target("avx2,fma"))) float fma_kernel_avx2(std::int64_t iters) {

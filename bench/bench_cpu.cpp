@@ -41,9 +41,7 @@ nhd_buffer random_nhd(dtype t, std::int64_t n, std::int32_t heads, std::int32_t 
 /// Wall-clock time of a benchmark's timed loop: construct it right before `for (auto _ : state)`.
 struct loop_clock {
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-  double seconds() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
 };
 
 /// flop/s, and frac_peak: flop/s over `threads` times the single-thread FMA peak.
@@ -56,8 +54,8 @@ void add_flop_counters(benchmark::State& state, const loop_clock& clock, double 
 /// bytes/s, and frac_memcpy: bytes/s over the memcpy bandwidth beyond the last-level cache.
 void add_byte_counters(benchmark::State& state, const loop_clock& clock, double bytes_per_iter) {
   const double secs = clock.seconds(), total = bytes_per_iter * double(state.iterations());
-  state.counters["bytes/s"] = benchmark::Counter(bytes_per_iter, benchmark::Counter::kIsIterationInvariantRate,
-                                                 benchmark::Counter::kIs1024);
+  state.counters["bytes/s"] =
+      benchmark::Counter(bytes_per_iter, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
   state.counters["frac_memcpy"] = total / secs / infkv_bench::memcpy_bandwidth();
 }
 
@@ -207,7 +205,9 @@ struct policy_layer {
   budget b;
 
   explicit policy_layer(std::int64_t n_slots)
-      : n(n_slots), keys(random_nhd(dtype::f16, n, hkv, d, 10)), queries(random_nhd(dtype::f32, window, hkv * group, d, 11)),
+      : n(n_slots),
+        keys(random_nhd(dtype::f16, n, hkv, d, 10)),
+        queries(random_nhd(dtype::f32, window, hkv * group, d, 11)),
         tokens(text_tokens(n)) {
     for (std::int32_t i = 0; i < window; ++i) qpos.push_back(n - window + i);
     in.keys = keys.view;
@@ -231,8 +231,12 @@ void policy_select(benchmark::State& state, const P& policy) {
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * n);
 }
-void BM_select_snapkv(benchmark::State& state) { policy_select(state, snapkv{.window = 32, .kernel = 7, .pool = pooling::max}); }
-void BM_select_inf_mllm_bias(benchmark::State& state) { policy_select(state, inf_mllm{.window = 32, .bias = {.beta = 8.0}}); }
+void BM_select_snapkv(benchmark::State& state) {
+  policy_select(state, snapkv{.window = 32, .kernel = 7, .pool = pooling::max});
+}
+void BM_select_inf_mllm_bias(benchmark::State& state) {
+  policy_select(state, inf_mllm{.window = 32, .bias = {.beta = 8.0}});
+}
 void BM_select_keydiff(benchmark::State& state) { policy_select(state, keydiff{}); }
 BENCHMARK(BM_select_snapkv)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_select_inf_mllm_bias)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -92,8 +92,8 @@ double gemm_flops() {
   float best = 1e30f;
   for (int i = 0; i < 10; ++i) {
     ok(cudaEventRecord(e0));
-    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16F, n, b, CUDA_R_16F, n, &zero, c, CUDA_R_32F, n,
-                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16F, n, b, CUDA_R_16F, n, &zero, c, CUDA_R_32F,
+                 n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     ok(cudaEventRecord(e1));
     ok(cudaEventSynchronize(e1));
     float ms = 0;
@@ -135,8 +135,13 @@ struct layer {
   }
   ~layer() { cudaFree(k), cudaFree(v), cudaFree(q), cudaFree(tokens), cudaFree(qpos); }
   infkv::layer_inputs<> in() const {
-    return {infkv::nhd(k, infkv::dtype::f16, n, hkv, d), infkv::nhd(v, infkv::dtype::f16, n, hkv, d),
-            infkv::nhd(q, infkv::dtype::f16, nq, hq, d), {qpos, std::size_t(nq)}, {tokens, std::size_t(n)}, 0.f, {}};
+    return {infkv::nhd(k, infkv::dtype::f16, n, hkv, d),
+            infkv::nhd(v, infkv::dtype::f16, n, hkv, d),
+            infkv::nhd(q, infkv::dtype::f16, nq, hq, d),
+            {qpos, std::size_t(nq)},
+            {tokens, std::size_t(n)},
+            0.f,
+            {}};
   }
 };
 
@@ -231,7 +236,10 @@ void BM_compact(benchmark::State& state) {
   auto* ws = dmalloc<std::byte>(wsb);
   auto kv = infkv::contiguous_nhd(ly.k, ly.v, infkv::dtype::f16, n, ly.hkv, ly.d);
   const std::span<infkv::token> toks(ly.tokens, std::size_t(n));
-  timed(state, [&] { infkv::cuda::compact(kv.k, kv.v, toks, infkv::keep_view{slots, offsets, 1, n}, m, std::span<std::byte>(ws, wsb), nullptr); });
+  timed(state, [&] {
+    infkv::cuda::compact(kv.k, kv.v, toks, infkv::keep_view{slots, offsets, 1, n}, m, std::span<std::byte>(ws, wsb),
+                         nullptr);
+  });
   state.counters["of_copy"] = of_copy(2.0 * 2.0 * 2.0 * double(m) * ly.hkv * ly.d * 2);  // K, V; 2 copies; read + write
   cudaFree(slots), cudaFree(offsets), cudaFree(ws);
 }

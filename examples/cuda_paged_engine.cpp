@@ -26,9 +26,13 @@ T* device(std::size_t n) {
   return static_cast<T*>(p);
 }
 template <class T>
-void upload(T* dst, const std::vector<T>& src) { ok(cudaMemcpy(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice), "upload"); }
+void upload(T* dst, const std::vector<T>& src) {
+  ok(cudaMemcpy(dst, src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+}
 template <class T>
-void download(std::vector<T>& dst, const T* src) { ok(cudaMemcpy(dst.data(), src, dst.size() * sizeof(T), cudaMemcpyDeviceToHost), "download"); }
+void download(std::vector<T>& dst, const T* src) {
+  ok(cudaMemcpy(dst.data(), src, dst.size() * sizeof(T), cudaMemcpyDeviceToHost), "download");
+}
 
 }  // namespace
 
@@ -53,7 +57,8 @@ int main(int argc, char** argv) try {
   auto* d_freed = device<std::int32_t>(pool);
   std::vector<infkv::token> tokens;
   std::mt19937 gen(1);
-  std::vector<std::uint16_t> kv_row(static_cast<std::size_t>(row)), qs(static_cast<std::size_t>(window * q_heads * dim));
+  std::vector<std::uint16_t> kv_row(static_cast<std::size_t>(row)),
+      qs(static_cast<std::size_t>(window * q_heads * dim));
   const infkv::inf_mllm policy{.window = window, .bias = {.beta = 0.5}};
   const infkv::cuda::backend be{};  // default stream
   for (std::int64_t pos = 0; pos < total; ++pos) {
@@ -78,8 +83,10 @@ int main(int argc, char** argv) try {
     upload(d_indptr, indptr), upload(d_indices, indices), upload(d_last, last);
     const infkv::page_storage ks{k, std::int64_t(page) * row, row, dim}, vs{v, std::int64_t(page) * row, row, dim};
     const infkv::paged_rows keys{ks, d_indices, infkv::dtype::f16, n, heads, dim, page};
-    const infkv::layer_inputs<infkv::paged_rows> in{.keys = keys, .queries = infkv::nhd(q, infkv::dtype::f16, window, q_heads, dim),
-                                                    .query_pos = {d_qpos, std::size_t(window)}, .tokens = {d_tokens, std::size_t(n)}};
+    const infkv::layer_inputs<infkv::paged_rows> in{.keys = keys,
+                                                    .queries = infkv::nhd(q, infkv::dtype::f16, window, q_heads, dim),
+                                                    .query_pos = {d_qpos, std::size_t(window)},
+                                                    .tokens = {d_tokens, std::size_t(n)}};
     const infkv::plan plan = infkv::make_plan(be, policy, {.capacity = budget, .sinks = 4}, infkv::shape_of(in),
                                               {.g = infkv::granularity::per_token});
     auto* ws = device<std::byte>(plan.workspace_bytes);
@@ -90,8 +97,8 @@ int main(int argc, char** argv) try {
     const infkv::paged_view table{ks, vs, infkv::dtype::f16, heads, dim, page, 1, pool, d_indptr, d_indices, d_last};
     const std::size_t cbytes = infkv::cuda::compact_scratch_bytes(plan.kept_total, heads, row * 2);
     auto* cws = device<std::byte>(cbytes);
-    const std::int64_t freed = infkv::cuda::compact(table, 0, n, {d_tokens, std::size_t(n)}, keep, plan.kept_total, d_freed,
-                                                    {cws, cbytes}, nullptr);
+    const std::int64_t freed = infkv::cuda::compact(table, 0, n, {d_tokens, std::size_t(n)}, keep, plan.kept_total,
+                                                    d_freed, {cws, cbytes}, nullptr);
     // The engine takes back its table, tokens and freed pages.
     std::vector<std::int32_t> freed_ids(static_cast<std::size_t>(freed));
     download(freed_ids, d_freed), download(indptr, d_indptr), download(last, d_last);

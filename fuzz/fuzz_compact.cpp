@@ -36,7 +36,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = {std::int64_t(i), std::int32_t(i % 5), modality::text};
   if (in.flag()) {  // contiguous
     const int lay = int(in.range(0, 2));
-    const std::int64_t ss = lay == 0 ? heads * d : lay == 1 ? d : heads * (d + 2) + 1, hs = lay == 1 ? (n + 2) * d : lay == 0 ? d : d + 2;
+    const std::int64_t ss = lay == 0   ? heads * d
+                            : lay == 1 ? d
+                                       : heads * (d + 2) + 1,
+                       hs = lay == 1   ? (n + 2) * d
+                            : lay == 0 ? d
+                                       : d + 2;
     std::vector<std::uint8_t> k(std::size_t(std::max<std::int64_t>((n + 2) * heads * (d + 3) * es, 1))), v(k.size());
     for (auto& x : k) x = in.byte();
     for (auto& x : v) x = in.byte();
@@ -67,14 +72,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // Paged: one sequence after a decoy one, pages of 3 slots.
   const std::int32_t page = 3, pages = std::int32_t((n + page - 1) / page);
-  std::vector<std::int32_t> indptr{0, 1, 1 + pages}, indices, last{page, n == 0 ? 0 : std::int32_t(n - (pages - 1) * page)};
+  std::vector<std::int32_t> indptr{0, 1, 1 + pages}, indices,
+      last{page, n == 0 ? 0 : std::int32_t(n - (pages - 1) * page)};
   indices.push_back(pages);  // the decoy's page
   for (std::int32_t p = pages - 1; p >= 0; --p) indices.push_back(p);
   const std::int64_t ps = page * heads * d;
   std::vector<std::uint8_t> k(std::size_t((pages + 1) * ps * es));
   for (auto& x : k) x = in.byte();
   const auto k0 = k;
-  paged_view p{{k.data(), ps, heads * d, d}, {}, t, heads, d, page, 2, pages + 1, indptr.data(), indices.data(), last.data()};
+  paged_view p{
+      {k.data(), ps, heads * d, d}, {}, t, heads, d, page, 2, pages + 1, indptr.data(), indices.data(), last.data()};
   const paged_rows rows0 = key_rows(p, 1);
   const std::vector<std::int32_t> pages0(indices.begin() + 1, indices.end());
   std::vector<std::int32_t> freed;

@@ -69,7 +69,8 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
     for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + n, scores.row(r).begin());
     layer_inputs<> fixed;
     fixed.tokens = in.tokens, fixed.accumulated = scores.view();
-    const policy_spec spec{.name = "fixed", .source = score_source::accumulated, .protect_recent = pol.spec().protect_recent};
+    const policy_spec spec{
+        .name = "fixed", .source = score_source::accumulated, .protect_recent = pol.spec().protect_recent};
     const infkv_test::host_cuda_backend gb{};
     const plan gp = make_plan(gb, spec, b, shape_of(fixed), {.g = g});
     cpu::workspace gws(gp.workspace_bytes);
@@ -95,19 +96,24 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool hostile = in.range(0, 3) == 0;
   const cache keys(in, n, hkv, d, t, hostile), queries(in, nq, hkv * group, d, t, hostile);
   std::vector<token> tokens(static_cast<std::size_t>(n));
-  for (auto& x : tokens) x = {in.range(0, 7) == 0 ? in.hostile_int() : in.range(0, 120), std::int32_t(in.range(0, 3)), modality::text};
+  for (auto& x : tokens)
+    x = {in.range(0, 7) == 0 ? in.hostile_int() : in.range(0, 120), std::int32_t(in.range(0, 3)), modality::text};
   std::vector<std::int64_t> qpos(static_cast<std::size_t>(nq));
   for (auto& x : qpos) x = in.flag() ? in.hostile_int() : in.range(0, 130);
   budget b;
-  if (in.flag()) b.capacity = in.flag() ? in.hostile_int() : in.range(0, 100);
-  else b.ratio = in.flag() ? double(in.hostile_float()) : double(in.range(0, 100)) / 100.0;
+  if (in.flag())
+    b.capacity = in.flag() ? in.hostile_int() : in.range(0, 100);
+  else
+    b.ratio = in.flag() ? double(in.hostile_float()) : double(in.range(0, 100)) / 100.0;
   b.sinks = in.flag() ? in.hostile_int() : in.range(0, 6);
   b.recent = in.flag() ? in.hostile_int() : in.range(0, 10);
   const granularity g = granularity(in.range(0, 2));
   const float scale = in.flag() ? in.hostile_float() : 0.f;
   try {  // the registry's H2O states observe the inputs first, which may raise too
-    if (in.flag()) check(layer_inputs<>{keys.tensor, {}, queries.tensor, qpos, tokens, scale}, b, g);
-    else check(layer_inputs<paged_rows>{keys.paged, {}, queries.tensor, qpos, tokens, scale}, b, g);
+    if (in.flag())
+      check(layer_inputs<>{keys.tensor, {}, queries.tensor, qpos, tokens, scale}, b, g);
+    else
+      check(layer_inputs<paged_rows>{keys.paged, {}, queries.tensor, qpos, tokens, scale}, b, g);
   } catch (const infkv::error&) {
   }
   return 0;

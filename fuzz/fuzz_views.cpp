@@ -27,7 +27,7 @@ void strided(infkv_fuzz::input& in) {
   } catch (const infkv::error&) {
     return;
   }
-  if (v.n_slots > 40 || v.n_heads > 6 || v.head_dim > 12) return;  // the check below is brute force
+  if (v.n_slots > 40 || v.n_heads > 6 || v.head_dim > 12) return;      // the check below is brute force
   if (v.slot_stride > (1 << 16) || v.head_stride > (1 << 16)) return;  // spans too large to mark element by element
   INFKV_FUZZ_ASSERT(v.slot_stride >= 0 || v.n_slots <= 1);
   INFKV_FUZZ_ASSERT(v.head_stride >= 0 || v.n_heads <= 1);
@@ -87,7 +87,9 @@ void paged(infkv_fuzz::input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   infkv_fuzz::input in(data, size);
-  if (in.flag()) strided(in);
-  else paged(in);
+  if (in.flag())
+    strided(in);
+  else
+    paged(in);
   return 0;
 }

@@ -51,7 +51,7 @@ class input {
       case 3: return std::numeric_limits<float>::denorm_min() * float(range(1, 1000));
       case 4: return -0.f;
       case 5: return 0.f;
-      case 6: return std::ldexp(float(range(-100, 100)), int(range(60, 127)));   // huge
+      case 6: return std::ldexp(float(range(-100, 100)), int(range(60, 127)));    // huge
       case 7: return std::ldexp(float(range(-100, 100)), int(range(-149, -60)));  // tiny
       default: return float(range(-1000, 1000)) / 97.f;
     }

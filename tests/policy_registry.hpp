@@ -26,11 +26,15 @@ void for_each_policy(const infkv::layer_inputs<R>& observed, F&& f) {
   f("inf_mllm segment bias",
     inf_mllm{.window = 4, .kernel = 5, .bias = {.beta = 1.0, .shape = decay::exponential, .unit = age_unit::segments}});
   f("inf_mllm rank bias", inf_mllm{.window = 3, .kernel = 3, .bias = {.beta = 8.0, .unit = age_unit::ranks}});
-  f("expected_attention", expected_attention{.window = 4, .rotary = rope{.dims = 4}, .future = 16, .sinks = 2,
-                                             .value_norm = false});
+  f("expected_attention",
+    expected_attention{.window = 4, .rotary = rope{.dims = 4}, .future = 16, .sinks = 2, .value_norm = false});
   f("expected_attention neox, mean only",
-    expected_attention{.window = 3, .rotary = rope{.theta = 500.0, .dims = 4, .style = rope_style::neox}, .future = 7,
-                       .sinks = 0, .covariance = false, .value_norm = false});
+    expected_attention{.window = 3,
+                       .rotary = rope{.theta = 500.0, .dims = 4, .style = rope_style::neox},
+                       .future = 7,
+                       .sinks = 0,
+                       .covariance = false,
+                       .value_norm = false});
   for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
     cpu::h2o_state st(cfg, observed.keys.n_heads);
     st.append(observed.keys.n_slots);

@@ -83,12 +83,12 @@ struct adakv {
   /// keep count, below the slot count): each row keeps sinks + recent, the rest is shared.
   /// `order` is the slots' time order; `scratch` holds scratch_size(rows, cols) int64. Allocates
   /// nothing. The global top scores are ranked by score, ties to the lower row, then the newer slot.
-  void allocate_into(score_view s, const std::int64_t* order, const budget& b,
-                     std::int64_t cap, std::span<std::int64_t> scratch, std::int64_t* caps) const {
+  void allocate_into(score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+                     std::span<std::int64_t> scratch, std::int64_t* caps) const {
     validate();
     const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
-    INFKV_REQUIRE(std::int64_t(scratch.size()) >= scratch_size(rows, n), "scratch.size()", scratch.size(), "must be >= ",
-                  scratch_size(rows, n));
+    INFKV_REQUIRE(std::int64_t(scratch.size()) >= scratch_size(rows, n), "scratch.size()", scratch.size(),
+                  "must be >= ", scratch_size(rows, n));
     std::int64_t* cand = scratch.data();  // r * n + time rank, unprotected slots only
     std::int64_t nc = 0;
     for (std::int64_t r = 0; r < rows; ++r)

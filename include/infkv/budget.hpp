@@ -21,8 +21,7 @@ struct budget {
   /// Throws `infkv::error` naming the first invalid field.
   void validate() const {
     INFKV_REQUIRE(capacity >= 0, "budget.capacity", capacity, "must be >= 0");
-    INFKV_REQUIRE(std::isfinite(ratio) && ratio >= 0.0 && ratio <= 1.0, "budget.ratio", ratio,
-                  "must be in [0, 1]");
+    INFKV_REQUIRE(std::isfinite(ratio) && ratio >= 0.0 && ratio <= 1.0, "budget.ratio", ratio, "must be in [0, 1]");
     INFKV_REQUIRE((capacity > 0) != (ratio > 0.0), "budget.capacity", capacity,
                   "set exactly one of capacity (> 0) and ratio (> 0); ratio = ", ratio);
     constexpr std::int64_t most = std::int64_t(1) << 62;  // sinks + recent never overflows
@@ -37,8 +36,7 @@ struct budget {
   std::int64_t keep_count(std::int64_t n_slots) const {
     validate();
     INFKV_REQUIRE(n_slots >= 0, "n_slots", n_slots, "must be >= 0");
-    const std::int64_t cap =
-        capacity > 0 ? capacity : std::int64_t(std::ceil(ratio * double(n_slots) - 1e-9));
+    const std::int64_t cap = capacity > 0 ? capacity : std::int64_t(std::ceil(ratio * double(n_slots) - 1e-9));
     if (cap >= n_slots) return n_slots;
     INFKV_REQUIRE(cap >= sinks + recent, "budget.ratio", ratio, "keeps ", cap, " of ", n_slots,
                   " slots, fewer than its protected sinks (", sinks, ") + recent (", recent, ")");

@@ -62,7 +62,8 @@ template <class Arg, class Value, class... Why>
 
 /// Checks `ok`; when it fails, throws `infkv::invalid_argument("infkv: <arg> = <value>: <why>")`.
 /// The arguments after `ok` are evaluated only on failure.
-#define INFKV_REQUIRE(ok, ...)                                   \
-  do {                                                           \
-    if (!(ok)) [[unlikely]] ::infkv::detail::fail_arg(__VA_ARGS__); \
+#define INFKV_REQUIRE(ok, ...)                \
+  do {                                        \
+    if (!(ok)) [[unlikely]]                   \
+      ::infkv::detail::fail_arg(__VA_ARGS__); \
   } while (0)

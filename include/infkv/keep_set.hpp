@@ -73,8 +73,9 @@ class keep_set {
     for (std::size_t i = 0; i < slots.size(); ++i) {
       INFKV_REQUIRE(slots[i] >= 0 && slots[i] < n_slots_, "slots[" + std::to_string(i) + "]", slots[i],
                     "must be in [0, n_slots = ", n_slots_, ")");
-      if (i) INFKV_REQUIRE(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
-                           "must be greater than the previous slot ", slots[i - 1]);
+      if (i)
+        INFKV_REQUIRE(slots[i] > slots[i - 1], "slots[" + std::to_string(i) + "]", slots[i],
+                      "must be greater than the previous slot ", slots[i - 1]);
     }
     slots_.insert(slots_.end(), slots.begin(), slots.end());
     offsets_.push_back(std::int64_t(slots_.size()));
@@ -116,8 +117,10 @@ class keep_set {
                      " is held by a kept and an evicted slot; it cannot be expressed as position runs");
       if (m[s] == keep) {
         if (open && out.back().end > tokens[s].pos) continue;  // same position again
-        if (open) out.back().end = tokens[s].pos + 1;
-        else out.push_back({tokens[s].pos, tokens[s].pos + 1});
+        if (open)
+          out.back().end = tokens[s].pos + 1;
+        else
+          out.push_back({tokens[s].pos, tokens[s].pos + 1});
         open = true;
       } else {
         open = false;
@@ -126,7 +129,9 @@ class keep_set {
     return out;
   }
   std::vector<position_run> kept_runs(std::span<const token> t, std::int64_t u = 0) const { return runs(t, true, u); }
-  std::vector<position_run> evicted_runs(std::span<const token> t, std::int64_t u = 0) const { return runs(t, false, u); }
+  std::vector<position_run> evicted_runs(std::span<const token> t, std::int64_t u = 0) const {
+    return runs(t, false, u);
+  }
 
   /// One unit keeping the slots whose positions fall in one of `kept` (inverse of kept_runs).
   static keep_set from_runs(std::span<const position_run> kept, std::span<const token> tokens) {
@@ -136,7 +141,8 @@ class keep_set {
     keep_set k(std::int64_t(tokens.size()));
     std::vector<std::int64_t> s;
     for (std::size_t i = 0; i < tokens.size(); ++i)
-      if (std::ranges::any_of(kept, [&](const position_run& r) { return tokens[i].pos >= r.begin && tokens[i].pos < r.end; }))
+      if (std::ranges::any_of(kept,
+                              [&](const position_run& r) { return tokens[i].pos >= r.begin && tokens[i].pos < r.end; }))
         s.push_back(std::int64_t(i));
     k.add_unit(s);
     return k;

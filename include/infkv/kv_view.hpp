@@ -49,29 +49,26 @@ struct kv_view {
 };
 
 /// [slot][head][dim] layout, rows packed.
-inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
-                       std::int32_t head_dim) {
+inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim) {
   return {data, t, n_slots, n_heads, head_dim, std::int64_t(n_heads) * head_dim, head_dim};
 }
 
 /// [head][slot][dim] layout; `slot_capacity` is the allocated slots per head (>= n_slots).
-inline tensor_view hnd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
-                       std::int32_t head_dim, std::int64_t slot_capacity) {
+inline tensor_view hnd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim,
+                       std::int64_t slot_capacity) {
   INFKV_REQUIRE(slot_capacity >= n_slots, "slot_capacity", slot_capacity, "must be >= n_slots (", n_slots,
                 "): the rows of one head would run into the next head's");
   return {data, t, n_slots, n_heads, head_dim, head_dim, slot_capacity * head_dim};
 }
 
-inline kv_view contiguous_nhd(void* k, void* v, dtype t, std::int64_t n_slots,
-                              std::int32_t n_heads, std::int32_t head_dim) {
+inline kv_view contiguous_nhd(void* k, void* v, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                              std::int32_t head_dim) {
   return {nhd(k, t, n_slots, n_heads, head_dim), nhd(v, t, n_slots, n_heads, head_dim)};
 }
 
-inline kv_view contiguous_hnd(void* k, void* v, dtype t, std::int64_t n_slots,
-                              std::int32_t n_heads, std::int32_t head_dim,
-                              std::int64_t slot_capacity) {
-  return {hnd(k, t, n_slots, n_heads, head_dim, slot_capacity),
-          hnd(v, t, n_slots, n_heads, head_dim, slot_capacity)};
+inline kv_view contiguous_hnd(void* k, void* v, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                              std::int32_t head_dim, std::int64_t slot_capacity) {
+  return {hnd(k, t, n_slots, n_heads, head_dim, slot_capacity), hnd(v, t, n_slots, n_heads, head_dim, slot_capacity)};
 }
 
 /// Storage of one paged tensor (K or V): page p, in-page slot s, head h, element d at
@@ -167,21 +164,23 @@ void validate(const R& r, const char* name) {
     const std::int64_t outer = heads_inner ? r.slot_stride : r.head_stride;
     const std::int64_t inner_count = heads_inner ? r.n_heads : r.n_slots;
     const std::int64_t outer_count = heads_inner ? r.n_slots : r.n_heads;
-    INFKV_REQUIRE(inner_count <= 1 || inner >= r.head_dim, std::string(name) + (heads_inner ? ".head_stride" : ".slot_stride"),
-                  inner, "rows of head_dim = ", r.head_dim, " elements would overlap");
+    INFKV_REQUIRE(inner_count <= 1 || inner >= r.head_dim,
+                  std::string(name) + (heads_inner ? ".head_stride" : ".slot_stride"), inner,
+                  "rows of head_dim = ", r.head_dim, " elements would overlap");
     const std::int64_t block = detail::product(inner_count, std::max<std::int64_t>(inner, r.head_dim));
     INFKV_REQUIRE(outer_count <= 1 || (block >= 0 && outer >= block),
-                  std::string(name) + (heads_inner ? ".slot_stride" : ".head_stride"), outer,
-                  "must span the ", inner_count, heads_inner ? " heads" : " slots", " of stride ", inner,
-                  " (rows would overlap)");
+                  std::string(name) + (heads_inner ? ".slot_stride" : ".head_stride"), outer, "must span the ",
+                  inner_count, heads_inner ? " heads" : " slots", " of stride ", inner, " (rows would overlap)");
     // The last element's offset in bytes must be representable (no address arithmetic overflows).
-    const std::int64_t last_slot = detail::product(std::max<std::int64_t>(r.n_slots - 1, 0), std::max<std::int64_t>(r.slot_stride, 0));
+    const std::int64_t last_slot =
+        detail::product(std::max<std::int64_t>(r.n_slots - 1, 0), std::max<std::int64_t>(r.slot_stride, 0));
     const std::int64_t last_head = detail::product(r.n_heads - 1, std::max<std::int64_t>(r.head_stride, 0));
     constexpr std::int64_t limit = std::int64_t(1) << 62;
     INFKV_REQUIRE(last_slot >= 0 && last_head >= 0 && last_slot <= limit - last_head - r.head_dim &&
                       detail::product(last_slot + last_head + r.head_dim, std::int64_t(size_of(r.type))) >= 0,
-                  std::string(name) + ".slot_stride", r.slot_stride, "the view would span more than 2^62 bytes (head_stride = ",
-                  r.head_stride, ", n_slots = ", r.n_slots, ")");
+                  std::string(name) + ".slot_stride", r.slot_stride,
+                  "the view would span more than 2^62 bytes (head_stride = ", r.head_stride, ", n_slots = ", r.n_slots,
+                  ")");
   }
 }
 
@@ -205,21 +204,24 @@ inline void validate(const paged_view& p, const char* name) {
                   "must be in [1, page_size = ", p.page_size, "] for a sequence with pages, 0 without");
   }
   for (std::int32_t i = 0; i < p.indptr[p.n_seqs]; ++i)
-    INFKV_REQUIRE(p.indices[i] >= 0 && p.indices[i] < p.n_pages, std::string(name) + ".indices[" + std::to_string(i) + "]",
-                  p.indices[i], "must be a page of the pool: in [0, n_pages = ", p.n_pages, ")");
+    INFKV_REQUIRE(p.indices[i] >= 0 && p.indices[i] < p.n_pages,
+                  std::string(name) + ".indices[" + std::to_string(i) + "]", p.indices[i],
+                  "must be a page of the pool: in [0, n_pages = ", p.n_pages, ")");
   // Each storage: the rows of a page must not overlap and must fit in page_stride.
   for (const page_storage* st : {&p.k, &p.v}) {
     if (st->data == nullptr) continue;
     const std::string at = std::string(name) + (st == &p.k ? ".k" : ".v");
     const tensor_view page{st->data, p.type, p.page_size, p.n_heads, p.head_dim, st->slot_stride, st->head_stride};
     validate(page, at.c_str());
-    const std::int64_t extent = (p.page_size - 1) * page.slot_stride + std::int64_t(p.n_heads - 1) * page.head_stride + p.head_dim;
+    const std::int64_t extent =
+        (p.page_size - 1) * page.slot_stride + std::int64_t(p.n_heads - 1) * page.head_stride + p.head_dim;
     INFKV_REQUIRE(st->page_stride >= extent, at + ".page_stride", st->page_stride, "must hold a page's rows: ", extent,
                   " elements (page_size ", p.page_size, ", slot_stride ", st->slot_stride, ", head_stride ",
                   st->head_stride, ")");
     INFKV_REQUIRE(detail::product(p.n_pages, st->page_stride) >= 0 &&
                       detail::product(detail::product(p.n_pages, st->page_stride), std::int64_t(size_of(p.type))) >= 0,
-                  at + ".page_stride", st->page_stride, "the pool of ", p.n_pages, " pages would span more than 2^62 bytes");
+                  at + ".page_stride", st->page_stride, "the pool of ", p.n_pages,
+                  " pages would span more than 2^62 bytes");
   }
 }
 

@@ -21,11 +21,11 @@
 #include <span>
 #include <string>
 
+#include "allocation.hpp"
 #include "budget.hpp"
 #include "detail/carver.hpp"
 #include "error.hpp"
 #include "keep_set.hpp"
-#include "allocation.hpp"
 #include "policy.hpp"
 #include "scores.hpp"
 #include "tokens.hpp"
@@ -36,7 +36,7 @@ namespace infkv {
 struct layer_shape {
   std::int64_t n_slots = 0;
   std::int32_t kv_heads = 1;
-  std::int32_t q_heads = 0;    ///< query heads (0 when the source reads no queries)
+  std::int32_t q_heads = 0;  ///< query heads (0 when the source reads no queries)
   std::int32_t head_dim = 0;
   std::int64_t n_queries = 0;  ///< queries offered (the source reads the last spec.queries of them)
 };
@@ -46,9 +46,9 @@ struct layer_shape {
 /// accumulated scores, or 1 when neither is given).
 template <row_source R>
 layer_shape shape_of(const layer_inputs<R>& in) {
-  const std::int32_t heads = !in.keys.empty() ? in.keys.n_heads
+  const std::int32_t heads = !in.keys.empty()          ? in.keys.n_heads
                              : in.accumulated.rows > 0 ? std::int32_t(in.accumulated.rows)
-                                                              : 1;
+                                                       : 1;
   return {std::int64_t(in.tokens.size()), heads, in.queries.n_heads, in.keys.head_dim, in.queries.n_slots};
 }
 
@@ -63,7 +63,7 @@ struct plan_options {
 /// A sized pipeline run: output sizes and workspace layout (bytes from the workspace's start).
 struct plan {
   policy_spec spec;
-  budget keep;               ///< the budget after the policy's protection
+  budget keep;  ///< the budget after the policy's protection
   plan_options opt;
   layer_shape shape;
   std::int64_t source_rows = 0;    ///< rows the source writes
@@ -87,8 +87,8 @@ struct plan {
 template <class B, class R = tensor_view>
 concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const plan_options& opt,
                            const layer_inputs<R>& in, std::span<const token> tokens, std::int64_t* order,
-                           const std::int64_t* corder, score_view s, std::span<std::byte> scratch,
-                           std::int64_t* caps, keep_view out, reduction r, const adakv& a, const budget& bud) {
+                           const std::int64_t* corder, score_view s, std::span<std::byte> scratch, std::int64_t* caps,
+                           keep_view out, reduction r, const adakv& a, const budget& bud) {
   { b.scratch_bytes(spec, shape, opt) } -> std::convertible_to<std::size_t>;
   b.time_order(tokens, order, scratch);
   b.score(spec, in, corder, s, scratch);
@@ -141,7 +141,8 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
     opt.adakv->validate();
     INFKV_REQUIRE(per_head && p.units > 1, "plan_options.adakv.alpha", opt.adakv->alpha,
                   "AdaKV shares a layer's budget between heads: it needs per_head granularity and a per-head score "
-                  "(", spec.name, " at ", to_string(opt.g), " has ", p.units, " unit)");
+                  "(",
+                  spec.name, " at ", to_string(opt.g), " has ", p.units, " unit)");
   }
   detail::carver c;
   const auto f = sizeof(float), i64 = sizeof(std::int64_t);
@@ -174,8 +175,8 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   const layer_shape s = shape_of(in);
   const auto at = [&](const char* what) { return "layers[" + std::to_string(l) + "]." + what; };
   INFKV_REQUIRE(s.n_slots == p.shape.n_slots && s.kv_heads == p.shape.kv_heads, at("tokens.size()"), s.n_slots,
-                "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads, " KV heads; this layer has ",
-                s.kv_heads);
+                "the plan was made for ", p.shape.n_slots, " slots and ", p.shape.kv_heads,
+                " KV heads; this layer has ", s.kv_heads);
   if (p.spec.needs().keys) {
     INFKV_REQUIRE(!in.keys.empty(), at("keys.data"), "null", p.spec.name, " reads the keys");
     INFKV_REQUIRE(in.keys.n_slots == s.n_slots, at("tokens.size()"), s.n_slots, "must equal keys.n_slots (",
@@ -199,7 +200,7 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   }
   if (p.spec.source == score_source::accumulated)
     INFKV_REQUIRE((in.accumulated.data != nullptr || p.shape.n_slots == 0) && in.accumulated.rows == p.shape.kv_heads &&
-                  in.accumulated.cols == p.shape.n_slots,
+                      in.accumulated.cols == p.shape.n_slots,
                   at("accumulated.rows"), in.accumulated.rows, "must be ", p.shape.kv_heads, " x ", p.shape.n_slots,
                   " accumulated scores; cols = ", in.accumulated.cols);
 }
@@ -271,11 +272,10 @@ score_view run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std
 /// slots: kept_total). Uses only `ws` (plan.workspace_bytes, 64-byte aligned) and allocates
 /// nothing.
 template <class B, row_source R>
-void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, std::span<std::byte> ws,
-         keep_view out) {
+void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, std::span<std::byte> ws, keep_view out) {
   detail::check_workspace(p, ws);
-  INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units, "the plan writes ",
-                p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
+  INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units,
+                "the plan writes ", p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
   const auto order = detail::order_of(p, be, layers, ws);
   const std::int64_t n = p.shape.n_slots;
   const auto tokens = layers[0].tokens;
@@ -300,8 +300,7 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
   if (p.opt.adakv) {
     caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(*p.opt.adakv, final_scores, order, p.keep, p.keep_per_unit, caps,
-                detail::scratch(p, ws));
+    be.allocate(*p.opt.adakv, final_scores, order, p.keep, p.keep_per_unit, caps, detail::scratch(p, ws));
   }
   be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
 }

@@ -11,9 +11,9 @@
 #include <span>
 #include <string_view>
 
+#include "bias.hpp"
 #include "budget.hpp"
 #include "kv_view.hpp"
-#include "bias.hpp"
 #include "rope.hpp"
 #include "scores.hpp"
 #include "tokens.hpp"
@@ -39,11 +39,11 @@ struct capture_needs {
 
 /// Where a policy's raw scores come from. A backend implements each source once.
 enum class score_source : std::uint8_t {
-  recency,           ///< rank in time order, one row (StreamingLLM)
-  key_diversity,     ///< -cos(k_j, mean unit key) per KV head (KeyDiff)
-  window_attention,  ///< attention mass from the last `queries` queries, per KV head (SnapKV, Inf-MLLM)
-  last_query,        ///< attention of the last query, mean over every head of the layer: one row (TOVA)
-  accumulated,       ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
+  recency,             ///< rank in time order, one row (StreamingLLM)
+  key_diversity,       ///< -cos(k_j, mean unit key) per KV head (KeyDiff)
+  window_attention,    ///< attention mass from the last `queries` queries, per KV head (SnapKV, Inf-MLLM)
+  last_query,          ///< attention of the last query, mean over every head of the layer: one row (TOVA)
+  accumulated,         ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
   expected_attention,  ///< attention future queries are expected to give, from the window's statistics
 };
 
@@ -73,16 +73,16 @@ struct expectation {
 struct policy_spec {
   std::string_view name;
   score_source source = score_source::recency;
-  std::int64_t queries = 0;         ///< the last queries the source reads (window_attention; 1 for last_query)
+  std::int64_t queries = 0;  ///< the last queries the source reads (window_attention; 1 for last_query)
   pooling pool = pooling::none;
-  std::int32_t kernel = 1;          ///< pooling width (odd)
-  std::int64_t pool_tail = 0;       ///< last slots in time order left out of pooling (the observation window)
+  std::int32_t kernel = 1;     ///< pooling width (odd)
+  std::int64_t pool_tail = 0;  ///< last slots in time order left out of pooling (the observation window)
   attention_bias bias{};
   std::int64_t protect_sinks = 0;   ///< the policy keeps at least this many oldest tokens
   std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
   granularity natural = granularity::per_token;
-  bool value_norm = false;          ///< scores times |v_j| of their KV head, before pooling
-  expectation expect{};             ///< expected_attention's parameters
+  bool value_norm = false;  ///< scores times |v_j| of their KV head, before pooling
+  expectation expect{};     ///< expected_attention's parameters
 
   /// True when the source reads window queries (`queries` of them).
   constexpr bool reads_queries() const {
@@ -145,7 +145,8 @@ struct layer_inputs {
   std::span<const token> tokens{};
   float scale = 0.f;
   score_view accumulated{};
-  const rope* rotary = nullptr;  ///< this layer's RoPE where layers differ (host memory); overrides expected_attention's
+  /// This layer's RoPE where layers differ (host memory); overrides expected_attention's.
+  const rope* rotary = nullptr;
 };
 
 }  // namespace infkv

@@ -35,7 +35,8 @@ struct rope {
   /// Checks the parameters for keys of `head_dim` and returns the rotary dimensions.
   std::int32_t checked_dims(std::int32_t head_dim) const {
     const std::int32_t d = dims == 0 ? head_dim : dims;
-    INFKV_REQUIRE(d > 0 && d <= head_dim && d % 2 == 0, "rope.dims", dims, "must be even and in [0, head_dim = ", head_dim, "]");
+    INFKV_REQUIRE(d > 0 && d <= head_dim && d % 2 == 0, "rope.dims", dims,
+                  "must be even and in [0, head_dim = ", head_dim, "]");
     validate();
     return d;
   }
@@ -47,7 +48,8 @@ INFKV_HOST_DEVICE inline double rope_frequency(const rope& r, std::int32_t i, st
 }
 
 /// The two dimensions rotary pair i of `dims` rotary dimensions turns: (2i, 2i + 1) or (i, i + dims / 2).
-INFKV_HOST_DEVICE inline void rope_pair(rope_style s, std::int32_t i, std::int32_t dims, std::int32_t& a, std::int32_t& b) {
+INFKV_HOST_DEVICE inline void rope_pair(rope_style s, std::int32_t i, std::int32_t dims, std::int32_t& a,
+                                        std::int32_t& b) {
   a = s == rope_style::normal ? 2 * i : i;
   b = s == rope_style::normal ? a + 1 : i + dims / 2;
 }

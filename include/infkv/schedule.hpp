@@ -36,9 +36,9 @@ struct block_range {
 };
 
 struct block_prefill {
-  std::int64_t block = 256;          ///< most tokens one block appends
-  std::int64_t budget = 1024;        ///< slots kept after each block (M)
-  bool snap_to_segments = true;      ///< end blocks where the segment changes, when one does
+  std::int64_t block = 256;              ///< most tokens one block appends
+  std::int64_t budget = 1024;            ///< slots kept after each block (M)
+  bool snap_to_segments = true;          ///< end blocks where the segment changes, when one does
   bool first_block_fills_budget = true;  ///< the part that fits the budget runs as one forward
 
   void validate() const {

@@ -40,8 +40,10 @@ inline std::int64_t select_row_into(const float* score, std::span<const token> t
   std::int64_t kept = 0, nc = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t s = order[i];
-    if (i < sinks || i >= n - recent) out[kept++] = s;
-    else cand[nc++] = s;
+    if (i < sinks || i >= n - recent)
+      out[kept++] = s;
+    else
+      cand[nc++] = s;
   }
   const auto better = [&](std::int64_t a, std::int64_t b) {
     return keep_before(score[a], tokens[std::size_t(a)].pos, a, score[b], tokens[std::size_t(b)].pos, b);
@@ -58,8 +60,8 @@ namespace detail {
 inline std::span<const token> unit_tokens(std::span<const token> tokens, std::int64_t unit, std::int64_t rows,
                                           std::int64_t cols) {
   if (std::int64_t(tokens.size()) == cols) return tokens;
-  INFKV_REQUIRE(std::int64_t(tokens.size()) == rows * cols, "tokens.size()", tokens.size(),
-                "must be the slot count (", cols, ") or one list per unit (", rows, " x ", cols, ")");
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == rows * cols, "tokens.size()", tokens.size(), "must be the slot count (",
+                cols, ") or one list per unit (", rows, " x ", cols, ")");
   return tokens.subspan(std::size_t(unit * cols), std::size_t(cols));
 }
 

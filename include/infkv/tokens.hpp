@@ -65,8 +65,9 @@ inline void validate_tokens(std::span<const token> tokens, std::int64_t n_slots,
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, std::string(name) + ".size()", tokens.size(),
                 "must equal the number of cached slots (", n_slots, ")");
   for (std::size_t i = 0; i < tokens.size(); ++i)
-    INFKV_REQUIRE(tokens[i].pos >= 0 && tokens[i].pos <= max_position, std::string(name) + "[" + std::to_string(i) + "].pos",
-                  tokens[i].pos, "positions must be in [0, 2^62]");
+    INFKV_REQUIRE(tokens[i].pos >= 0 && tokens[i].pos <= max_position,
+                  std::string(name) + "[" + std::to_string(i) + "].pos", tokens[i].pos,
+                  "positions must be in [0, 2^62]");
 }
 
 }  // namespace infkv

@@ -37,7 +37,8 @@ TEST_CASE("pyramidkv shares a budget linearly over depth, as computed by hand") 
   const std::vector<double> share{185.5, 128.5, 71.5, 14.5};
   std::int64_t sum = 0;
   for (std::size_t l = 0; l < half.size(); ++l) {
-    CHECK((half[l].capacity == std::int64_t(std::floor(share[l])) || half[l].capacity == std::int64_t(std::ceil(share[l]))));
+    CHECK((half[l].capacity == std::int64_t(std::floor(share[l])) ||
+           half[l].capacity == std::int64_t(std::ceil(share[l]))));
     if (l) CHECK(half[l].capacity < half[l - 1].capacity);
     sum += half[l].capacity;
   }
@@ -136,7 +137,8 @@ TEST_CASE("adakv sums to rows x capacity and keeps every head's protected tokens
   std::uniform_real_distribution<float> u(0.f, 1.f);
   for (int trial = 0; trial < 50; ++trial) {
     const std::int64_t rows = 1 + std::int64_t(rng() % 8), n = 30 + std::int64_t(rng() % 100);
-    const budget b{.capacity = 8 + std::int64_t(rng() % 20), .sinks = std::int64_t(rng() % 4), .recent = std::int64_t(rng() % 4)};
+    const budget b{
+        .capacity = 8 + std::int64_t(rng() % 20), .sinks = std::int64_t(rng() % 4), .recent = std::int64_t(rng() % 4)};
     score_matrix s(rows, n);
     for (std::int64_t h = 0; h < rows; ++h)  // every score of a later head beats the earlier heads'
       for (std::int64_t j = 0; j < n; ++j) s(h, j) = u(rng) + 2.f * float(h);
@@ -175,13 +177,16 @@ TEST_CASE("select_top with per-unit capacities keeps each unit's own count and i
     CHECK(keep.size(h) == caps[std::size_t(h)]);
     const auto m = keep.mask(h);
     for (std::int64_t j = 0; j < n; ++j) {
-      if (j < b.sinks || j >= n - b.recent) CHECK(m[std::size_t(j)]);  // protected
-      else CHECK(m[std::size_t(j)] == (s(h, j) >= 100.f));           // exactly the planted winners
+      if (j < b.sinks || j >= n - b.recent)
+        CHECK(m[std::size_t(j)]);  // protected
+      else
+        CHECK(m[std::size_t(j)] == (s(h, j) >= 100.f));  // exactly the planted winners
     }
   }
   const std::vector<std::int64_t> too_small{12, 3, 12, 12};
-  CHECK_THROWS_WITH_AS(select_top(s, tokens, too_small, b.sinks, b.recent), doctest::Contains("capacities[1] = 3"), error);
-  const std::vector<std::int64_t> wrong_count{12, 12};
-  CHECK_THROWS_WITH_AS(select_top(s, tokens, wrong_count, b.sinks, b.recent), doctest::Contains("capacities.size() = 2"),
+  CHECK_THROWS_WITH_AS(select_top(s, tokens, too_small, b.sinks, b.recent), doctest::Contains("capacities[1] = 3"),
                        error);
+  const std::vector<std::int64_t> wrong_count{12, 12};
+  CHECK_THROWS_WITH_AS(select_top(s, tokens, wrong_count, b.sinks, b.recent),
+                       doctest::Contains("capacities.size() = 2"), error);
 }

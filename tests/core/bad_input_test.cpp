@@ -48,7 +48,7 @@ TEST_CASE("error types: invalid arguments are infkv::invalid_argument, every inf
 TEST_CASE("bad budgets name the field and its value") {
   CHECK_ERROR((budget{.capacity = 5, .sinks = 4, .recent = 2}.validate()), "budget.capacity = 5");
   CHECK_ERROR((budget{.capacity = 5, .sinks = 4, .recent = 2}.keep_count(100)), "sinks (4) + recent (2)");
-  CHECK_ERROR(budget{}.validate(), "budget.capacity = 0");                               // neither
+  CHECK_ERROR(budget{}.validate(), "budget.capacity = 0");  // neither
   CHECK_ERROR(budget{}.validate(), "set exactly one of capacity");
   CHECK_ERROR((budget{.capacity = 8, .ratio = 0.5}.validate()), "budget.capacity = 8");  // both
   CHECK_ERROR((budget{.capacity = 8, .ratio = 0.5}.validate()), "ratio = 0.5");

@@ -14,7 +14,7 @@ using namespace infkv;
 TEST_CASE("absolute budgets keep min(capacity, slots present)") {
   const budget b{.capacity = 10, .sinks = 2, .recent = 3};
   CHECK(b.keep_count(0) == 0);
-  CHECK(b.keep_count(4) == 4);   // fewer slots than even the protected ones: keep them all
+  CHECK(b.keep_count(4) == 4);  // fewer slots than even the protected ones: keep them all
   CHECK(b.keep_count(10) == 10);
   CHECK(b.keep_count(11) == 10);
   CHECK(b.keep_count(1'000'000) == 10);
@@ -25,11 +25,11 @@ TEST_CASE("absolute budgets keep min(capacity, slots present)") {
 TEST_CASE("ratio budgets round up, without overshooting exact products") {
   CHECK(budget{.ratio = 0.5}.keep_count(7) == 4);
   CHECK(budget{.ratio = 0.5}.keep_count(8) == 4);
-  CHECK(budget{.ratio = 0.3}.keep_count(10) == 3);    // 0.3 * 10 is 3.0000000000000004 in double
-  CHECK(budget{.ratio = 0.7}.keep_count(10) == 7);    // 0.7 * 10 is 7.000000000000001
-  CHECK(budget{.ratio = 0.1}.keep_count(30) == 3);    // 3.0000000000000004
-  CHECK(budget{.ratio = 0.25}.keep_count(10) == 3);   // 2.5 -> 3
-  CHECK(budget{.ratio = 0.01}.keep_count(10) == 1);   // 0.1 -> 1
+  CHECK(budget{.ratio = 0.3}.keep_count(10) == 3);   // 0.3 * 10 is 3.0000000000000004 in double
+  CHECK(budget{.ratio = 0.7}.keep_count(10) == 7);   // 0.7 * 10 is 7.000000000000001
+  CHECK(budget{.ratio = 0.1}.keep_count(30) == 3);   // 3.0000000000000004
+  CHECK(budget{.ratio = 0.25}.keep_count(10) == 3);  // 2.5 -> 3
+  CHECK(budget{.ratio = 0.01}.keep_count(10) == 1);  // 0.1 -> 1
   CHECK(budget{.ratio = 1.0}.keep_count(13) == 13);
   CHECK(budget{.ratio = 0.5}.keep_count(0) == 0);
   CHECK(budget{.ratio = 0.5, .sinks = 1, .recent = 1}.keep_count(4) == 2);

@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <ios>
-#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -23,17 +23,17 @@ TEST_CASE("f16 round trip is exact for every half value") {
 }
 
 TEST_CASE("f16 conversion rounds to nearest even and saturates to infinity") {
-  CHECK(f16_to_f32(f32_to_f16(1.0f + 1.0f / 2048)) == 1.0f);              // halfway: down to even
+  CHECK(f16_to_f32(f32_to_f16(1.0f + 1.0f / 2048)) == 1.0f);               // halfway: down to even
   CHECK(f16_to_f32(f32_to_f16(1.0f + 3.0f / 2048)) == 1.0f + 1.0f / 512);  // halfway: up to even
   CHECK(std::isinf(f16_to_f32(f32_to_f16(70000.f))));
-  CHECK(f16_to_f32(f32_to_f16(5.9604645e-8f)) == 5.9604645e-8f);    // smallest subnormal
+  CHECK(f16_to_f32(f32_to_f16(5.9604645e-8f)) == 5.9604645e-8f);  // smallest subnormal
   CHECK(f16_to_f32(f32_to_f16(2.0e-8f)) == 0.0f);
 }
 
 TEST_CASE("bf16 conversion rounds to nearest even") {
   CHECK(bf16_to_f32(f32_to_bf16(1.0f)) == 1.0f);
-  CHECK(bf16_to_f32(f32_to_bf16(1.00390625f)) == 1.0f);        // 1 + 2^-8: halfway, even
-  CHECK(bf16_to_f32(f32_to_bf16(1.01171875f)) == 1.015625f);   // 1 + 3*2^-8: halfway, up to even
+  CHECK(bf16_to_f32(f32_to_bf16(1.00390625f)) == 1.0f);       // 1 + 2^-8: halfway, even
+  CHECK(bf16_to_f32(f32_to_bf16(1.01171875f)) == 1.015625f);  // 1 + 3*2^-8: halfway, up to even
   CHECK(std::isnan(bf16_to_f32(f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
 }
 
@@ -46,7 +46,7 @@ TEST_CASE("row conversion agrees with the scalar conversion for every type and l
       from_f32(t, src.data(), buf.data(), n);
       to_f32(t, buf.data(), back.data(), n);
       for (int i = 0; i < n; ++i) {
-        const float expect = t == dtype::f32 ? src[std::size_t(i)]
+        const float expect = t == dtype::f32   ? src[std::size_t(i)]
                              : t == dtype::f16 ? f16_to_f32(f32_to_f16(src[std::size_t(i)]))
                                                : bf16_to_f32(f32_to_bf16(src[std::size_t(i)]));
         CHECK(back[std::size_t(i)] == expect);
@@ -57,8 +57,9 @@ TEST_CASE("row conversion agrees with the scalar conversion for every type and l
 /// The value of half-precision bits from the format's definition, in double.
 double half_value(std::uint16_t h) {
   const int sign = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  const double mag = e == 0 ? std::ldexp(double(m), -24) : e == 31 ? (m ? std::nan("") : INFINITY)
-                                                                   : std::ldexp(1.0 + m / 1024.0, e - 15);
+  const double mag = e == 0    ? std::ldexp(double(m), -24)
+                     : e == 31 ? (m ? std::nan("") : INFINITY)
+                               : std::ldexp(1.0 + m / 1024.0, e - 15);
   return sign ? -mag : mag;
 }
 

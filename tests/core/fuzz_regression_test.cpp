@@ -34,7 +34,8 @@ TEST_CASE("fuzz views: a paged table whose rows leave their page, or whose indpt
   p.k.page_stride = 8, p.k.slot_stride = 1;  // rows of a page overlap
   CHECK_ERROR(validate(p, "paged"), "paged.k.");
   p.k.slot_stride = 4;
-  std::vector<std::int32_t> wrap{0, std::numeric_limits<std::int32_t>::max(), -std::numeric_limits<std::int32_t>::max()};
+  std::vector<std::int32_t> wrap{0, std::numeric_limits<std::int32_t>::max(),
+                                 -std::numeric_limits<std::int32_t>::max()};
   std::vector<std::int32_t> last2{2, 2};
   p.n_seqs = 2, p.indptr = wrap.data(), p.last_page_len = last2.data();
   CHECK_ERROR(validate(p, "paged"), "paged.indptr[2]");

@@ -116,8 +116,8 @@ TEST_CASE("kept and evicted runs round trip and partition the positions present,
     const std::int64_t span = std::uniform_int_distribution<std::int64_t>(1, 3 * n + 1)(gen);
     std::vector<token> t(static_cast<std::size_t>(n));
     for (auto& x : t) x.pos = std::uniform_int_distribution<std::int64_t>(0, span)(gen);  // holes, repeats
-    std::vector<bool> keep_pos(static_cast<std::size_t>(span + 1));  // a fate per position, so
-    for (std::size_t i = 0; i < keep_pos.size(); ++i) keep_pos[i] = gen() % 2;  // repeats agree
+    std::vector<bool> keep_pos(static_cast<std::size_t>(span + 1));                       // a fate per position, so
+    for (std::size_t i = 0; i < keep_pos.size(); ++i) keep_pos[i] = gen() % 2;            // repeats agree
     std::vector<std::int64_t> slots;
     for (std::int64_t s = 0; s < n; ++s)
       if (keep_pos[std::size_t(t[std::size_t(s)].pos)]) slots.push_back(s);
@@ -138,9 +138,8 @@ TEST_CASE("kept and evicted runs round trip and partition the positions present,
     for (const auto& a : kept)
       for (const auto& b : evicted) CHECK((a.end <= b.begin || b.end <= a.begin));
     for (std::size_t i = 1; i < kept.size(); ++i)
-      CHECK(std::ranges::any_of(evicted, [&](const position_run& e) {
-        return e.begin >= kept[i - 1].end && e.end <= kept[i].begin;
-      }));
+      CHECK(std::ranges::any_of(
+          evicted, [&](const position_run& e) { return e.begin >= kept[i - 1].end && e.end <= kept[i].begin; }));
     CHECK(std::int64_t(kept.size() + evicted.size()) <= n);
   }
 }

@@ -91,8 +91,10 @@ TEST_CASE("block_prefill plans random segmentations correctly") {
     std::vector<std::int64_t> lens(1 + rng() % 30);
     for (auto& l : lens) l = 1 + std::int64_t(rng() % (trial % 2 ? 40 : 9));
     const auto input = segmented(lens);
-    const block_prefill bp{.block = 1 + std::int64_t(rng() % 16), .budget = 1 + std::int64_t(rng() % 40),
-                           .snap_to_segments = rng() % 4 != 0, .first_block_fills_budget = rng() % 2 == 0};
+    const block_prefill bp{.block = 1 + std::int64_t(rng() % 16),
+                           .budget = 1 + std::int64_t(rng() % 40),
+                           .snap_to_segments = rng() % 4 != 0,
+                           .first_block_fills_budget = rng() % 2 == 0};
     CAPTURE(trial);
     check_plan(bp, input, bp.plan(input));
   }
@@ -145,8 +147,12 @@ TEST_CASE("budgeted block-wise prefill of a 100K-token multimodal stream stays w
     };
     switch (rng() % 3) {
       case 0: add(5 + std::int64_t(rng() % 80), modality::text); break;
-      case 1: for (unsigned i = 0, k = 1 + rng() % 4; i < k; ++i, ++tiles) add(196, modality::image); break;
-      default: for (unsigned i = 0, k = 2 + rng() % 8; i < k; ++i, ++frames) add(256, modality::video); break;
+      case 1:
+        for (unsigned i = 0, k = 1 + rng() % 4; i < k; ++i, ++tiles) add(196, modality::image);
+        break;
+      default:
+        for (unsigned i = 0, k = 2 + rng() % 8; i < k; ++i, ++frames) add(256, modality::video);
+        break;
     }
   }
   const auto n = std::int64_t(input.size());
@@ -167,7 +173,8 @@ TEST_CASE("budgeted block-wise prefill of a 100K-token multimodal stream stays w
   std::vector<float> k(static_cast<std::size_t>(row));
   for (std::int64_t t = 0; t < n; ++t) {
     const bool out = std::binary_search(outliers.begin(), outliers.end(), t);
-    for (std::int64_t e = 0; e < row; ++e) k[std::size_t(e)] = (out ? -2.f : 2.f) * mean[std::size_t(e)] + 0.5f * noise(rng);
+    for (std::int64_t e = 0; e < row; ++e)
+      k[std::size_t(e)] = (out ? -2.f : 2.f) * mean[std::size_t(e)] + 0.5f * noise(rng);
     from_f32(dtype::f16, k.data(), keys.data() + t * row, row);
   }
 
@@ -190,7 +197,8 @@ TEST_CASE("budgeted block-wise prefill of a 100K-token multimodal stream stays w
     if (!bp.due(n_cached)) continue;
     kv_view kv{nhd(cache.data(), dtype::f16, n_cached, heads, d), {}};
     const layer_inputs<> in{.keys = kv.k, .tokens = cached};
-    const auto keep = cpu::select(keydiff{}, budget{.capacity = bp.target(n_cached), .sinks = 4}, in, granularity::per_token);
+    const auto keep =
+        cpu::select(keydiff{}, budget{.capacity = bp.target(n_cached), .sinks = 4}, in, granularity::per_token);
     REQUIRE(keep.n_units() == 1);
     n_cached = cpu::compact(kv, cached, keep);
     cached.resize(std::size_t(n_cached));

@@ -61,7 +61,8 @@ TEST_CASE("select_top protects sinks and recent by position when slot order is n
   const auto t = tokens_at({5, 0, 7, 2, 6, 1, 4, 3});
   const auto s = row_of({.9f, .1f, .05f, .8f, .2f, .3f, .7f, .6f});
   // Sink: position 0 (slot 1); recent: positions 6, 7 (slots 4, 2); best two of the rest: slots 0, 3.
-  CHECK(unit(select_top(s, t, budget{.capacity = 5, .sinks = 1, .recent = 2})) == std::vector<std::int64_t>{0, 1, 2, 3, 4});
+  CHECK(unit(select_top(s, t, budget{.capacity = 5, .sinks = 1, .recent = 2})) ==
+        std::vector<std::int64_t>{0, 1, 2, 3, 4});
   // No protection: the five best scores.
   CHECK(unit(select_top(s, t, budget{.capacity = 5})) == std::vector<std::int64_t>{0, 3, 5, 6, 7});
   // Capacity exactly the protected count: nothing else.
@@ -92,7 +93,8 @@ TEST_CASE("select_top breaks ties toward the newer position, then the lower slot
     const float inf = std::numeric_limits<float>::infinity();
     const auto t = tokens_at({0, 1, 2, 3});
     CHECK(unit(select_top(row_of({inf, -inf, 0, -inf}), t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 2});
-    CHECK(unit(select_top(row_of({-inf, -inf, -inf, -inf}), t, budget{.capacity = 2})) == std::vector<std::int64_t>{2, 3});
+    CHECK(unit(select_top(row_of({-inf, -inf, -inf, -inf}), t, budget{.capacity = 2})) ==
+          std::vector<std::int64_t>{2, 3});
   }
 }
 
@@ -109,7 +111,8 @@ TEST_CASE("select_top matches a brute-force selection on random scores with ties
     b.sinks = std::uniform_int_distribution<std::int64_t>(0, 3)(gen);
     b.recent = std::uniform_int_distribution<std::int64_t>(0, 3)(gen);
     if (trial % 2) {
-      b.capacity = std::uniform_int_distribution<std::int64_t>(b.sinks + b.recent, std::max(b.sinks + b.recent, n + 2))(gen);
+      b.capacity =
+          std::uniform_int_distribution<std::int64_t>(b.sinks + b.recent, std::max(b.sinks + b.recent, n + 2))(gen);
       if (b.capacity == 0) b.capacity = 1;
     } else {
       b.ratio = std::uniform_real_distribution<double>(0.0, 1.0)(gen);

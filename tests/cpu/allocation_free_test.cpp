@@ -20,8 +20,9 @@ thread_local std::size_t allocations = 0;
 
 void* counted(std::size_t n, std::size_t align) {
   if (counting) ++allocations;
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (std::max<std::size_t>(n, 1) + align - 1) / align * align)
-                                              : std::malloc(std::max<std::size_t>(n, 1));
+  void* p = align > alignof(std::max_align_t)
+                ? std::aligned_alloc(align, (std::max<std::size_t>(n, 1) + align - 1) / align * align)
+                : std::malloc(std::max<std::size_t>(n, 1));
   if (!p) throw std::bad_alloc();
   return p;
 }
@@ -33,10 +34,18 @@ void* operator new(std::size_t n, std::align_val_t a) { return counted(n, std::s
 void* operator new[](std::size_t n, std::align_val_t a) { return counted(n, std::size_t(a)); }
 // The nothrow forms too (std::stable_sort's buffer): every form must pair with the free below.
 void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try { return counted(n, 0); } catch (...) { return nullptr; }
+  try {
+    return counted(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
 }
 void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  try { return counted(n, 0); } catch (...) { return nullptr; }
+  try {
+    return counted(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
@@ -77,8 +86,7 @@ void check_run(const P& pol, std::span<const layer_inputs<R>> layers, const budg
   const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
   CHECK(allocations_in([&] { run(pl, be, layers, ws.span(), out); }) == 0);
   // The result is the convenience call's (which allocates), so the run did its job.
-  if (opt.n_layers == 1 && !opt.adakv)
-    CHECK(keep_set::from_view(out) == cpu::select(pol, b, layers[0], opt.g, opt.r));
+  if (opt.n_layers == 1 && !opt.adakv) CHECK(keep_set::from_view(out) == cpu::select(pol, b, layers[0], opt.g, opt.r));
   if (opt.n_layers == 1) {
     score_view s;
     CHECK(allocations_in([&] { s = run_scores(pl, be, layers[0], ws.span()); }) == 0);
@@ -92,7 +100,8 @@ TEST_CASE("the counting allocator sees allocations") {
   CHECK(allocations_in([] { std::vector<int> v(10); }) == 1);
   const auto tokens = text_tokens(8);
   const layer_inputs<> in{.tokens = tokens};
-  CHECK(allocations_in([&] { (void)cpu::select(streaming_llm{}, budget{.capacity = 4}, in); }) > 0);  // the convenience call does
+  CHECK(allocations_in([&] { (void)cpu::select(streaming_llm{}, budget{.capacity = 4}, in); }) >
+        0);  // the convenience call does
 }
 
 TEST_CASE("plan / run with a caller workspace allocates nothing, for every policy") {
@@ -114,6 +123,7 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
     const std::vector<layer_inputs<>> three(3, one);  // one per-token decision over three layers
     check_run(pol, std::span<const layer_inputs<>>(three), b, {.g = granularity::per_token, .n_layers = 3});
     if (pol.spec().natural == granularity::per_head && pol.spec().source != score_source::recency)
-      check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}});
+      check_run(pol, std::span<const layer_inputs<>>(&one, 1), b,
+                {.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}});
   });
 }

@@ -55,8 +55,10 @@ struct stream {
         for (std::int32_t e = 0; e < dim; ++e) k[e] = key_noise(rng);
       } else {
         for (std::int32_t e = 0; e < dim; ++e) k[e] = saddle_noise(rng);
-        if (r == 0) k[0] += 8.2f, k[1] += 2.f;  // |k| ~ 8.4, along c and u_0
-        else k[r + 1] += 7.07f;                  // |k| ~ 7.1, along u_r only
+        if (r == 0)
+          k[0] += 8.2f, k[1] += 2.f;  // |k| ~ 8.4, along c and u_0
+        else
+          k[r + 1] += 7.07f;  // |k| ~ 7.1, along u_r only
       }
     }
   }
@@ -80,10 +82,11 @@ census run(const stream& s, const inf_mllm& p, const budget& b) {
       const std::int64_t first_q = t0 + block - p.window;
       std::vector<std::int64_t> qpos;
       for (std::int64_t i = first_q; i < t0 + block; ++i) qpos.push_back(i);
-      layer_inputs<> in{.keys = nhd(cache.data(), dtype::f32, n, 1, dim),
-                        .queries = nhd(const_cast<float*>(s.queries.data() + first_q * dim), dtype::f32, p.window, 1, dim),
-                        .query_pos = qpos,
-                        .tokens = cached};
+      layer_inputs<> in{
+          .keys = nhd(cache.data(), dtype::f32, n, 1, dim),
+          .queries = nhd(const_cast<float*>(s.queries.data() + first_q * dim), dtype::f32, p.window, 1, dim),
+          .query_pos = qpos,
+          .tokens = cached};
       const auto keep = cpu::select(p, b, in);
       kv_view kv{in.keys, {}};
       const auto m = cpu::compact(kv, cached, keep);
@@ -162,8 +165,8 @@ TEST_CASE("attention bias: beta 0 leaves scores alone; otherwise rows are normal
   std::copy(row0.begin(), row0.end(), m.row(0).begin());
   std::copy(row1.begin(), row1.end(), m.row(1).begin());
   // slot order is not time order: positions 30, 10, 20, 40; segments 2, 0, 1, 3
-  const std::vector<token> t{{30, 2, modality::video}, {10, 0, modality::video}, {20, 1, modality::video},
-                             {40, 3, modality::video}};
+  const std::vector<token> t{
+      {30, 2, modality::video}, {10, 0, modality::video}, {20, 1, modality::video}, {40, 3, modality::video}};
   auto same = m;
   attention_bias{}.apply(same, t);
   CHECK(same.data == m.data);
@@ -197,7 +200,7 @@ TEST_CASE("attention bias: beta 0 leaves scores alone; otherwise rows are normal
 
 TEST_CASE("attention bias: ages in ranks do not fade as kept positions grow apart") {
   // keep mode after a long stream: sinks at 0 and 1, the rest far later; two slots share position 5000
-  const std::vector<token> t{{0, 0, modality::text}, {1, 0, modality::text}, {5000, 0, modality::image},
+  const std::vector<token> t{{0, 0, modality::text},     {1, 0, modality::text},    {5000, 0, modality::image},
                              {5000, 0, modality::image}, {5001, 0, modality::text}, {5003, 0, modality::text}};
   score_matrix zero(1, 6);  // all scores 0: only the bias is left (the row mean is 0, kept as is)
   auto by_pos = zero, by_rank = zero;

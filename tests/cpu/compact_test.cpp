@@ -176,7 +176,8 @@ TEST_CASE("compact of a cache beyond the cache-bypassing threshold (128 MiB) kee
   for (layout l : {layout::nhd, layout::hnd}) {
     CAPTURE(int(l));
     std::vector<float> k(static_cast<std::size_t>(n * heads * d));
-    kv_view kv{l == layout::nhd ? nhd(k.data(), dtype::f32, n, heads, d) : hnd(k.data(), dtype::f32, n, heads, d, n), {}};
+    kv_view kv{l == layout::nhd ? nhd(k.data(), dtype::f32, n, heads, d) : hnd(k.data(), dtype::f32, n, heads, d, n),
+               {}};
     for (std::int64_t j = 0; j < n; ++j)
       for (std::int32_t h = 0; h < heads; ++h)
         for (std::int32_t e = 0; e < d; ++e) static_cast<float*>(kv.k.row(j, h))[e] = value(j, h, e);
@@ -255,7 +256,8 @@ struct paged_case {
                                       : page_storage{k.data(), page_elems, std::int64_t(heads) * d, d};
     page_storage vs = ks;
     vs.data = v.data();
-    p = {ks, vs, type, heads, d, page_size, std::int32_t(lens.size()), n_pages, indptr.data(), indices.data(), last.data()};
+    p = {ks,         vs, type, heads, d, page_size, std::int32_t(lens.size()), n_pages, indptr.data(), indices.data(),
+         last.data()};
   }
 
   /// Bytes of every (slot, head) row of sequence s, keys then values.
@@ -291,7 +293,8 @@ void check_paged_compact(paged_case& c, std::int32_t seq, const std::vector<std:
   const auto pages_after = std::size_t((m + c.page_size - 1) / c.page_size);
   const auto& old_pages = pages_before[std::size_t(seq)];
   CHECK(freed == std::vector<std::int32_t>(old_pages.begin() + std::ptrdiff_t(pages_after), old_pages.end()));
-  CHECK(c.pages_of(seq) == std::vector<std::int32_t>(old_pages.begin(), old_pages.begin() + std::ptrdiff_t(pages_after)));
+  CHECK(c.pages_of(seq) ==
+        std::vector<std::int32_t>(old_pages.begin(), old_pages.begin() + std::ptrdiff_t(pages_after)));
   CHECK(c.p.seq_len(seq) == m);
   CHECK(c.p.last_page_len[seq] == (m == 0 ? 0 : std::int32_t(m - std::int64_t(pages_after - 1) * c.page_size)));
   CHECK(c.p.indptr[0] == 0);

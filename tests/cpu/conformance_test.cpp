@@ -95,7 +95,7 @@ const budget budgets[] = {
     {.capacity = 9},
     {.ratio = 0.5, .sinks = 3, .recent = 5},
     {.ratio = 0.25, .sinks = 1},
-    {.capacity = 12, .sinks = 8},  // with snapkv's window of 4: nothing left to choose
+    {.capacity = 12, .sinks = 8},               // with snapkv's window of 4: nothing left to choose
     {.capacity = 60, .sinks = 4, .recent = 8},  // more than the cache: keep everything
 };
 
@@ -144,7 +144,8 @@ TEST_CASE("conformance: explicit ties keep the newest positions, then the lowest
   std::vector<float> k(10 * 2 * 4, 0.f), q(2 * 4 * 4, 0.f);
   for (std::size_t i = 0; i < k.size(); i += 4) k[i] = 1.f;  // identical keys: every score ties
   const std::vector<std::int64_t> qpos = {9, 9};
-  const layer_inputs<> in{nhd(k.data(), dtype::f32, 10, 2, 4), {}, nhd(q.data(), dtype::f32, 2, 4, 4), qpos, tokens, 0.f};
+  const layer_inputs<> in{
+      nhd(k.data(), dtype::f32, 10, 2, 4), {}, nhd(q.data(), dtype::f32, 2, 4, 4), qpos, tokens, 0.f};
   cpu::h2o_state fresh(h2o{}, 2);
   fresh.append(10);  // all zero
   const budget b{.capacity = 4, .sinks = 1};

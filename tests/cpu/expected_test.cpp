@@ -61,10 +61,11 @@ TEST_CASE("expected attention and value-weighted inf_mllm match their float64 re
               const layer_inputs<R> in{k, v, ly.queries.tensor, p.qpos, p.tokens, 0.f};
               const std::string label = std::string(to_string(t)) + "/" + to_string(l) + "/G=" + std::to_string(group);
               INFO(label);
-              for (const auto& ea : {expected_attention{.window = 5, .future = 64, .sinks = 3},
-                                     expected_attention{.window = 7, .rotary = rope{.theta = 1e6, .style = rope_style::neox},
-                                                        .future = 3, .sinks = 0},
-                                     expected_attention{.window = 2, .rotary = std::nullopt, .sinks = 90}}) {
+              for (const auto& ea :
+                   {expected_attention{.window = 5, .future = 64, .sinks = 3},
+                    expected_attention{
+                        .window = 7, .rotary = rope{.theta = 1e6, .style = rope_style::neox}, .future = 3, .sinks = 0},
+                    expected_attention{.window = 2, .rotary = std::nullopt, .sinks = 90}}) {
                 const auto got = cpu::layer_scores(ea, in);
                 check_close(got, ref_expected(p, ea, &val.norms), 2e-4, 2e-6, label + " expected_attention");
                 CHECK(cpu::layer_scores(ea, in, cpu::executor{2}).data == got.data);
@@ -178,12 +179,14 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
   // the input. Now the key (slot and head) and the queries' largest element are named.
   in.query_pos = p.qpos;
   std::vector<float> big_k = p.k;
-  const auto slot4 = std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 20; }) -
-                                  p.tokens.begin());  // a slot that is not a sink
+  const auto slot4 =
+      std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 20; }) -
+                   p.tokens.begin());  // a slot that is not a sink
   for (std::int32_t e = 0; e < p.d; ++e) big_k[std::size_t((slot4 * p.hkv + 1) * p.d + e)] = 1e19f;
   const stored big_keys = store(big_k, p.n, p.hkv, p.d, p.type, layout::nhd);
   in.keys = big_keys.tensor;
-  const std::string at = "keys[slot " + std::to_string(slot4) + ", head 1]: expected_attention's logit under the window";
+  const std::string at =
+      "keys[slot " + std::to_string(slot4) + ", head 1]: expected_attention's logit under the window";
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), at.c_str());
   const std::string why = "overflows f32 (largest |element|: keys 1e+19 at slot " + std::to_string(slot4);
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), why.c_str());
@@ -194,8 +197,9 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
     for (std::int32_t e = 0; e < p.d; ++e) big_q[std::size_t((i * p.hq + 3) * p.d + e)] = 3e38f;
   const stored big_queries = store(big_q, p.nq, p.hq, p.d, p.type, layout::nhd);
   in.queries = big_queries.tensor;
-  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries[slot 1, head 3] (largest |element| 3e+38): the mean "
-                                                        "and covariance of expected_attention's window overflow f32");
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in),
+              "queries[slot 1, head 3] (largest |element| 3e+38): the mean "
+              "and covariance of expected_attention's window overflow f32");
   in.queries = ly.queries.tensor;
   // A one-row score (all heads together) has no KV head to take value norms from.
   const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};

@@ -18,7 +18,6 @@ using namespace infkv_test;
 
 #define CHECK_ERROR(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), infkv::invalid_argument)
 
-
 TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into one decision") {
   const layer ly(make_problem(5, 120, 2, 2, 8, 6)), ly2(make_problem(6, 120, 2, 2, 8, 6));  // two layers
   const problem& p = ly.p;
@@ -29,7 +28,8 @@ TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into
     INFO(name);
     const auto l0 = cpu::inputs_for(pol, in);
     auto l1 = cpu::inputs_for(pol, layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
-    const plan pl = make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
+    const plan pl =
+        make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
     CHECK(pl.units == 1);
     CHECK(pl.kept_total == protect(pol, b).keep_count(p.n));
     plan_buffers buf(pl);
@@ -98,12 +98,14 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_layer, .adakv = adakv{.alpha = 0.5}}),
                 "plan_options.adakv.alpha");
     // Was accepted, and silently turned AdaKV off (alpha >= 0 was the switch).
-    CHECK_ERROR(make_plan(be, pol, b, shape_of(l0),
-                          {.g = granularity::per_head, .adakv = adakv{.alpha = std::numeric_limits<double>::quiet_NaN()}}),
-                "adakv.alpha = nan: must be in [0, 1]");
+    CHECK_ERROR(
+        make_plan(be, pol, b, shape_of(l0),
+                  {.g = granularity::per_head, .adakv = adakv{.alpha = std::numeric_limits<double>::quiet_NaN()}}),
+        "adakv.alpha = nan: must be in [0, 1]");
     CHECK_ERROR(make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_head, .adakv = adakv{.alpha = -0.5}}),
                 "adakv.alpha = -0.5");
-    CHECK_ERROR(make_plan(be, pol, budget{.capacity = 3, .sinks = 2, .recent = 2}, shape_of(l0)), "budget.capacity = 3");
+    CHECK_ERROR(make_plan(be, pol, budget{.capacity = 3, .sinks = 2, .recent = 2}, shape_of(l0)),
+                "budget.capacity = 3");
     if (pol.spec().needs().queries > 0) {  // more window queries than the plan's workspace holds
       auto fewer = l0;
       fewer.queries.n_slots = 1;

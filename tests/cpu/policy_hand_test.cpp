@@ -20,7 +20,7 @@ constexpr std::array<std::int64_t, 6> slot_of = {4, 0, 5, 2, 1, 3};
 
 struct hand_cache {
   std::vector<float> k = std::vector<float>(6 * 2 * 2, 0.f);  // [slot][head][2]
-  std::vector<float> q;                                        // [query][head][2]
+  std::vector<float> q;                                       // [query][head][2]
   std::vector<token> tokens = std::vector<token>(6);
   std::vector<std::int64_t> qpos;
 
@@ -35,8 +35,12 @@ struct hand_cache {
     for (std::size_t i = 0; i < qpos.size(); ++i) q.insert(q.end(), {1.f, 0.f, 0.f, 1.f});
   }
   layer_inputs<> inputs() {
-    return {nhd(k.data(), dtype::f32, 6, 2, 2), {}, nhd(q.data(), dtype::f32, std::int64_t(qpos.size()), 2, 2), qpos,
-            tokens, 1.f};
+    return {nhd(k.data(), dtype::f32, 6, 2, 2),
+            {},
+            nhd(q.data(), dtype::f32, std::int64_t(qpos.size()), 2, 2),
+            qpos,
+            tokens,
+            1.f};
   }
 };
 
@@ -62,7 +66,8 @@ std::vector<std::int64_t> unit(const keep_set& k, std::int64_t u) { return {k.un
 // Window of two queries at positions 3 and 5: query 3 sees positions 0..3 only.
 // Head 0: [1,2,1,4]/8 + [1,2,1,4,1,1]/10; head 1: [3,1,1,1]/6 + [3,1,1,1,1,2]/9.
 constexpr std::array<double, 6> mass0 = {0.125 + 0.1, 0.25 + 0.2, 0.125 + 0.1, 0.5 + 0.4, 0.1, 0.1};
-constexpr std::array<double, 6> mass1 = {0.5 + 3 / 9., 1 / 6. + 1 / 9., 1 / 6. + 1 / 9., 1 / 6. + 1 / 9., 1 / 9., 2 / 9.};
+constexpr std::array<double, 6> mass1 = {0.5 + 3 / 9.,    1 / 6. + 1 / 9., 1 / 6. + 1 / 9.,
+                                         1 / 6. + 1 / 9., 1 / 9.,          2 / 9.};
 
 }  // namespace
 
@@ -76,12 +81,13 @@ TEST_CASE("hand case: window attention with a causal mask") {
 TEST_CASE("hand case: GQA averages the group's query heads") {
   hand_cache c({5});
   c.q = {1.f, 0.f, 0.f, 0.f};  // head 0's keys, one query (1, 0) and one (0, 0): uniform
-  layer_inputs<> in{nhd(c.k.data(), dtype::f32, 6, 1, 2), {}, nhd(c.q.data(), dtype::f32, 1, 2, 2), c.qpos,
-                    c.tokens, 1.f};
+  layer_inputs<> in{
+      nhd(c.k.data(), dtype::f32, 6, 1, 2), {}, nhd(c.q.data(), dtype::f32, 1, 2, 2), c.qpos, c.tokens, 1.f};
   in.keys.slot_stride = 4;  // every slot holds two heads; view only the first
   const auto s = cpu::window_attention(in);
-  check_row(s, 0, {(0.1 + 1 / 6.) / 2, (0.2 + 1 / 6.) / 2, (0.1 + 1 / 6.) / 2, (0.4 + 1 / 6.) / 2,
-                   (0.1 + 1 / 6.) / 2, (0.1 + 1 / 6.) / 2});
+  check_row(s, 0,
+            {(0.1 + 1 / 6.) / 2, (0.2 + 1 / 6.) / 2, (0.1 + 1 / 6.) / 2, (0.4 + 1 / 6.) / 2, (0.1 + 1 / 6.) / 2,
+             (0.1 + 1 / 6.) / 2});
 }
 
 TEST_CASE("hand case: snapkv pools along time before its window and keeps the window") {
@@ -169,7 +175,8 @@ TEST_CASE("hand case: keydiff scores by angle to the mean unit key, not by lengt
   CHECK(unit(cpu::select(keydiff{}, budget{.capacity = 2}, in), 0) == std::vector<std::int64_t>{0, 5});
   CHECK(unit(cpu::select(keydiff{}, budget{.capacity = 3}, in), 0) == std::vector<std::int64_t>{0, 3, 5});
   CHECK(unit(cpu::select(keydiff{}, budget{.capacity = 4}, in), 0) == std::vector<std::int64_t>{0, 3, 4, 5});
-  CHECK(unit(cpu::select(keydiff{}, budget{.capacity = 4, .sinks = 2}, in), 0) == std::vector<std::int64_t>{0, 1, 3, 5});
+  CHECK(unit(cpu::select(keydiff{}, budget{.capacity = 4, .sinks = 2}, in), 0) ==
+        std::vector<std::int64_t>{0, 1, 3, 5});
 }
 
 TEST_CASE("hand case: h2o sums steps, forgets old mass and normalises by lifetime") {

@@ -34,7 +34,9 @@ struct random_case {
 
 random_case draw(std::uint64_t seed) {
   std::mt19937_64 gen(seed);
-  const auto pick = [&](std::int64_t lo, std::int64_t hi) { return lo + std::int64_t(gen() % std::uint64_t(hi - lo + 1)); };
+  const auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return lo + std::int64_t(gen() % std::uint64_t(hi - lo + 1));
+  };
   const std::int64_t n = pick(1, 260);
   const auto hkv = std::int32_t(std::vector<int>{1, 2, 4}[std::size_t(pick(0, 2))]);
   const auto group = std::int32_t(pick(1, 3));
@@ -45,8 +47,10 @@ random_case draw(std::uint64_t seed) {
   c.b.recent = pick(0, 8);
   // Room for the protected tokens of every registered policy (windows up to 4).
   const std::int64_t prot = c.b.sinks + std::max<std::int64_t>(c.b.recent, 4);
-  if (gen() % 3 == 0) c.b.ratio = std::min(1.0, double(prot + pick(0, 40)) / double(std::max<std::int64_t>(n, 1)));
-  else c.b.capacity = prot + pick(0, n);
+  if (gen() % 3 == 0)
+    c.b.ratio = std::min(1.0, double(prot + pick(0, 40)) / double(std::max<std::int64_t>(n, 1)));
+  else
+    c.b.capacity = prot + pick(0, n);
   return c;
 }
 
@@ -106,8 +110,8 @@ TEST_CASE("properties of every registered policy on random caches") {
     const problem& p = c.p;
     CAPTURE(seed);
     INFO("n ", p.n, ", Hkv ", p.hkv, ", Hq ", p.hq, ", d ", p.d, ", nq ", p.nq, ", ", std::string(to_string(p.type)),
-         "/", std::string(to_string(c.lay)), ", ", std::string(to_string(c.g)), ", capacity ", c.b.capacity,
-         " ratio ", c.b.ratio, " sinks ", c.b.sinks, " recent ", c.b.recent);
+         "/", std::string(to_string(c.lay)), ", ", std::string(to_string(c.g)), ", capacity ", c.b.capacity, " ratio ",
+         c.b.ratio, " sinks ", c.b.sinks, " recent ", c.b.recent);
     const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, c.lay);
     const stored queries = store_queries(p);
     // The same cache with its slots in another order (each slot keeps its key and token).
@@ -126,7 +130,8 @@ TEST_CASE("properties of every registered policy on random caches") {
     std::map<std::string, decision> permuted;
     keys_q.visit([&](const auto& rows) {
       const layer_inputs<std::decay_t<decltype(rows)>> in{rows, {}, queries.tensor, q.qpos, q.tokens, 0.f};
-      for_each_policy(in, [&](const std::string& name, const auto& pol) { permuted[name] = decide(pol, c.b, c.g, in); });
+      for_each_policy(in,
+                      [&](const std::string& name, const auto& pol) { permuted[name] = decide(pol, c.b, c.g, in); });
       return 0;
     });
     keys.visit([&](const auto& rows) {
@@ -154,7 +159,8 @@ TEST_CASE("properties of every registered policy on random caches") {
           const auto kept = keep.kept_runs(p.tokens), evicted = keep.evicted_runs(p.tokens);
           const auto mask = keep.mask(0);
           const auto in_runs = [](const std::vector<position_run>& runs, std::int64_t pos) {
-            return std::count_if(runs.begin(), runs.end(), [&](const position_run& r) { return pos >= r.begin && pos < r.end; });
+            return std::count_if(runs.begin(), runs.end(),
+                                 [&](const position_run& r) { return pos >= r.begin && pos < r.end; });
           };
           for (std::int64_t j = 0; j < p.n; ++j) {
             const auto pos = p.tokens[std::size_t(j)].pos;
@@ -183,7 +189,8 @@ TEST_CASE("compacting the cache and scoring again equals scoring a cache of the 
     std::vector<float> rows;
     std::vector<token> kept_tokens;
     for (auto s : keep.unit(0)) {
-      rows.insert(rows.end(), p.k.begin() + std::ptrdiff_t(s * p.hkv * p.d), p.k.begin() + std::ptrdiff_t((s + 1) * p.hkv * p.d));
+      rows.insert(rows.end(), p.k.begin() + std::ptrdiff_t(s * p.hkv * p.d),
+                  p.k.begin() + std::ptrdiff_t((s + 1) * p.hkv * p.d));
       kept_tokens.push_back(p.tokens[std::size_t(s)]);
     }
     tokens.resize(std::size_t(cpu::compact(kv, tokens, keep)));
@@ -191,7 +198,8 @@ TEST_CASE("compacting the cache and scoring again equals scoring a cache of the 
     for (std::size_t i = 0; i < tokens.size(); ++i) CHECK(tokens[i].pos == kept_tokens[i].pos);
     const auto m = std::int64_t(kept_tokens.size());
     const layer_inputs<> compacted{kv.k, {}, queries.tensor, p.qpos, tokens, 0.f};
-    const layer_inputs<> fresh{nhd(rows.data(), dtype::f32, m, p.hkv, p.d), {}, queries.tensor, p.qpos, kept_tokens, 0.f};
+    const layer_inputs<> fresh{
+        nhd(rows.data(), dtype::f32, m, p.hkv, p.d), {}, queries.tensor, p.qpos, kept_tokens, 0.f};
     for_each_policy(fresh, [&](const std::string& name, const auto& pol) {
       INFO(name);
       if constexpr (!std::same_as<std::decay_t<decltype(pol)>, cpu::h2o_state>)

@@ -108,7 +108,8 @@ inline void put(dtype t, float x, void* dst) { infkv::from_f32(t, &x, dst, 1); }
 
 inline void fill_nan(stored& s, dtype t) {
   const std::size_t es = infkv::size_of(t);
-  for (std::size_t i = 0; i + es <= s.bytes.size(); i += es) put(t, std::numeric_limits<float>::quiet_NaN(), &s.bytes[i]);
+  for (std::size_t i = 0; i + es <= s.bytes.size(); i += es)
+    put(t, std::numeric_limits<float>::quiet_NaN(), &s.bytes[i]);
 }
 
 /// Stores x ([n][heads][d], row-major) as type t in layout l. HND gets 3 spare slots per head;
@@ -125,7 +126,8 @@ inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t he
     if (l == layout::nhd) v = infkv::nhd(nullptr, t, n, heads, d);
     if (l == layout::hnd) v = infkv::hnd(nullptr, t, n, heads, d, n + 3);
     if (l == layout::strided) v = {nullptr, t, n, heads, d, std::int64_t(heads) * (d + 3) + 5, d + 3};
-    const std::int64_t elems = l == layout::hnd ? std::int64_t(heads) * (n + 3) * d : std::max<std::int64_t>(1, n) * v.slot_stride;
+    const std::int64_t elems =
+        l == layout::hnd ? std::int64_t(heads) * (n + 3) * d : std::max<std::int64_t>(1, n) * v.slot_stride;
     s.bytes.resize(std::size_t(elems * es));
     fill_nan(s, t);
     v.data = s.bytes.data();
@@ -138,7 +140,7 @@ inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t he
   const auto pages = std::int32_t((n + page - 1) / page), total = pages + 2 + 3;
   std::vector<std::int32_t> ids(static_cast<std::size_t>(total));
   std::iota(ids.begin(), ids.end(), 0);
-  std::reverse(ids.begin(), ids.end());                // descending page ids ...
+  std::reverse(ids.begin(), ids.end());                  // descending page ids ...
   std::rotate(ids.begin(), ids.begin() + 3, ids.end());  // ... with a wrap: not sequential
   s.indptr = {0, 2, 2 + pages};
   s.indices.assign(ids.begin(), ids.begin() + 2 + pages);
@@ -257,9 +259,11 @@ inline ref_matrix ref_window_pooled(const problem& p, std::int64_t window, std::
       for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] += pr[std::size_t(o[std::size_t(t)])];
     }
     if (vnorm)
-      for (std::int64_t t = 0; t < n; ++t) mass[std::size_t(t)] *= (*vnorm)[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])];
+      for (std::int64_t t = 0; t < n; ++t)
+        mass[std::size_t(t)] *= (*vnorm)[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])];
     const std::vector<double> head = pooled ? ref_pool(mass, prefix, kernel, kind) : mass;
-    for (std::int64_t t = 0; t < n; ++t) out[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])] += head[std::size_t(t)] / g;
+    for (std::int64_t t = 0; t < n; ++t)
+      out[std::size_t(hq / g)][std::size_t(o[std::size_t(t)])] += head[std::size_t(t)] / g;
   }
   if (pooled)
     for (auto& row : out) {
@@ -296,7 +300,6 @@ inline void ref_bias(ref_matrix& s, std::span<const token> tokens, const infkv::
   }
 }
 
-
 inline ref_matrix ref_snapkv(const problem& p, const infkv::snapkv& c) {
   return ref_window_pooled(p, c.window, c.kernel, c.pool);
 }
@@ -320,7 +323,9 @@ inline ref_matrix ref_tova(const problem& p) {
 /// KeyDiff: -cos(k_j, mean of the unit keys) per KV head.
 inline ref_matrix ref_keydiff(const problem& p) {
   ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
-  auto key = [&](std::int64_t j, std::int32_t h, std::int32_t e) { return double(p.k[std::size_t((j * p.hkv + h) * p.d + e)]); };
+  auto key = [&](std::int64_t j, std::int32_t h, std::int32_t e) {
+    return double(p.k[std::size_t((j * p.hkv + h) * p.d + e)]);
+  };
   auto norm = [&](std::int64_t j, std::int32_t h) {
     double s = 0;
     for (std::int32_t e = 0; e < p.d; ++e) s += key(j, h, e) * key(j, h, e);
@@ -428,17 +433,20 @@ inline ref_matrix ref_expected(const problem& p, const infkv::expected_attention
     for (const auto& v : x)
       for (std::int32_t a = 0; a < d; ++a)
         for (std::int32_t b = 0; b < d; ++b)
-          sigma[std::size_t(a * d + b)] += (v[std::size_t(a)] - mu[std::size_t(a)]) * (v[std::size_t(b)] - mu[std::size_t(b)]) / double(m);
+          sigma[std::size_t(a * d + b)] +=
+              (v[std::size_t(a)] - mu[std::size_t(a)]) * (v[std::size_t(b)] - mu[std::size_t(b)]) / double(m);
     std::vector<double> mu2(std::size_t(d), 0.0);
     ref_square tmp(std::size_t(d * d), 0.0), sigma2(std::size_t(d * d), 0.0);
     for (std::int32_t a = 0; a < d; ++a)
       for (std::int32_t b = 0; b < d; ++b) {
         mu2[std::size_t(a)] += avg[std::size_t(a * d + b)] * mu[std::size_t(b)];
-        for (std::int32_t k = 0; k < d; ++k) tmp[std::size_t(a * d + b)] += avg[std::size_t(a * d + k)] * sigma[std::size_t(k * d + b)];
+        for (std::int32_t k = 0; k < d; ++k)
+          tmp[std::size_t(a * d + b)] += avg[std::size_t(a * d + k)] * sigma[std::size_t(k * d + b)];
       }
     for (std::int32_t a = 0; a < d; ++a)
       for (std::int32_t b = 0; b < d; ++b)
-        for (std::int32_t k = 0; k < d; ++k) sigma2[std::size_t(a * d + b)] += tmp[std::size_t(a * d + k)] * avg[std::size_t(b * d + k)];
+        for (std::int32_t k = 0; k < d; ++k)
+          sigma2[std::size_t(a * d + b)] += tmp[std::size_t(a * d + k)] * avg[std::size_t(b * d + k)];
     std::vector<double> z(std::size_t(p.n), 0.0);
     double mx = -std::numeric_limits<double>::infinity();
     for (std::int64_t j = 0; j < p.n; ++j) {
@@ -455,7 +463,8 @@ inline ref_matrix ref_expected(const problem& p, const infkv::expected_attention
     for (std::int64_t j = 0; j < p.n; ++j)
       if (!sink[std::size_t(j)]) sum += std::exp(z[std::size_t(j)] - mx);
     for (std::int64_t j = 0; j < p.n; ++j)
-      out[std::size_t(hq / g)][std::size_t(j)] += sink[std::size_t(j)] ? 1.0 / g : std::exp(z[std::size_t(j)] - mx) / sum / g;
+      out[std::size_t(hq / g)][std::size_t(j)] +=
+          sink[std::size_t(j)] ? 1.0 / g : std::exp(z[std::size_t(j)] - mx) / sum / g;
   }
   if (vnorm)
     for (std::size_t h = 0; h < out.size(); ++h)
@@ -493,7 +502,9 @@ struct plan_buffers {
   std::vector<std::int64_t> offsets, slots;
   infkv::keep_view out;
   explicit plan_buffers(const infkv::plan& p)
-      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size()), -7), slots(std::size_t(p.kept_total), -7),
+      : ws(p.workspace_bytes),
+        offsets(std::size_t(p.offsets_size()), -7),
+        slots(std::size_t(p.kept_total), -7),
         out{slots.data(), offsets.data(), p.units, p.shape.n_slots} {}
 };
 

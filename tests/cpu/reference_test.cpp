@@ -105,9 +105,9 @@ TEST_CASE("window attention beyond the kept-probability cache (tiles recomputed)
 }
 
 TEST_CASE("snapkv scores match the reference with avg and max pooling") {
-  for (const snapkv cfg : {snapkv{.window = 3, .kernel = 5, .pool = pooling::avg},
-                           snapkv{.window = 4, .kernel = 7, .pool = pooling::max},
-                           snapkv{.window = 2, .kernel = 1, .pool = pooling::avg}}) {
+  for (const snapkv cfg :
+       {snapkv{.window = 3, .kernel = 5, .pool = pooling::avg}, snapkv{.window = 4, .kernel = 7, .pool = pooling::max},
+        snapkv{.window = 2, .kernel = 1, .pool = pooling::avg}}) {
     CAPTURE(cfg.window);
     CAPTURE(cfg.kernel);
     for_each_setup(200, [&](const problem& p, const auto& in, const std::string& label) {
@@ -120,9 +120,13 @@ TEST_CASE("inf_mllm scores match the reference with the bias off and on") {
   const inf_mllm configs[] = {
       {.window = 4, .kernel = 3, .pool = pooling::sum, .bias = {}},
       {.window = 3, .kernel = 5, .pool = pooling::sum, .bias = {.beta = 0.5, .shape = decay::linear}},
-      {.window = 5, .kernel = 3, .pool = pooling::sum,
+      {.window = 5,
+       .kernel = 3,
+       .pool = pooling::sum,
        .bias = {.beta = 0.8, .shape = decay::exponential, .unit = age_unit::segments, .rate = 3.0}},
-      {.window = 2, .kernel = 1, .pool = pooling::none,
+      {.window = 2,
+       .kernel = 1,
+       .pool = pooling::none,
        .bias = {.beta = 2.0, .shape = decay::exponential, .unit = age_unit::positions}},
   };
   for (const auto& cfg : configs) {

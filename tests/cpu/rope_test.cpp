@@ -71,10 +71,13 @@ TEST_CASE("rerotate by delta equals RoPE applied at p + delta") {
           CAPTURE(int(style));
           CAPTURE(dims);
           CAPTURE(hnd_layout);
-          const cpu::rope r{.theta = dims == 16 ? 500000.0 : 10000.0, .dims = dims, .style = style,
+          const cpu::rope r{.theta = dims == 16 ? 500000.0 : 10000.0,
+                            .dims = dims,
+                            .style = style,
                             .freq_scale = dims == 32 ? 0.25 : 1.0};
           std::vector<std::uint8_t> buf(static_cast<std::size_t>((n + 2) * heads * d) * size_of(t));
-          const tensor_view keys = hnd_layout ? hnd(buf.data(), t, n, heads, d, n + 2) : nhd(buf.data(), t, n, heads, d);
+          const tensor_view keys =
+              hnd_layout ? hnd(buf.data(), t, n, heads, d, n + 2) : nhd(buf.data(), t, n, heads, d);
           std::vector<std::int64_t> pos(static_cast<std::size_t>(n)), delta(static_cast<std::size_t>(n));
           std::vector<std::vector<double>> raw;
           std::uniform_int_distribution<std::int64_t> small(-3000, 3000);
@@ -121,7 +124,8 @@ TEST_CASE("rerotate composes: +delta then -delta returns the keys") {
   const auto k0 = k;
   const auto view = nhd(k.data(), dtype::f32, n, 1, d);
   std::vector<std::int64_t> delta(static_cast<std::size_t>(n)), back(static_cast<std::size_t>(n));
-  for (std::int64_t j = 0; j < n; ++j) delta[std::size_t(j)] = (j - 20) * 12345, back[std::size_t(j)] = -delta[std::size_t(j)];
+  for (std::int64_t j = 0; j < n; ++j)
+    delta[std::size_t(j)] = (j - 20) * 12345, back[std::size_t(j)] = -delta[std::size_t(j)];
   for (auto style : {cpu::rope_style::normal, cpu::rope_style::neox}) {
     cpu::rerotate(view, delta, {.style = style}, cpu::executor{.threads = 2});
     CHECK(k != k0);
@@ -138,7 +142,8 @@ TEST_CASE("rerotate rejects bad arguments naming them") {
   CHECK_THROWS_WITH_AS(cpu::rerotate(view, delta, {.dims = 7}), doctest::Contains("rope.dims = 7"), error);
   CHECK_THROWS_WITH_AS(cpu::rerotate(view, delta, {.dims = 34}), doctest::Contains("rope.dims = 34"), error);
   CHECK_THROWS_WITH_AS(cpu::rerotate(view, delta, {.theta = -1.0}), doctest::Contains("rope.theta = -1"), error);
-  CHECK_THROWS_WITH_AS(cpu::rerotate(view, delta, {.freq_scale = 0.0}), doctest::Contains("rope.freq_scale = 0"), error);
+  CHECK_THROWS_WITH_AS(cpu::rerotate(view, delta, {.freq_scale = 0.0}), doctest::Contains("rope.freq_scale = 0"),
+                       error);
 }
 
 TEST_CASE("after eviction, compact positions and re-rotation keep logits relative") {
@@ -177,9 +182,11 @@ TEST_CASE("after eviction, compact positions and re-rotation keep logits relativ
     };
     const auto before = logits(n);
     for (std::int64_t j = 0; j < n; ++j)  // sanity: the stored keys and query realise the RoPE logits
-      REQUIRE(before[std::size_t(j)] == doctest::Approx(dot(naive_rope(qraw, double(P), r),
-                                                            naive_rope(raw[std::size_t(j)], double(tokens[std::size_t(j)].pos), r)))
-                                             .epsilon(1e-4).scale(1.0));
+      REQUIRE(before[std::size_t(j)] ==
+              doctest::Approx(dot(naive_rope(qraw, double(P), r),
+                                  naive_rope(raw[std::size_t(j)], double(tokens[std::size_t(j)].pos), r)))
+                  .epsilon(1e-4)
+                  .scale(1.0));
 
     // evict the 20 oldest but the first 4 (sinks): the kept tail keeps its mutual spacing
     std::vector<std::int64_t> kept_slots{0, 1, 2, 3};

@@ -48,7 +48,9 @@ std::vector<std::int64_t> ref_keep(const std::vector<double>& score, std::span<c
   return kept;
 }
 
-std::vector<std::int64_t> unit_of(const keep_set& k, std::int64_t u = 0) { return {k.unit(u).begin(), k.unit(u).end()}; }
+std::vector<std::int64_t> unit_of(const keep_set& k, std::int64_t u = 0) {
+  return {k.unit(u).begin(), k.unit(u).end()};
+}
 
 /// The window attention mass of the reference, G query heads averaged first, then pooled over
 /// the whole row: what infkv computed before pooling stopped at the window and ran per head.
@@ -61,7 +63,8 @@ ref_matrix mean_then_pool_whole_row(const problem& p, std::int32_t kernel, pooli
     for (std::int64_t t = 0; t < n; ++t) {
       double acc = kind == pooling::max ? -1e300 : 0.0;
       for (std::int64_t u = std::max<std::int64_t>(0, t - kernel / 2); u <= std::min(n - 1, t + kernel / 2); ++u)
-        acc = kind == pooling::max ? std::max(acc, in[std::size_t(o[std::size_t(u)])]) : acc + in[std::size_t(o[std::size_t(u)])];
+        acc = kind == pooling::max ? std::max(acc, in[std::size_t(o[std::size_t(u)])])
+                                   : acc + in[std::size_t(o[std::size_t(u)])];
       row[std::size_t(o[std::size_t(t)])] = kind == pooling::avg ? acc / kernel : acc;
     }
   }
@@ -121,7 +124,8 @@ TEST_CASE("max pooling with GQA pools each query head, then averages the group (
     for (std::int64_t h = 0; h < 2; ++h)
       for (std::int64_t t = 3; t + 3 < l.p.n - 8; ++t) {
         double m = -1e300;
-        for (std::int64_t u = t - 3; u <= t + 3; ++u) m = std::max(m, mean_first[std::size_t(h)][std::size_t(o[std::size_t(u)])]);
+        for (std::int64_t u = t - 3; u <= t + 3; ++u)
+          m = std::max(m, mean_first[std::size_t(h)][std::size_t(o[std::size_t(u)])]);
         differ = std::max(differ, std::abs(m - double(got(h, o[std::size_t(t)]))));
       }
     CHECK(differ > 1e-3);

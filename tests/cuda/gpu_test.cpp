@@ -43,7 +43,9 @@ struct dvec {
   dvec(const dvec&) = delete;
   dvec& operator=(const dvec&) = delete;
   void poison() const { ok(cudaMemset(p, 0xff, std::max<std::size_t>(n, 1) * sizeof(T))); }
-  void up(const std::vector<T>& host) const { ok(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice)); }
+  void up(const std::vector<T>& host) const {
+    ok(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
   std::vector<T> down() const {
     std::vector<T> h(n);
     ok(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
@@ -86,11 +88,14 @@ struct device_run {
   dvec<std::int64_t> offsets, slots;
   keep_view out;
   explicit device_run(const plan& p)
-      : ws(p.workspace_bytes), offsets(std::size_t(p.offsets_size())), slots(std::size_t(std::max<std::int64_t>(p.kept_total, 1))),
+      : ws(p.workspace_bytes),
+        offsets(std::size_t(p.offsets_size())),
+        slots(std::size_t(std::max<std::int64_t>(p.kept_total, 1))),
         out{slots.p, offsets.p, p.units, p.shape.n_slots} {}
   keep_set keep() const {
     const auto o = offsets.down(), s = slots.down();
-    return keep_set::from_view({const_cast<std::int64_t*>(s.data()), const_cast<std::int64_t*>(o.data()), out.n_units, out.n_slots});
+    return keep_set::from_view(
+        {const_cast<std::int64_t*>(s.data()), const_cast<std::int64_t*>(o.data()), out.n_units, out.n_slots});
   }
 };
 
@@ -115,7 +120,11 @@ struct device_meta {
 TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within float tolerance") {
   const cpu::backend cpu_be{};
   const cuda::backend gpu_be{};
-  struct shape { std::int64_t n; std::int32_t hkv, group, d; std::int64_t nq; };
+  struct shape {
+    std::int64_t n;
+    std::int32_t hkv, group, d;
+    std::int64_t nq;
+  };
   std::vector<shape> shapes{{37, 2, 2, 8, 6}, {700, 2, 3, 17, 5}};
   if (!small()) shapes.insert(shapes.end(), {{5000, 4, 4, 64, 32}, {20000, 8, 4, 128, 32}});
   int seed = 0;
@@ -136,8 +145,10 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
             const score_view want = run_scores(hp, cpu_be, host_in, hws.span());
             const device_meta meta(p.tokens, p.qpos, host_in.accumulated);
             layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, meta.acc_view};
-            if constexpr (std::same_as<R, paged_rows>) din.keys = dk.rows;
-            else din.keys = dk.tensor;
+            if constexpr (std::same_as<R, paged_rows>)
+              din.keys = dk.rows;
+            else
+              din.keys = dk.tensor;
             const plan dp = make_plan(gpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(din));
             dvec<std::byte> ws(dp.workspace_bytes);
             const score_view got = run_scores(dp, gpu_be, din, ws.span());
@@ -166,11 +177,13 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
     const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
     policy_spec spec{.name = "fixed", .source = score_source::accumulated};
     if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
-    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4, .sinks = std::int64_t(gen() % 3),
+    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4,
+                   .sinks = std::int64_t(gen() % 3),
                    .recent = std::int64_t(gen() % 4)};
     const device_meta m0(tokens, {}, acc[0].view()), m1(tokens, {}, acc[1].view());
     std::vector<layer_inputs<>> host(2), dev(2);
-    for (int l = 0; l < 2; ++l) host[std::size_t(l)].tokens = tokens, host[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
+    for (int l = 0; l < 2; ++l)
+      host[std::size_t(l)].tokens = tokens, host[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
     dev[0].tokens = m0.tokens.span(), dev[0].accumulated = m0.acc_view;
     dev[1].tokens = m0.tokens.span(), dev[1].accumulated = m1.acc_view;  // one token list for both layers
     std::vector<plan_options> options;
@@ -260,7 +273,8 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
     dvec<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)));
     dvec<std::byte> ws(cuda::compact_scratch_bytes(m, 2, 6 * std::int64_t(size_of(t))));
-    const auto count = cuda::compact(dc.paged, 1, n, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, freed.p, ws.span(), nullptr);
+    const auto count =
+        cuda::compact(dc.paged, 1, n, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, freed.p, ws.span(), nullptr);
     CHECK(count == std::int64_t(freed_cpu.size()));
     CHECK(freed.down() == freed_cpu);
     CHECK(dc.bytes.down() == a.bytes);
@@ -290,11 +304,15 @@ TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
       cuda::h2o_observe(st, cfg, in, ws.span(), nullptr);
       score_matrix g(4, n);
       g.data = score.down();
-      check_close(g, [&] {
-        ref_matrix r(4);
-        for (std::int64_t h = 0; h < 4; ++h) r[std::size_t(h)].assign(want.scores().row(h).begin(), want.scores().row(h).end());
-        return r;
-      }(), 1e-4, 1e-6, "h2o step");
+      check_close(
+          g,
+          [&] {
+            ref_matrix r(4);
+            for (std::int64_t h = 0; h < 4; ++h)
+              r[std::size_t(h)].assign(want.scores().row(h).begin(), want.scores().row(h).end());
+            return r;
+          }(),
+          1e-4, 1e-6, "h2o step");
     }
     std::vector<std::int64_t> kept;
     for (std::int64_t j = 0; j < n; j += 3) kept.push_back(j);
@@ -351,15 +369,14 @@ TEST_CASE("gpu: the README's CUDA example runs") {
   cudaStream_t stream = nullptr;
   // example-begin cuda
   const infkv::cuda::backend be{stream};
-  infkv::layer_inputs<> in{
-      .keys = infkv::nhd(k_dev, infkv::dtype::f16, n_slots, n_kv_heads, head_dim),
-      .queries = infkv::nhd(q_dev, infkv::dtype::f16, 32, n_q_heads, head_dim),
-      .query_pos = {q_pos_dev, 32},
-      .tokens = {tokens_dev, std::size_t(n_slots)}};     // all device memory
+  infkv::layer_inputs<> in{.keys = infkv::nhd(k_dev, infkv::dtype::f16, n_slots, n_kv_heads, head_dim),
+                           .queries = infkv::nhd(q_dev, infkv::dtype::f16, 32, n_q_heads, head_dim),
+                           .query_pos = {q_pos_dev, 32},
+                           .tokens = {tokens_dev, std::size_t(n_slots)}};  // all device memory
   auto policy = infkv::snapkv{.window = 32, .kernel = 7};
   const infkv::plan plan = infkv::make_plan(be, policy, {.capacity = 2048, .sinks = 4}, infkv::shape_of(in));
 
-  void *ws, *slots, *offsets;                             // sized by the plan, no allocation later
+  void *ws, *slots, *offsets;  // sized by the plan, no allocation later
   cudaMalloc(&ws, plan.workspace_bytes);
   cudaMalloc(&slots, plan.kept_total * sizeof(std::int64_t));
   cudaMalloc(&offsets, plan.offsets_size() * sizeof(std::int64_t));

@@ -32,7 +32,8 @@ struct host_launcher {
       const std::uint64_t mask = bits >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
       std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
       std::iota(idx.begin(), idx.end(), std::int64_t{0});
-      std::stable_sort(idx.begin(), idx.end(), [&](std::int64_t a, std::int64_t b) { return (kin[a] & mask) < (kin[b] & mask); });
+      std::stable_sort(idx.begin(), idx.end(),
+                       [&](std::int64_t a, std::int64_t b) { return (kin[a] & mask) < (kin[b] & mask); });
       std::vector<std::uint64_t> k(idx.size());
       std::vector<std::int64_t> v(idx.size());
       for (std::size_t i = 0; i < idx.size(); ++i) k[i] = kin[idx[i]], v[i] = vin[idx[i]];

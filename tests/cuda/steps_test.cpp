@@ -57,7 +57,11 @@ ref_matrix as_ref(const score_matrix& m) {
 TEST_CASE("cuda steps (host): finished scores of every policy match the CPU backend on every view and type") {
   const cpu::backend cpu_be{};
   const host_cuda_backend gpu_be{};
-  struct shape { std::int64_t n; std::int32_t hkv, group, d; std::int64_t nq; };
+  struct shape {
+    std::int64_t n;
+    std::int32_t hkv, group, d;
+    std::int64_t nq;
+  };
   int i = 0;
   for (const shape sh : {shape{37, 2, 2, 8, 6}, shape{600, 2, 3, 17, 5}, shape{300, 1, 4, 64, 9}})
     for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
@@ -95,12 +99,15 @@ TEST_CASE("cuda steps (host): value-weighted scores (Expected Attention, inf_mll
             using R = std::decay_t<decltype(k)>;
             if constexpr (std::is_same_v<R, std::decay_t<decltype(val)>>) {
               const layer_inputs<R> in{k, val, queries.tensor, p.qpos, p.tokens, 0.f};
-              for (const policy_spec& spec : {expected_attention{.window = 6, .future = 40, .sinks = 5}.spec(),
-                                              expected_attention{.window = 9, .rotary = rope{.dims = 8, .style = rope_style::neox},
-                                                                 .covariance = false}.spec(),
-                                              inf_mllm{.window = 5, .kernel = 3, .value_norm = true}.spec()})
-                check_close(finished(gpu_be, spec, in), as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6,
-                            std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " G=" + std::to_string(group));
+              for (const policy_spec& spec :
+                   {expected_attention{.window = 6, .future = 40, .sinks = 5}.spec(),
+                    expected_attention{
+                        .window = 9, .rotary = rope{.dims = 8, .style = rope_style::neox}, .covariance = false}
+                        .spec(),
+                    inf_mllm{.window = 5, .kernel = 3, .value_norm = true}.spec()})
+                check_close(
+                    finished(gpu_be, spec, in), as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6,
+                    std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " G=" + std::to_string(group));
             }
             return 0;
           });
@@ -113,7 +120,8 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
   std::mt19937_64 gen(7);
   for (int round = 0; round < 60; ++round) {
     CAPTURE(round);
-    const host_cuda_backend gpu_be{host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
+    const host_cuda_backend gpu_be{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
     const std::int64_t n = 1 + std::int64_t(gen() % 700);
     const auto heads = std::int32_t(1 + gen() % 4);
     const auto tokens = random_tokens(gen, n);
@@ -122,8 +130,10 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
     if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
     if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
     std::vector<layer_inputs<>> layers(2);
-    for (int l = 0; l < 2; ++l) layers[std::size_t(l)].tokens = tokens, layers[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
-    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4, .sinks = std::int64_t(gen() % 3),
+    for (int l = 0; l < 2; ++l)
+      layers[std::size_t(l)].tokens = tokens, layers[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
+    const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4,
+                   .sinks = std::int64_t(gen() % 3),
                    .recent = std::int64_t(gen() % 4)};
     for (const granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token})
       for (const reduction r : {reduction::sum, reduction::mean, reduction::max}) {
@@ -161,7 +171,8 @@ TEST_CASE("cuda steps (host): whole runs of every policy keep the CPU's sets on 
     const auto inputs = cpu::inputs_for(pol, in);
     for (const granularity g : {granularity::per_head, granularity::per_token}) {
       const std::span<const layer_inputs<>> one(&inputs, 1);
-      const auto want = keep_of(cpu_be, pol.spec(), b, one, {.g = g}), got = keep_of(gpu_be, pol.spec(), b, one, {.g = g});
+      const auto want = keep_of(cpu_be, pol.spec(), b, one, {.g = g}),
+                 got = keep_of(gpu_be, pol.spec(), b, one, {.g = g});
       REQUIRE(got.n_units() == want.n_units());
       for (std::int64_t u = 0; u < got.n_units(); ++u) {
         std::vector<std::int64_t> diff;
@@ -205,7 +216,8 @@ TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguo
     CHECK(v1.bytes == v2.bytes);
     tok1.resize(tok1.size() / std::size_t(n) * std::size_t(m));
     tok2.resize(tok1.size());
-    for (std::size_t i = 0; i < tok1.size(); ++i) CHECK((tok1[i].pos == tok2[i].pos && tok1[i].segment == tok2[i].segment));
+    for (std::size_t i = 0; i < tok1.size(); ++i)
+      CHECK((tok1[i].pos == tok2[i].pos && tok1[i].segment == tok2[i].segment));
   }
   for (int round = 0; round < 12; ++round) {  // paged: sequence 1 behind a decoy sequence
     CAPTURE(round);
@@ -222,7 +234,8 @@ TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguo
     const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
     std::vector<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)) + 1, -1);
     std::vector<std::byte> ws(cuda::compact_scratch_bytes(m, 2, 6 * std::int64_t(size_of(t))) + 64);
-    cuda::compact_paged_steps(host_launcher{}, c.paged, 1, n, t2.data(), keep.view(), m, freed.data(), {ws.data(), ws.size()});
+    cuda::compact_paged_steps(host_launcher{}, c.paged, 1, n, t2.data(), keep.view(), m, freed.data(),
+                              {ws.data(), ws.size()});
     CHECK(cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data())).ok());
     CHECK(a.bytes == c.bytes);
     CHECK(a.indptr == c.indptr);
@@ -247,7 +260,8 @@ TEST_CASE("cuda steps (host): re-rotation matches the CPU backend within roundin
       for (std::int64_t j = 0; j < 50; ++j)
         for (std::int32_t h = 0; h < 3; ++h)
           for (std::int32_t e = 0; e < 16; ++e) {
-            const float x = cuda::detail::load(t, a.tensor.row(j, h), e), y = cuda::detail::load(t, b.tensor.row(j, h), e);
+            const float x = cuda::detail::load(t, a.tensor.row(j, h), e),
+                        y = cuda::detail::load(t, b.tensor.row(j, h), e);
             CHECK(std::abs(x - y) <= tol * (1 + std::abs(x)));
           }
     }
@@ -276,8 +290,8 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     const layer bad(p);
     const layer_inputs<> in = bad.in();
     cuda::status st;
-    keep_of(be, snapkv{.window = 2}.spec(), budget{.capacity = 30, .recent = 2}, std::span<const layer_inputs<>>(&in, 1),
-            {}, &st);
+    keep_of(be, snapkv{.window = 2}.spec(), budget{.capacity = 30, .recent = 2},
+            std::span<const layer_inputs<>>(&in, 1), {}, &st);
     CHECK(st.kind == cuda::fault::query_not_finite);
     CHECK((st.b == 3 && st.a == 2 && st.e == 1));
   }
@@ -296,8 +310,9 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
   }
   SUBCASE("a finite key so large that Expected Attention's logit overflows names the key, not a NaN score") {
     problem p = ly.p;
-    const auto slot = std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 40; }) -
-                                   p.tokens.begin());  // not a sink
+    const auto slot =
+        std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 40; }) -
+                     p.tokens.begin());  // not a sink
     for (std::int32_t e = 0; e < 8; ++e) p.k[std::size_t((slot * 2 + 1) * 8 + e)] = 1e19f;
     const layer big(p);
     const layer_inputs<> in = big.in();
@@ -342,8 +357,8 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     std::vector<token> t = ly.p.tokens;
     std::vector<std::int64_t> slots{3, 9, 9, 20}, offsets{0, 4};
     std::vector<std::byte> ws(cuda::compact_scratch_bytes(4, 2, 32));
-    cuda::compact_steps(host_launcher{}, k.tensor, tensor_view{}, t.data(), 80, keep_view{slots.data(), offsets.data(), 1, 80},
-                        4, {ws.data(), ws.size()});
+    cuda::compact_steps(host_launcher{}, k.tensor, tensor_view{}, t.data(), 80,
+                        keep_view{slots.data(), offsets.data(), 1, 80}, 4, {ws.data(), ws.size()});
     const cuda::status st = cuda::decode(*reinterpret_cast<cuda::status_word*>(ws.data()));
     CHECK((st.kind == cuda::fault::bad_keep && st.b == 2));
     CHECK(k.bytes == before);

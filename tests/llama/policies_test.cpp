@@ -15,7 +15,8 @@ template <class P>
 lc::eviction_result evict_and_go_on(lc::session& s, const P& p) {
   const auto toks = random_tokens(48, 51);
   for (std::size_t i = 0; i < toks.size(); i += 12)
-    REQUIRE(s.decode(std::vector<llama_token>(toks.begin() + std::ptrdiff_t(i), toks.begin() + std::ptrdiff_t(i + 12))) == 0);
+    REQUIRE(s.decode(std::vector<llama_token>(toks.begin() + std::ptrdiff_t(i),
+                                              toks.begin() + std::ptrdiff_t(i + 12))) == 0);
   const auto r = s.evict(p, {.capacity = 24, .sinks = 2, .recent = 4});
   CHECK(r.kept == 24);
   CHECK(r.evicted == 24);
@@ -23,8 +24,8 @@ lc::eviction_result evict_and_go_on(lc::session& s, const P& p) {
   check_memory_matches(s);
   std::int64_t removed = 0;
   for (const auto& run : r.removed) {
-    CHECK(run.begin >= 2);   // sinks kept
-    CHECK(run.end <= 44);    // recent kept
+    CHECK(run.begin >= 2);  // sinks kept
+    CHECK(run.end <= 44);   // recent kept
     removed += run.end - run.begin;
   }
   CHECK(removed == 24);
@@ -78,9 +79,9 @@ TEST_CASE("llama session: eviction works with every policy") {
     lc::session none(model.get(), {.window = 16});
     auto c0 = bound_context(model.get(), none);
     REQUIRE(none.decode(random_tokens(30, 5)) == 0);
-    CHECK_THROWS_WITH_AS(none.evict(infkv::expected_attention{.window = 16, .rotary = none.rope().params},
-                                    {.capacity = 20, .sinks = 2}),
-                         doctest::Contains("session_options.values = false"), infkv::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        none.evict(infkv::expected_attention{.window = 16, .rotary = none.rope().params}, {.capacity = 20, .sinks = 2}),
+        doctest::Contains("session_options.values = false"), infkv::invalid_argument);
     CHECK(none.size() == 30);
     lc::session s(model.get(), {.window = 16, .key_type = infkv::dtype::f16, .values = true});
     auto ctx = bound_context(model.get(), s, {.flash_attn = true});
@@ -116,8 +117,8 @@ TEST_CASE("llama session: session_options::for_policy captures what the policy r
     lc::session s(model.get(), o);
     auto ctx = bound_context(model.get(), s);
     evict_and_go_on(s, p);
-    CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 13}, {.capacity = 20}), doctest::Contains("snapkv.window = 13"),
-                         infkv::invalid_argument);
+    CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 13}, {.capacity = 20}),
+                         doctest::Contains("snapkv.window = 13"), infkv::invalid_argument);
   }
   SUBCASE("expected_attention: values too") {
     lc::session probe(model.get());
@@ -156,7 +157,8 @@ TEST_CASE("llama session: the per-token choice is the top of the layers' combine
   REQUIRE(rows == 4);
   std::vector<std::int64_t> cand;  // positions 1..31: not sink (0), not window (32..39)
   for (std::int64_t j = 1; j < 32; ++j) cand.push_back(j);
-  std::stable_sort(cand.begin(), cand.end(), [&](auto a, auto b) { return mean[std::size_t(a)] > mean[std::size_t(b)]; });
+  std::stable_sort(cand.begin(), cand.end(),
+                   [&](auto a, auto b) { return mean[std::size_t(a)] > mean[std::size_t(b)]; });
   std::set<std::int64_t> want{0};
   for (std::int64_t j = 32; j < 40; ++j) want.insert(j);
   for (int i = 0; i < 11; ++i) want.insert(cand[std::size_t(i)]);

@@ -62,7 +62,8 @@ TEST_CASE("llama prefill: a failing decode stops the prefill and leaves the sess
   auto ctx = bound_context(model.get(), s, {.n_ctx = 128, .n_ubatch = 16});
   std::vector<std::vector<llama_token>> texts;
   std::vector<std::vector<float>> frames;
-  for (int i = 0; i < 8; ++i) texts.push_back(random_tokens(6, 40 + unsigned(i))), frames.push_back(random_rows(20, 50 + unsigned(i)));
+  for (int i = 0; i < 8; ++i)
+    texts.push_back(random_tokens(6, 40 + unsigned(i))), frames.push_back(random_rows(20, 50 + unsigned(i)));
   texts[5][2] = 100000;  // outside the vocabulary: llama_decode refuses the batch
   std::vector<lc::chunk> in;
   for (int i = 0; i < 8; ++i) {
@@ -72,8 +73,9 @@ TEST_CASE("llama prefill: a failing decode stops the prefill and leaves the sess
   // Chunk 10 is texts[5]; blocks after the first hold one text or one frame each.
   const infkv::block_prefill sched{.block = 20, .budget = 40};
   std::int64_t blocks_seen = 0;
-  const auto r = lc::prefill(s, in, infkv::inf_mllm{.window = 16, .bias = {.beta = 0.3, .unit = infkv::age_unit::segments}},
-                             sched, {.sinks = 2, .on_block = [&](const lc::block_report&) { ++blocks_seen; }});
+  const auto r =
+      lc::prefill(s, in, infkv::inf_mllm{.window = 16, .bias = {.beta = 0.3, .unit = infkv::age_unit::segments}}, sched,
+                  {.sinks = 2, .on_block = [&](const lc::block_report&) { ++blocks_seen; }});
   CHECK(r.status != 0);
   CHECK_FALSE(r.ok());
   CHECK(r.failed_chunk == 10);
@@ -108,7 +110,8 @@ TEST_CASE("llama prefill: invalid arguments are reported before anything is deco
   const infkv::block_prefill sched{.block = 8, .budget = 32};
   lc::session unbound(model.get());
   const std::vector<lc::chunk> ok{lc::text_chunk(toks)};
-  CHECK_THROWS_WITH_AS(lc::prefill(unbound, ok, infkv::keydiff{}, sched), doctest::Contains("ctx = null"), infkv::error);
+  CHECK_THROWS_WITH_AS(lc::prefill(unbound, ok, infkv::keydiff{}, sched), doctest::Contains("ctx = null"),
+                       infkv::error);
 
   lc::session s(model.get(), {.window = 8});
   auto ctx = bound_context(model.get(), s, {.n_ctx = 256, .n_ubatch = 16});
@@ -140,12 +143,12 @@ TEST_CASE("llama prefill: invalid arguments are reported before anything is deco
   lc::session k(model.get(), {.positions = lc::position_mode::keep});
   auto kctx = bound_context(model.get(), k);
   const std::vector<lc::chunk> short_pos{lc::embd_chunk(rows, 2, infkv::modality::image, pos)};
-  CHECK_THROWS_WITH_AS(lc::prefill(k, short_pos, infkv::keydiff{}, sched), doctest::Contains("chunks[0].positions.size() = 3"),
-                       infkv::error);
+  CHECK_THROWS_WITH_AS(lc::prefill(k, short_pos, infkv::keydiff{}, sched),
+                       doctest::Contains("chunks[0].positions.size() = 3"), infkv::error);
   const std::vector<llama_pos> neg{0, -1};
   const std::vector<lc::chunk> neg_pos{lc::embd_chunk(rows, 2, infkv::modality::image, neg)};
-  CHECK_THROWS_WITH_AS(lc::prefill(k, neg_pos, infkv::keydiff{}, sched), doctest::Contains("chunks[0].positions[1] = -1"),
-                       infkv::error);
+  CHECK_THROWS_WITH_AS(lc::prefill(k, neg_pos, infkv::keydiff{}, sched),
+                       doctest::Contains("chunks[0].positions[1] = -1"), infkv::error);
   CHECK(k.size() == 0);
 
   // Nothing to prefill: no blocks, nothing decoded.

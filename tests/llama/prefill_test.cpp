@@ -70,8 +70,8 @@ void check_blocks_follow_chunks(const std::vector<infkv::block_range>& blocks, c
   }
   for (std::size_t c = 0; c + 1 < in.start.size(); ++c) {
     if (in.start[c + 1] - in.start[c] > block) continue;
-    CHECK(std::ranges::any_of(blocks, [&](const infkv::block_range& r) {
-      return r.begin <= in.start[c] && in.start[c + 1] <= r.end; }));
+    CHECK(std::ranges::any_of(
+        blocks, [&](const infkv::block_range& r) { return r.begin <= in.start[c] && in.start[c + 1] <= r.end; }));
   }
 }
 
@@ -97,12 +97,13 @@ lc::prefill_result run_checked(lc::session& s, const mixed_stream& in, const P& 
   std::vector<lc::block_report> reports;
   const std::int64_t before = s.size();
   const auto res = lc::prefill(s, in.chunks, p, sched, {.sinks = sinks, .on_block = [&](const lc::block_report& r) {
-    CHECK(r.decoded <= sched.peak());
-    CHECK(s.size() <= sched.budget);
-    if (r.decoded > sched.budget) CHECK(r.eviction.evicted == r.decoded - sched.budget);
-    check_memory_matches(s);
-    reports.push_back(r);
-  }});
+                                                          CHECK(r.decoded <= sched.peak());
+                                                          CHECK(s.size() <= sched.budget);
+                                                          if (r.decoded > sched.budget)
+                                                            CHECK(r.eviction.evicted == r.decoded - sched.budget);
+                                                          check_memory_matches(s);
+                                                          reports.push_back(r);
+                                                        }});
   REQUIRE(res.ok());
   CHECK(res.blocks_done == std::int64_t(res.blocks.size()));
   REQUIRE(reports.size() == res.blocks.size());
@@ -151,9 +152,7 @@ TEST_CASE("llama prefill: text and video frames stay within budget + block with 
   SUBCASE("inf_mllm, segment-aged bias") {
     run(infkv::inf_mllm{.window = 16, .bias = {.beta = 0.5, .unit = infkv::age_unit::segments}}, {.window = 16});
   }
-  SUBCASE("snapkv, keep mode") {
-    run(infkv::snapkv{.window = 8}, {.window = 8, .positions = lc::position_mode::keep});
-  }
+  SUBCASE("snapkv, keep mode") { run(infkv::snapkv{.window = 8}, {.window = 8, .positions = lc::position_mode::keep}); }
   SUBCASE("keydiff, f16 keys") { run(infkv::keydiff{}, {.key_type = infkv::dtype::f16}); }
   SUBCASE("streaming_llm") {
     run(infkv::streaming_llm{}, {});
@@ -211,7 +210,8 @@ std::vector<float> token_embeddings(int layers) {
   REQUIRE(w.size() == std::size_t(128 * n_embd));
   std::FILE* f = std::fopen(path.c_str(), "rb");
   REQUIRE(f != nullptr);
-  const bool ok = std::fseek(f, long(offset), SEEK_SET) == 0 && std::fread(w.data(), sizeof(float), w.size(), f) == w.size();
+  const bool ok =
+      std::fseek(f, long(offset), SEEK_SET) == 0 && std::fread(w.data(), sizeof(float), w.size(), f) == w.size();
   std::fclose(f);
   REQUIRE(ok);
   return w;

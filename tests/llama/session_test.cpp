@@ -91,7 +91,8 @@ TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory
   }
   SUBCASE("position that does not follow the newest one") {
     llama_batch b = llama_batch_init(2, 0, 1);
-    for (int i = 0; i < 2; ++i) b.token[i] = 7, b.pos[i] = 25 + i, b.n_seq_id[i] = 1, b.seq_id[i][0] = 0, b.logits[i] = 1;
+    for (int i = 0; i < 2; ++i)
+      b.token[i] = 7, b.pos[i] = 25 + i, b.n_seq_id[i] = 1, b.seq_id[i][0] = 0, b.logits[i] = 1;
     b.n_tokens = 2;
     CHECK(s.decode(b) != 0);
     llama_batch_free(b);
@@ -187,7 +188,8 @@ std::pair<float, float> row_diff(const infkv::tensor_view& a, const infkv::tenso
 TEST_CASE("llama session: captured keys, values and queries do not depend on batching or flash attention") {
   auto model = tiny_model(2);
   const auto toks = random_tokens(20, 12);
-  lc::session one(model.get(), {.values = true}), many(model.get(), {.values = true}), flash(model.get(), {.values = true});
+  lc::session one(model.get(), {.values = true}), many(model.get(), {.values = true}),
+      flash(model.get(), {.values = true});
   auto c1 = bound_context(model.get(), one, {.n_ubatch = 8});
   auto c2 = bound_context(model.get(), many, {});
   auto c3 = bound_context(model.get(), flash, {.flash_attn = true, .n_ubatch = 8});
@@ -240,7 +242,8 @@ TEST_CASE("llama session: captured values follow eviction and position compactio
   REQUIRE(r.shifted);
   std::vector<std::int64_t> kept;  // old positions of the kept tokens, ascending = their new positions
   for (std::int64_t p = 0; p < 40; ++p)
-    if (std::none_of(r.removed.begin(), r.removed.end(), [&](const auto& run) { return p >= run.begin && p < run.end; }))
+    if (std::none_of(r.removed.begin(), r.removed.end(),
+                     [&](const auto& run) { return p >= run.begin && p < run.end; }))
       kept.push_back(p);
   REQUIRE(kept.size() == 20);
   for (int l = 0; l < 2; ++l) {
@@ -270,8 +273,8 @@ TEST_CASE("llama session: invalid use is reported with the argument's name") {
   auto ctx = bound_context(model.get(), s);
   CHECK_THROWS_WITH_AS(s.decode(std::vector<llama_token>{}), doctest::Contains("tokens.size() = 0"), infkv::error);
   REQUIRE(s.decode(random_tokens(30, 13)) == 0);
-  CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 16}, {.capacity = 20}),
-                       doctest::Contains("snapkv.window = 16"), infkv::error);
+  CHECK_THROWS_WITH_AS(s.evict(infkv::snapkv{.window = 16}, {.capacity = 20}), doctest::Contains("snapkv.window = 16"),
+                       infkv::error);
   CHECK_THROWS_WITH_AS(s.evict(infkv::h2o{}, {.capacity = 20}), doctest::Contains("session_options.track_h2o"),
                        infkv::error);
   CHECK_THROWS_WITH_AS(s.inputs(1), doctest::Contains("layer = 1"), infkv::error);
@@ -300,8 +303,8 @@ TEST_CASE("llama session: without capture no callback runs; the stats account fo
   CHECK(r.shifted);
   CHECK(positions(off) == range_set(24));
   check_memory_matches(off);
-  CHECK_THROWS_WITH_AS(off.evict(infkv::keydiff{}, {.capacity = 16}), doctest::Contains("session_options.capture = false"),
-                       infkv::error);
+  CHECK_THROWS_WITH_AS(off.evict(infkv::keydiff{}, {.capacity = 16}),
+                       doctest::Contains("session_options.capture = false"), infkv::error);
   const lc::session_stats t = off.stats();
   CHECK(t.capture == 0);
   CHECK(t.append == 0);
@@ -342,11 +345,11 @@ TEST_CASE("llama session: the README's llama.cpp snippet runs and bounds the cac
   const auto policy = infkv::inf_mllm{.window = 32, .bias = {.beta = 8, .unit = infkv::age_unit::ranks}};
   infkv::llama_cpp::session s(model, infkv::llama_cpp::session_options::for_policy(policy));
   llama_context_params cp = llama_context_default_params();
-  cp.n_ctx = 1024 + 128;                                     // budget + block
-  s.attach(cp);                                              // routes cb_eval to the session
+  cp.n_ctx = 1024 + 128;  // budget + block
+  s.attach(cp);           // routes cb_eval to the session
   llama_context* ctx = llama_init_from_model(model, cp);
   s.bind(ctx);
-  s.decode(block_tokens);                                    // bookkeeping grows only on success
+  s.decode(block_tokens);  // bookkeeping grows only on success
   s.evict(policy, {.capacity = 1024, .sinks = 4, .recent = 32});
   // example-end
   const context_ptr owns(ctx);

@@ -39,7 +39,8 @@ TEST_CASE("llama session, sliding-window model: re-rotated keys are the keys at 
   REQUIRE(r.shifted);
   std::vector<llama_token> kept;
   for (std::int64_t p = 0; p < 40; ++p)
-    if (std::none_of(r.removed.begin(), r.removed.end(), [&](const auto& run) { return p >= run.begin && p < run.end; }))
+    if (std::none_of(r.removed.begin(), r.removed.end(),
+                     [&](const auto& run) { return p >= run.begin && p < run.end; }))
       kept.push_back(toks[std::size_t(p)]);
   REQUIRE(kept.size() == 20);
   lc::session fresh(model.get(), {.window = 8});
@@ -48,8 +49,8 @@ TEST_CASE("llama session, sliding-window model: re-rotated keys are the keys at 
   const auto a = s.inputs(0).keys, b = fresh.inputs(0).keys;
   float diff = 0, mag = 0;
   for (std::int64_t j = 0; j < 20; ++j) {
-    const auto slot = std::int64_t(std::find_if(s.tokens().begin(), s.tokens().end(), [&](auto& t) { return t.pos == j; }) -
-                                   s.tokens().begin());
+    const auto slot = std::int64_t(
+        std::find_if(s.tokens().begin(), s.tokens().end(), [&](auto& t) { return t.pos == j; }) - s.tokens().begin());
     for (std::int32_t h = 0; h < 2; ++h) {
       const auto* x = static_cast<const float*>(a.row(slot, h));
       const auto* y = static_cast<const float*>(b.row(j, h));
@@ -68,7 +69,8 @@ TEST_CASE("llama session, sliding-window model: bookkeeping follows the engine t
     auto ctx = bound_context(model.get(), s, {.flash_attn = fa});
     const auto stream = random_tokens(240, 9);
     for (std::size_t at = 0; at < stream.size(); at += 16) {
-      REQUIRE(s.decode(std::vector<llama_token>(stream.begin() + std::ptrdiff_t(at), stream.begin() + std::ptrdiff_t(at + 16))) == 0);
+      REQUIRE(s.decode(std::vector<llama_token>(stream.begin() + std::ptrdiff_t(at),
+                                                stream.begin() + std::ptrdiff_t(at + 16))) == 0);
       check_memory_matches(s);
       if (s.size() > 48) {
         const auto r = at % 32 == 0 ? s.evict(infkv::expected_attention{.window = 16, .rotary = s.rope().params},

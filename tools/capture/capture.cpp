@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <infkv/llama_cpp.hpp>
 
@@ -95,14 +95,16 @@ double check_layer(const infkv::llama_cpp::layer_rows& r, const std::vector<floa
       double mx = -1e300, sum = 0;
       for (std::int64_t j = 0; j <= t; ++j) {
         double dot = 0;
-        for (std::int64_t e = 0; e < d; ++e) dot += double(q[e]) * r.k[std::size_t((j * r.n_head_kv + h / group) * d + e)];
+        for (std::int64_t e = 0; e < d; ++e)
+          dot += double(q[e]) * r.k[std::size_t((j * r.n_head_kv + h / group) * d + e)];
         p[std::size_t(j)] = dot * scale, mx = std::max(mx, p[std::size_t(j)]);
       }
       std::fill(o.begin(), o.end(), 0.0);
       for (std::int64_t j = 0; j <= t; ++j) {
         const double a = std::exp(p[std::size_t(j)] - mx);
         sum += a;
-        for (std::int64_t e = 0; e < d; ++e) o[std::size_t(e)] += a * r.v[std::size_t((j * r.n_head_kv + h / group) * d + e)];
+        for (std::int64_t e = 0; e < d; ++e)
+          o[std::size_t(e)] += a * r.v[std::size_t((j * r.n_head_kv + h / group) * d + e)];
       }
       for (std::int64_t e = 0; e < d; ++e) {
         const double ref = out[std::size_t((t * r.n_head + h) * d + e)], x = o[std::size_t(e)] / sum;
@@ -131,11 +133,15 @@ void add_options(CLI::App& app, options& o) {
   app.name("infkv-capture");
   app.option_defaults()->always_capture_default();
   app.add_option("--model", o.model_path, "GGUF model file (e.g. the path scripts/model.sh prints)")
-      ->required()->check(CLI::ExistingFile);
+      ->required()
+      ->check(CLI::ExistingFile);
   app.add_option("--text", o.text_path, "text file (e.g. the path scripts/kjv.sh prints)")
-      ->required()->check(CLI::ExistingFile);
+      ->required()
+      ->check(CLI::ExistingFile);
   app.add_option("--tokens", o.tokens, "tokens from the start of the text")->check(CLI::Range(16, 1 << 20));
-  app.add_option("--layers", o.layers, "layers to record (comma list)")->delimiter(',')->check(infkv_tools::at_least(0));
+  app.add_option("--layers", o.layers, "layers to record (comma list)")
+      ->delimiter(',')
+      ->check(infkv_tools::at_least(0));
   app.add_option("--segment-tokens", o.segment_tokens,
                  "segments: a new one starts at the first line break after this many tokens")
       ->check(infkv_tools::at_least(1));
@@ -157,7 +163,8 @@ void validate(const options& o) {
 std::vector<llama_token> validate(options& o, const llama_model* m) {
   const std::int32_t n_layer = llama_model_n_layer(m);
   for (auto l : o.layers)
-    if (l >= n_layer) usage_error("--layers = " + std::to_string(l) + ": the model has " + std::to_string(n_layer) + " layers");
+    if (l >= n_layer)
+      usage_error("--layers = " + std::to_string(l) + ": the model has " + std::to_string(n_layer) + " layers");
   std::sort(o.layers.begin(), o.layers.end());
   o.layers.erase(std::unique(o.layers.begin(), o.layers.end()), o.layers.end());
   auto ids = stream::tokenize_file(m, o.text_path, o.tokens);
@@ -212,9 +219,10 @@ recording record(const options& o, const llama_model* m, const std::vector<llama
     for (std::int32_t l = 0; l < n_layer; ++l) {
       const auto& r = obs.layers()[std::size_t(l)];
       if (r.n_q != len || r.n_k != len || r.n_v != len || std::int64_t(r.v.size()) != r.n_k * r.n_head_kv * r.head_dim)
-        infkv_tools::fail("infkv-capture: layer {}: cb_eval saw {} query, {} key and {} value rows ({} values) "
-                          "for {} tokens; does this model name its nodes Qcur/Kcur/Vcur-<layer>?",
-                          l, r.n_q, r.n_k, r.n_v, r.v.size(), len);
+        infkv_tools::fail(
+            "infkv-capture: layer {}: cb_eval saw {} query, {} key and {} value rows ({} values) "
+            "for {} tokens; does this model name its nodes Qcur/Kcur/Vcur-<layer>?",
+            l, r.n_q, r.n_k, r.n_v, r.v.size(), len);
       if (!keep(l)) continue;
       auto& out = rec.rows[std::size_t(l)];
       out.n_head = r.n_head, out.n_head_kv = r.n_head_kv, out.head_dim = r.head_dim;
@@ -233,8 +241,9 @@ recording record(const options& o, const llama_model* m, const std::vector<llama
 /// --survey and --check tables on standard output.
 void report(const options& o, const recording& rec) {
   if (o.survey) {
-    fmt::print("layer   sink   local     far  keys for 90%   (queries in the second half; sink: first 4 "
-               "tokens, local: last 64)\n");
+    fmt::print(
+        "layer   sink   local     far  keys for 90%   (queries in the second half; sink: first 4 "
+        "tokens, local: last 64)\n");
     for (std::size_t l = 0; l < rec.rows.size(); ++l) {
       const auto s = survey(rec.rows[l], rec.scale);
       fmt::print("{:5}  {:>5.3f}   {:>5.3f}   {:>5.3f}  {:>8.1f}\n", l, s.sink, s.local, s.far, s.keys90);
@@ -247,8 +256,10 @@ void report(const options& o, const recording& rec) {
       if (std::int64_t(out.size()) != o.tokens * r.n_head * r.head_dim)
         infkv_tools::fail("infkv-capture: --check: layer {}: kqv_out gave {} values, expected {}", o.layers[i],
                           out.size(), o.tokens * r.n_head * r.head_dim);
-      fmt::print("layer {}: attention output from the recorded Q, K, V vs llama.cpp's kqv_out: relative L2 "
-                 "error {:.2e}\n", o.layers[i], check_layer(r, out, rec.scale));
+      fmt::print(
+          "layer {}: attention output from the recorded Q, K, V vs llama.cpp's kqv_out: relative L2 "
+          "error {:.2e}\n",
+          o.layers[i], check_layer(r, out, rec.scale));
     }
 }
 
@@ -291,15 +302,16 @@ void write_trace(const options& o, const llama_model* m, const std::vector<llama
   };
   const auto bytes = trace_io::to_safetensors(t);
   infkv_tools::write_file("--out", o.out_path, bytes);
-  fmt::print("infkv-capture: wrote {}: {} tokens, layers {}, {} bytes\n", o.out_path, o.tokens,
-             trace_io::layer_list(t), bytes.size());
+  fmt::print("infkv-capture: wrote {}: {} tokens, layers {}, {} bytes\n", o.out_path, o.tokens, trace_io::layer_list(t),
+             bytes.size());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-capture: record post-RoPE Q, K and V of some layers of a llama.cpp model over a text, as a "
-               "safetensors trace for infkv-compare --trace"};
+  CLI::App app{
+      "infkv-capture: record post-RoPE Q, K and V of some layers of a llama.cpp model over a text, as a "
+      "safetensors trace for infkv-compare --trace"};
   options o;
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);

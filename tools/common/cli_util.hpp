@@ -11,8 +11,8 @@
 
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "errors.hpp"
 
@@ -34,7 +34,7 @@ inline CLI::Validator at_least(double min, bool integer = true, double max = max
         if (x > max) return fmt::format("value {} must be <= {}", v, max);
         return {};
       },
-      integer && min >= 1 ? "POSITIVE" : "NONNEGATIVE");
+      integer&& min >= 1 ? "POSITIVE" : "NONNEGATIVE");
 }
 
 /// CLI11 check for an output file: its directory exists and is writable, so that a run does not

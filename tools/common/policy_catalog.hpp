@@ -20,8 +20,20 @@ namespace infkv_tools {
 
 /// The policies the example programs know (infkv-compare runs all but `recompute`).
 enum class policy_kind {
-  full, window, streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, inf_mllm_bias, inf_mllm_v, expected_attention, recompute,
-  context_shift, recent_keydiff
+  full,
+  window,
+  streaming_llm,
+  h2o,
+  tova,
+  snapkv,
+  keydiff,
+  inf_mllm,
+  inf_mllm_bias,
+  inf_mllm_v,
+  expected_attention,
+  recompute,
+  context_shift,
+  recent_keydiff
 };
 
 /// A policy's name on the command line, a one-line description, and which of the protected-token
@@ -42,7 +54,8 @@ inline constexpr std::array<policy_entry, 14> policy_catalog{{
     {"h2o", policy_kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent", false, true},
     {"tova", policy_kind::tova, "attention of the last query, mean over the heads"},
     {"snapkv", policy_kind::snapkv, "attention of the last --window queries, avg-pooled, + the window", false, true},
-    {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent", true, true},
+    {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent", true,
+     true},
     {"inf_mllm", policy_kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias", true,
      true},
     {"inf_mllm_bias", policy_kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)", true,
@@ -71,12 +84,12 @@ inline std::optional<policy_entry> find_policy(std::string_view name) {
 
 /// The knobs the policies share.
 struct policy_knobs {
-  std::int64_t sinks = 4;   ///< protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)
-  std::int64_t recent = 32; ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)
-  std::int64_t window = 32; ///< queries that score the cache (snapkv, inf_mllm*)
-  double beta = 8.0;        ///< attention bias of inf_mllm_bias (linear, age in ranks)
-  std::int64_t ea_window = 128;  ///< queries whose statistics expected_attention uses
-  double recent_share = 0.75;    ///< recent_keydiff: share of the budget that is the recency region (tuned)
+  std::int64_t sinks = 4;           ///< protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)
+  std::int64_t recent = 32;         ///< protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)
+  std::int64_t window = 32;         ///< queries that score the cache (snapkv, inf_mllm*)
+  double beta = 8.0;                ///< attention bias of inf_mllm_bias (linear, age in ranks)
+  std::int64_t ea_window = 128;     ///< queries whose statistics expected_attention uses
+  double recent_share = 0.75;       ///< recent_keydiff: share of the budget that is the recency region (tuned)
   std::int32_t keydiff_kernel = 1;  ///< recent_keydiff: max pooling width of the KeyDiff scores (odd; 1: none)
   std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
@@ -108,7 +121,8 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
 template <class F>
 decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
   switch (k) {
-    case policy_kind::window: case policy_kind::streaming_llm: return f(infkv::streaming_llm{});
+    case policy_kind::window:
+    case policy_kind::streaming_llm: return f(infkv::streaming_llm{});
     case policy_kind::h2o: return f(infkv::h2o{});
     case policy_kind::tova: return f(infkv::tova{});
     case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
@@ -120,11 +134,13 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
       return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
     case policy_kind::inf_mllm_v:
-      return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks},
-                               .value_norm = true});
+      return f(infkv::inf_mllm{
+          .window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}, .value_norm = true});
     case policy_kind::expected_attention:  // kvpress's defaults; its n_sink = the protected sinks
       return f(infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks});
-    case policy_kind::full: case policy_kind::recompute: case policy_kind::context_shift: break;
+    case policy_kind::full:
+    case policy_kind::recompute:
+    case policy_kind::context_shift: break;
   }
   fail("policy {}: full, recompute and context_shift have no policy object", int(k));
 }

@@ -29,16 +29,16 @@ using infkv::dtype, infkv::kv_view, infkv::modality, infkv::tensor_view, infkv::
 /// Generator parameters. Logit parameters are the extra pre-softmax logit (scale 1/sqrt(d)) a
 /// feature adds for a query that targets it; the unstructured part of every logit has std ~1.
 struct config {
-  std::int64_t tokens = 8192;          ///< stream length T
-  std::int32_t kv_heads = 4;           ///< KV heads (each with its own random geometry)
-  std::int32_t group = 2;              ///< query heads per KV head (GQA)
-  std::int32_t head_dim = 64;          ///< d
-  std::int64_t round_tokens = 1024;    ///< mean round length
-  double round_jitter = 0.25;          ///< round lengths uniform in round_tokens * (1 +- jitter)
-  std::int32_t video_every = 3;        ///< rounds 3, 6, ... (1-based) are video; 0: none
-  std::int64_t frame_tokens = 196;     ///< tokens per video frame (one segment each)
-  double frame_logit = 2.0;            ///< same spatial location in another frame of the round
-  std::int64_t sinks = 4;              ///< attention sinks at the start of the stream
+  std::int64_t tokens = 8192;        ///< stream length T
+  std::int32_t kv_heads = 4;         ///< KV heads (each with its own random geometry)
+  std::int32_t group = 2;            ///< query heads per KV head (GQA)
+  std::int32_t head_dim = 64;        ///< d
+  std::int64_t round_tokens = 1024;  ///< mean round length
+  double round_jitter = 0.25;        ///< round lengths uniform in round_tokens * (1 +- jitter)
+  std::int32_t video_every = 3;      ///< rounds 3, 6, ... (1-based) are video; 0: none
+  std::int64_t frame_tokens = 196;   ///< tokens per video frame (one segment each)
+  double frame_logit = 2.0;          ///< same spatial location in another frame of the round
+  std::int64_t sinks = 4;            ///< attention sinks at the start of the stream
   double sink_logit = 8.0;
   double sink_value_scale = 0.1;       ///< sinks carry small values, as in real models
   std::int64_t saddles_per_round = 8;  ///< planted saddle spans per round (fewer if it is short)
@@ -46,10 +46,10 @@ struct config {
   double saddle_logit = 6.0;           ///< for the queries of the saddle's own round
   std::int64_t long_lived = 6;         ///< single-token saddles attended by every later query
   double long_lived_logit = 6.0;
-  double round_logit = 1.0;            ///< any token of the current round (the attended region)
-  double local_logit = 6.0;            ///< recency: at distance a, local_logit * exp(-a / local_tokens)
+  double round_logit = 1.0;  ///< any token of the current round (the attended region)
+  double local_logit = 6.0;  ///< recency: at distance a, local_logit * exp(-a / local_tokens)
   double local_tokens = 64.0;
-  double query_gain_spread = 0.25;     ///< per-query topic gain uniform in 1 +- spread
+  double query_gain_spread = 0.25;  ///< per-query topic gain uniform in 1 +- spread
   std::uint64_t seed = 1;
 
   /// Throws `infkv::error` naming the first invalid field.
@@ -106,9 +106,9 @@ struct saddle_span_info {
 struct workload {
   config cfg;
   std::vector<float> keys, values, queries;
-  std::vector<token> tokens;             ///< segment = round (text) or frame (video), in stream order
-  std::vector<std::int32_t> round_of;    ///< round index per token
-  std::vector<role> roles;               ///< planted role per token
+  std::vector<token> tokens;           ///< segment = round (text) or frame (video), in stream order
+  std::vector<std::int32_t> round_of;  ///< round index per token
+  std::vector<role> roles;             ///< planted role per token
   std::vector<round_info> rounds;
   std::vector<saddle_span_info> saddles;
   std::vector<std::int64_t> long_lived;  ///< positions of the long-lived saddles, increasing
@@ -142,8 +142,10 @@ inline std::vector<std::byte> convert(std::span<const float> x, dtype t) {
   std::vector<std::byte> out(x.size() * infkv::size_of(t));
   for (std::size_t i = 0; i < x.size(); ++i) {
     const std::uint16_t h = t == dtype::f16 ? infkv::f32_to_f16(x[i]) : infkv::f32_to_bf16(x[i]);
-    if (t == dtype::f32) std::memcpy(out.data() + 4 * i, &x[i], 4);
-    else std::memcpy(out.data() + 2 * i, &h, 2);
+    if (t == dtype::f32)
+      std::memcpy(out.data() + 4 * i, &x[i], 4);
+    else
+      std::memcpy(out.data() + 2 * i, &h, 2);
   }
   return out;
 }

@@ -46,10 +46,11 @@ struct safetensors {
   /// Tensor `name` (F32, F16 or BF16) converted to f32.
   std::vector<float> floats(const std::string& name) const {
     const auto& t = at(name);
-    const infkv::dtype type = t.dtype == "F32" ? infkv::dtype::f32 : t.dtype == "F16" ? infkv::dtype::f16
-                                                                                       : infkv::dtype::bf16;
-    INFKV_REQUIRE(t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16", what + ": " + name + ".dtype",
-                  t.dtype, "must be F16, F32 or BF16");
+    const infkv::dtype type = t.dtype == "F32"   ? infkv::dtype::f32
+                              : t.dtype == "F16" ? infkv::dtype::f16
+                                                 : infkv::dtype::bf16;
+    INFKV_REQUIRE(t.dtype == "F32" || t.dtype == "F16" || t.dtype == "BF16", what + ": " + name + ".dtype", t.dtype,
+                  "must be F16, F32 or BF16");
     std::vector<float> out((t.end - t.begin) / infkv::size_of(type));
     infkv::to_f32(type, data.data() + t.begin, out.data(), std::int64_t(out.size()));
     return out;
@@ -67,8 +68,8 @@ struct safetensors {
 /// Bytes per element of a safetensors dtype, or 0 for a name the format does not define.
 inline std::uint64_t dtype_size(const std::string& d) {
   static const std::map<std::string, std::uint64_t> sizes{
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2},
-      {"F16", 2},  {"BF16", 2}, {"I32", 4}, {"U32", 4},    {"F32", 4},     {"I64", 8}, {"U64", 8}, {"F64", 8}};
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+      {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"I64", 8},     {"U64", 8}, {"F64", 8}};
   const auto it = sizes.find(d);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -81,7 +82,7 @@ inline safetensors parse_safetensors(const std::string& bytes, const std::string
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | std::uint8_t(bytes[std::size_t(i)]);
   INFKV_REQUIRE(n >= 2 && n <= bytes.size() - 8, what + ": header length", n, "must be in [2, ", bytes.size() - 8,
-          "] (the bytes after the length field): truncated file?");
+                "] (the bytes after the length field): truncated file?");
   nlohmann::json h;
   try {
     h = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(n));
@@ -106,26 +107,26 @@ inline safetensors parse_safetensors(const std::string& bytes, const std::string
       INFKV_REQUIRE(e.contains(key), at + "." + key, "missing", "every tensor needs dtype, shape and data_offsets");
     tensor_info t;
     INFKV_REQUIRE(e["dtype"].is_string() && dtype_size(e["dtype"].get<std::string>()) > 0, at + ".dtype",
-            e["dtype"].dump(), "is not a safetensors dtype");
+                  e["dtype"].dump(), "is not a safetensors dtype");
     t.dtype = e["dtype"].get<std::string>();
     INFKV_REQUIRE(e["shape"].is_array(), at + ".shape", e["shape"].dump(), "must be an array of integers");
     std::uint64_t count = 1;
     for (const auto& d : e["shape"]) {
       INFKV_REQUIRE(d.is_number_unsigned() && d.get<std::uint64_t>() < (1ull << 40), at + ".shape", e["shape"].dump(),
-              "must be non-negative integers");
+                    "must be non-negative integers");
       t.shape.push_back(d.get<std::int64_t>());
       count *= d.get<std::uint64_t>();
       INFKV_REQUIRE(count < (1ull << 48), at + ".shape", e["shape"].dump(), "is too large");
     }
     const auto& o = e["data_offsets"];
     INFKV_REQUIRE(o.is_array() && o.size() == 2 && o[0].is_number_unsigned() && o[1].is_number_unsigned(),
-            at + ".data_offsets", o.dump(), "must be [begin, end], non-negative integers");
+                  at + ".data_offsets", o.dump(), "must be [begin, end], non-negative integers");
     t.begin = o[0].get<std::uint64_t>(), t.end = o[1].get<std::uint64_t>();
-    INFKV_REQUIRE(t.begin <= t.end && t.end <= size, at + ".data_offsets", o.dump(), "must satisfy begin <= end <= ", size,
-            " (the data section's size): truncated file?");
+    INFKV_REQUIRE(t.begin <= t.end && t.end <= size, at + ".data_offsets", o.dump(),
+                  "must satisfy begin <= end <= ", size, " (the data section's size): truncated file?");
     INFKV_REQUIRE(t.end - t.begin == count * dtype_size(t.dtype), at + ".data_offsets", o.dump(), "span ",
-            t.end - t.begin, " bytes but shape ", e["shape"].dump(), " of ", t.dtype, " needs ",
-            count * dtype_size(t.dtype));
+                  t.end - t.begin, " bytes but shape ", e["shape"].dump(), " of ", t.dtype, " needs ",
+                  count * dtype_size(t.dtype));
     f.tensors[name] = t;
   }
   return f;
@@ -246,24 +247,24 @@ inline trace to_trace(const safetensors& f) {
   trace t;
   t.metadata = f.metadata;
   const std::string& n = meta("n_tokens");
-  INFKV_REQUIRE(!n.empty() && n.size() < 12 && std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
-              std::stoll(n) > 0,
-          w + ": __metadata__.n_tokens", n, "must be a positive integer");
+  INFKV_REQUIRE(!n.empty() && n.size() < 12 &&
+                    std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; }) && std::stoll(n) > 0,
+                w + ": __metadata__.n_tokens", n, "must be a positive integer");
   t.n_tokens = std::stoll(n);
   const std::string positions = "0.." + std::to_string(t.n_tokens - 1);
   if (f.metadata.count("positions"))
     INFKV_REQUIRE(meta("positions") == positions, w + ": __metadata__.positions", meta("positions"), "must be ",
-            positions, " (token i at position i)");
+                  positions, " (token i at position i)");
   std::vector<std::int32_t> listed;
   const std::string& layers = meta("layers");
   for (std::size_t at = 0; at <= layers.size();) {
     const std::size_t comma = std::min(layers.find(',', at), layers.size());
     const std::string item = layers.substr(at, comma - at);
     INFKV_REQUIRE(!item.empty() && item.size() < 8 &&
-                std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; }),
-            w + ": __metadata__.layers", layers, "must be a comma list of layer numbers");
+                      std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; }),
+                  w + ": __metadata__.layers", layers, "must be a comma list of layer numbers");
     INFKV_REQUIRE(std::find(listed.begin(), listed.end(), std::stoi(item)) == listed.end(), w + ": __metadata__.layers",
-            layers, "lists layer ", item, " twice");
+                  layers, "lists layer ", item, " twice");
     listed.push_back(std::stoi(item));
     at = comma + 1;
   }
@@ -275,17 +276,22 @@ inline trace to_trace(const safetensors& f) {
     for (const auto* x : {&q, &k, &v}) {
       const std::string name = p + (x == &q ? "q" : x == &k ? "k" : "v");
       INFKV_REQUIRE(x->shape.size() == 3 && x->shape[0] == t.n_tokens && x->shape[1] > 0 && x->shape[2] > 0,
-              w + ": " + name + ".shape", nlohmann::json(x->shape).dump(), "must be [n_tokens = ", t.n_tokens,
-              ", heads > 0, head_dim > 0]");
+                    w + ": " + name + ".shape", nlohmann::json(x->shape).dump(), "must be [n_tokens = ", t.n_tokens,
+                    ", heads > 0, head_dim > 0]");
     }
     INFKV_REQUIRE(k.shape == v.shape, w + ": " + p + "v.shape", nlohmann::json(v.shape).dump(), "must equal ", p,
-            "k.shape ", nlohmann::json(k.shape).dump());
+                  "k.shape ", nlohmann::json(k.shape).dump());
     INFKV_REQUIRE(q.shape[2] == k.shape[2], w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
-            "head_dim must equal that of ", p, "k (", k.shape[2], ")");
+                  "head_dim must equal that of ", p, "k (", k.shape[2], ")");
     INFKV_REQUIRE(q.shape[1] % k.shape[1] == 0, w + ": " + p + "q.shape", nlohmann::json(q.shape).dump(),
-            "query heads must be a multiple of the KV heads (", k.shape[1], ")");
-    layer_trace lt{l, std::int32_t(q.shape[1]), std::int32_t(k.shape[1]), std::int32_t(k.shape[2]),
-                   f.floats(p + "q"), f.floats(p + "k"), f.floats(p + "v")};
+                  "query heads must be a multiple of the KV heads (", k.shape[1], ")");
+    layer_trace lt{l,
+                   std::int32_t(q.shape[1]),
+                   std::int32_t(k.shape[1]),
+                   std::int32_t(k.shape[2]),
+                   f.floats(p + "q"),
+                   f.floats(p + "k"),
+                   f.floats(p + "v")};
     t.layers.push_back(std::move(lt));
   }
   for (const auto& [name, info] : f.tensors)
@@ -293,19 +299,19 @@ inline trace to_trace(const safetensors& f) {
       const auto dot = name.find('.', 6);
       const std::string l = name.substr(6, dot == std::string::npos ? std::string::npos : dot - 6);
       INFKV_REQUIRE(std::any_of(listed.begin(), listed.end(), [&](auto x) { return std::to_string(x) == l; }),
-              w + ": tensor " + name, nlohmann::json(info.shape).dump(), "its layer is not in __metadata__.layers (",
-              meta("layers"), ")");
+                    w + ": tensor " + name, nlohmann::json(info.shape).dump(),
+                    "its layer is not in __metadata__.layers (", meta("layers"), ")");
     }
   for (const char* name : {"segments", "tokens"})
     if (f.tensors.count(name)) {
       const auto& s = f.at(name);
       INFKV_REQUIRE(s.shape.size() == 1 && s.shape[0] == t.n_tokens, w + ": " + name + ".shape",
-              nlohmann::json(s.shape).dump(), "must be [n_tokens = ", t.n_tokens, "]");
+                    nlohmann::json(s.shape).dump(), "must be [n_tokens = ", t.n_tokens, "]");
       (std::string(name) == "segments" ? t.segments : t.token_ids) = f.ints(name);
     }
   for (std::size_t i = 1; i < t.segments.size(); ++i)
     INFKV_REQUIRE(t.segments[i] >= t.segments[i - 1], w + ": segments[" + std::to_string(i) + "]", t.segments[i],
-            "segments must not decrease (previous ", t.segments[i - 1], ")");
+                  "segments must not decrease (previous ", t.segments[i - 1], ")");
   return t;
 }
 

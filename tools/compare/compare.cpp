@@ -1,13 +1,14 @@
 // infkv-compare: compares KV-cache eviction policies on attention recorded from a real model
 // (a safetensors trace of post-RoPE Q, K and V, examples/trace_io.hpp; by default the built-in
 // SmolLM2 trace over the KJV Bible) or on a synthetic multi-round attention workload (sinks,
-// local recency, attention saddles, rounds that move the attended region). Every block of tokens is appended to a bounded cache per (policy, budget), which is then
-// evicted back to its budget and compacted; the queries of the next block measure how much of
-// the full cache's attention mass the kept cache holds and how far its attention output drifts.
+// local recency, attention saddles, rounds that move the attended region). Every block of tokens is appended to a
+// bounded cache per (policy, budget), which is then evicted back to its budget and compacted; the queries of the next
+// block measure how much of the full cache's attention mass the kept cache holds and how far its attention output
+// drifts.
 #include <algorithm>
-#include <cmath>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -18,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -79,18 +80,22 @@ void print_table(const std::vector<record>& recs, const std::vector<std::string>
           line += r.samples ? fmt::format("  {:>6.3f}{:>10.3f}", r.mass_mean, r.err_mean) : std::string(18, ' ');
     fmt::print("{}\n", line);
   }
-  fmt::print("mass: share of the full cache's attention the kept cache holds, for the queries of the block\n"
-             "after each eviction (mean over evictions); out err: relative L2 error of their attention output.\n");
+  fmt::print(
+      "mass: share of the full cache's attention the kept cache holds, for the queries of the block\n"
+      "after each eviction (mean over evictions); out err: relative L2 error of their attention output.\n");
 }
 
 nlohmann::json to_json(const std::vector<record>& recs) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& r : recs) {
     const auto opt = [&](double v) { return r.samples ? nlohmann::json(v) : nlohmann::json(nullptr); };
-    j.push_back({{"policy", r.policy}, {"budget", r.budget}, {"samples", r.samples},
+    j.push_back({{"policy", r.policy},
+                 {"budget", r.budget},
+                 {"samples", r.samples},
                  {"mass_kept", {{"mean", opt(r.mass_mean)}, {"min", opt(r.mass_min)}}},
                  {"output_rel_error", {{"mean", opt(r.err_mean)}, {"max", opt(r.err_max)}}},
-                 {"evictions", r.evictions}, {"seconds", r.seconds}});
+                 {"evictions", r.evictions},
+                 {"seconds", r.seconds}});
   }
   return j;
 }
@@ -122,14 +127,15 @@ std::vector<record> run_workload(synthetic::workload& w, const std::vector<compa
                                  std::int64_t block, int threads, std::size_t& n_blocks) {
   const auto start = std::chrono::steady_clock::now();
   const std::int64_t tokens = w.size();
-  const auto plan = infkv::block_prefill{.block = block, .budget = budgets.back(), .first_block_fills_budget = false}
-                        .plan(w.tokens);
+  const auto plan =
+      infkv::block_prefill{.block = block, .budget = budgets.back(), .first_block_fills_budget = false}.plan(w.tokens);
   n_blocks = plan.size();
   std::int64_t max_block = 0;
   for (const auto& b : plan) max_block = std::max(max_block, b.end - b.begin);
   std::vector<std::unique_ptr<compare::policy_run>> runs;
   for (const auto& p : chosen) {
-    if (p.k == kind::full) runs.push_back(std::make_unique<compare::policy_run>(p.k, 0, tokens, s, w.cfg));
+    if (p.k == kind::full)
+      runs.push_back(std::make_unique<compare::policy_run>(p.k, 0, tokens, s, w.cfg));
     else
       for (auto b : budgets) runs.push_back(std::make_unique<compare::policy_run>(p.k, b, b + max_block, s, w.cfg));
   }
@@ -188,14 +194,17 @@ void add_options(CLI::App& app, options& o) {
   compare::settings& s = o.s;
   app.add_option("--policy", o.policies, "policies to run (repeatable or comma list; default: all)")->delimiter(',');
   app.add_option("--budget", o.budgets, "cache budgets in tokens (repeatable or comma list; default 256,512,1024)")
-      ->delimiter(',')->check(at_least(1));
-  app.add_option("--block", o.block, "prefill block size in tokens (blocks end at segment changes)")->check(at_least(1));
+      ->delimiter(',')
+      ->check(at_least(1));
+  app.add_option("--block", o.block, "prefill block size in tokens (blocks end at segment changes)")
+      ->check(at_least(1));
   auto* trace_opt = app.add_option("--trace", o.trace_path,
                                    "recorded trace (safetensors, docs/traces.md); default: the built-in trace");
   auto* synth_opt = app.add_flag("--synthetic", o.synthetic, "use the synthetic workload instead of a recorded trace");
   trace_opt->excludes(synth_opt);
   app.add_option("--layer", o.layer, "trace layer to run (default: every recorded layer, then their average)")
-      ->check(at_least(0))->excludes(synth_opt);
+      ->check(at_least(0))
+      ->excludes(synth_opt);
   app.add_option("--tokens", o.tokens, "stream length (default: the whole trace; synthetic: 8192)")->check(at_least(1));
   app.add_option("--seed", o.seed, "synthetic workload seed");
   app.add_option("--threads", o.threads, "worker threads")->check(at_least(1, true, 1024));
@@ -300,12 +309,14 @@ results run(const options& o, const job& jb) {
     r.recs = run_workload(w, jb.chosen, jb.budgets, o.s, o.block, o.threads, n_blocks);
     const auto videos = std::count_if(w.rounds.begin(), w.rounds.end(), [](auto& x) { return x.video; });
     const auto& c = w.cfg;
-    r.header = fmt::format("infkv-compare: synthetic, {} tokens in {} rounds ({} video), {} KV heads x {} query heads, "
-                           "d = {}; {} blocks of <= {} tokens; seed {}\n",
-                           jb.tokens, w.rounds.size(), videos, c.kv_heads, c.group, c.head_dim, n_blocks, o.block, o.seed);
+    r.header = fmt::format(
+        "infkv-compare: synthetic, {} tokens in {} rounds ({} video), {} KV heads x {} query heads, "
+        "d = {}; {} blocks of <= {} tokens; seed {}\n",
+        jb.tokens, w.rounds.size(), videos, c.kv_heads, c.group, c.head_dim, n_blocks, o.block, o.seed);
     r.sections.push_back({"", -1, r.recs});
-    r.workload = {{"kind", "synthetic"}, {"tokens", c.tokens}, {"kv_heads", c.kv_heads}, {"group", c.group},
-                  {"head_dim", c.head_dim}, {"rounds", w.rounds.size()}, {"seed", c.seed}, {"blocks", n_blocks}};
+    r.workload = {{"kind", "synthetic"}, {"tokens", c.tokens},     {"kv_heads", c.kv_heads},
+                  {"group", c.group},    {"head_dim", c.head_dim}, {"rounds", w.rounds.size()},
+                  {"seed", c.seed},      {"blocks", n_blocks}};
     return r;
   }
   const trace_io::trace& t = *jb.trace;
@@ -318,17 +329,17 @@ results run(const options& o, const job& jb) {
     if (o.layer >= 0 && l.layer != o.layer) continue;
     auto w = compare::to_workload(t, l.layer, jb.tokens, 256);
     per_layer.push_back(run_workload(w, jb.chosen, jb.budgets, o.s, o.block, o.threads, n_blocks));
-    r.sections.push_back({fmt::format("layer {}: {} KV heads x {} query heads, d = {}; {} segments, {} blocks of <= {} "
-                                      "tokens",
-                                      l.layer, w.cfg.kv_heads, w.cfg.group, w.cfg.head_dim, w.rounds.size(), n_blocks,
-                                      o.block),
-                          l.layer, per_layer.back()});
+    r.sections.push_back(
+        {fmt::format("layer {}: {} KV heads x {} query heads, d = {}; {} segments, {} blocks of <= {} "
+                     "tokens",
+                     l.layer, w.cfg.kv_heads, w.cfg.group, w.cfg.head_dim, w.rounds.size(), n_blocks, o.block),
+         l.layer, per_layer.back()});
     layers.push_back(l.layer);
   }
   r.recs = per_layer.size() == 1 ? per_layer.front() : average(per_layer);
   if (per_layer.size() > 1) r.sections.push_back({"mean over layers " + trace_io::layer_list(t) + ":", -1, r.recs});
-  r.workload = {{"kind", "trace"}, {"trace", o.trace_path}, {"model", meta("model")}, {"source", meta("source")},
-                {"tokens", jb.tokens}, {"blocks", n_blocks}, {"layers", layers}};
+  r.workload = {{"kind", "trace"},     {"trace", o.trace_path}, {"model", meta("model")}, {"source", meta("source")},
+                {"tokens", jb.tokens}, {"blocks", n_blocks},    {"layers", layers}};
   return r;
 }
 
@@ -346,9 +357,15 @@ void report(const options& o, const job& jb, const results& r) {
   if (o.json_path.empty()) return;
   const auto& s = o.s;
   nlohmann::json j;
-  j["settings"] = {{"block", o.block}, {"sinks", s.sinks}, {"recent", s.recent}, {"window", s.window},
-                   {"probes", s.probes}, {"beta", s.beta}, {"ea_window", s.ea_window},
-                   {"recent_share", s.recent_share}, {"keydiff_kernel", s.keydiff_kernel}};
+  j["settings"] = {{"block", o.block},
+                   {"sinks", s.sinks},
+                   {"recent", s.recent},
+                   {"window", s.window},
+                   {"probes", s.probes},
+                   {"beta", s.beta},
+                   {"ea_window", s.ea_window},
+                   {"recent_share", s.recent_share},
+                   {"keydiff_kernel", s.keydiff_kernel}};
   j["workload"] = r.workload;
   if (!o.synthetic) {
     j["per_layer"] = nlohmann::json::array();
@@ -356,15 +373,18 @@ void report(const options& o, const job& jb, const results& r) {
       if (sec.layer >= 0) j["per_layer"].push_back({{"layer", sec.layer}, {"results", to_json(sec.recs)}});
   }
   j["results"] = to_json(r.recs);
-  if (o.json_path == "-") fmt::print("{}\n", j.dump(2));
-  else infkv_tools::write_file("--json", o.json_path, j.dump(2) + "\n");
+  if (o.json_path == "-")
+    fmt::print("{}\n", j.dump(2));
+  else
+    infkv_tools::write_file("--json", o.json_path, j.dump(2) + "\n");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-compare: KV-cache eviction policies on recorded real-model attention (default: the built-in "
-               "SmolLM2 trace) or a synthetic multi-round attention stream (--synthetic)"};
+  CLI::App app{
+      "infkv-compare: KV-cache eviction policies on recorded real-model attention (default: the built-in "
+      "SmolLM2 trace) or a synthetic multi-round attention stream (--synthetic)"};
   options o;
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);

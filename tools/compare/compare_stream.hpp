@@ -41,11 +41,11 @@ inline std::optional<infkv::budget> policy_budget(kind k, std::int64_t capacity,
 /// The full-cache reference for one measurement point: the probe queries (taken evenly from the
 /// next block) attending to every token before it.
 struct reference {
-  std::int64_t context = 0;          ///< tokens [0, context) are the full cache
-  std::vector<float> queries;        ///< [probes][Hq][d]
-  std::vector<std::int64_t> pos;     ///< probe positions
-  infkv::score_matrix mass;          ///< [Hkv][context]: per-slot probability summed over probes
-  std::vector<float> out;            ///< [probes][Hq][d]
+  std::int64_t context = 0;       ///< tokens [0, context) are the full cache
+  std::vector<float> queries;     ///< [probes][Hq][d]
+  std::vector<std::int64_t> pos;  ///< probe positions
+  infkv::score_matrix mass;       ///< [Hkv][context]: per-slot probability summed over probes
+  std::vector<float> out;         ///< [probes][Hq][d]
 };
 
 inline reference make_reference(synthetic::workload& w, std::int64_t context, infkv::block_range next,
@@ -80,8 +80,16 @@ struct sample {
 class policy_run {
  public:
   policy_run(kind k, std::int64_t capacity, std::int64_t cap, const settings& s, const synthetic::config& c)
-      : kind_(k), capacity_(capacity), cap_(cap), s_(s), hkv_(c.kv_heads), group_(c.group), d_(c.head_dim),
-        k_(std::size_t(cap * c.kv_heads * c.head_dim)), v_(k_.size()), tokens_(std::size_t(c.kv_heads)),
+      : kind_(k),
+        capacity_(capacity),
+        cap_(cap),
+        s_(s),
+        hkv_(c.kv_heads),
+        group_(c.group),
+        d_(c.head_dim),
+        k_(std::size_t(cap * c.kv_heads * c.head_dim)),
+        v_(k_.size()),
+        tokens_(std::size_t(c.kv_heads)),
         budget_(policy_budget(k, capacity, s)) {
     if (budget_) budget_->validate();
     if (k == kind::h2o)

@@ -35,7 +35,8 @@ inline std::optional<infkv::rope> trace_rope(const trace_io::trace& t) {
     INFKV_REQUIRE(v.empty() || (end && *end == '\0'), std::string("trace metadata ") + k, v, "must be a number");
     return x;
   };
-  return infkv::rope{.theta = number("rope_theta", 10000.0), .dims = std::int32_t(number("rope_dims", 0.0)),
+  return infkv::rope{.theta = number("rope_theta", 10000.0),
+                     .dims = std::int32_t(number("rope_dims", 0.0)),
                      .style = kind == "neox" ? infkv::rope_style::neox : infkv::rope_style::normal,
                      .freq_scale = number("rope_freq_scale", 1.0)};
 }
@@ -45,7 +46,7 @@ inline std::optional<infkv::rope> trace_rope(const trace_io::trace& t) {
 /// token i at position i. Segments come from the trace, or are `segment_tokens` long when it has
 /// none. A recorded `attention_scale` is folded into the queries (the loop scales by 1/sqrt(d)).
 inline synthetic::workload to_workload(const trace_io::trace& t, std::int32_t layer, std::int64_t tokens,
-                                              std::int64_t segment_tokens) {
+                                       std::int64_t segment_tokens) {
   const auto& l = t.layer(layer);
   INFKV_REQUIRE(tokens >= 1 && tokens <= t.n_tokens, "--tokens", tokens, "must be in [1, ", t.n_tokens,
                 "] (the trace's tokens)");
@@ -73,8 +74,8 @@ inline synthetic::workload to_workload(const trace_io::trace& t, std::int32_t la
   w.round_of.resize(n);
   w.roles.assign(n, synthetic::role::ordinary);
   for (std::size_t i = 0; i < n; ++i) {
-    const std::int32_t seg = t.segments.empty() ? std::int32_t(std::int64_t(i) / segment_tokens)
-                                                : t.segments[i] - t.segments[0];
+    const std::int32_t seg =
+        t.segments.empty() ? std::int32_t(std::int64_t(i) / segment_tokens) : t.segments[i] - t.segments[0];
     w.tokens[i] = {std::int64_t(i), seg, infkv::modality::text};
     w.round_of[i] = seg;
     if (i == 0 || seg != w.tokens[i - 1].segment) w.rounds.push_back({std::int64_t(i), std::int64_t(i), false});

@@ -16,8 +16,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -48,7 +48,8 @@ struct options {
 
 /// Fails naming --budget when it cannot hold what policy `k` protects.
 void check_budget(const options& o, stream::kind k) {
-  if (const std::string why = infkv_tools::budget_problem(k, o.s.budget, o.s); !why.empty()) infkv_tools::fail("{}", why);
+  if (const std::string why = infkv_tools::budget_problem(k, o.s.budget, o.s); !why.empty())
+    infkv_tools::fail("{}", why);
 }
 
 /// Decodes `toks` at positions pos0.. in batches of n_batch (logits for the last only).
@@ -66,16 +67,25 @@ void decode_plain(llama_context* ctx, std::span<const llama_token> toks, std::in
     b.n_tokens = std::int32_t(n);
     const std::int32_t rc = llama_decode(ctx, b);
     llama_batch_free(b);
-    if (rc != 0) infkv_tools::engine_fail("infkv-engine-bench: llama_decode of {} tokens at {} returned {}", n, pos0 + std::int64_t(at), rc);
+    if (rc != 0)
+      infkv_tools::engine_fail("infkv-engine-bench: llama_decode of {} tokens at {} returned {}", n,
+                               pos0 + std::int64_t(at), rc);
   }
 }
 
 nlohmann::json head(const options& o, const llama_model* m, const char* what) {
   char desc[256];
   llama_model_desc(m, desc, sizeof desc);
-  return {{"program", "infkv-engine-bench"}, {"measure", what}, {"model", o.model}, {"model_desc", desc},
-          {"text", o.text}, {"threads", o.s.threads}, {"budget", o.s.budget}, {"block", o.s.block},
-          {"load_average_start", load_average()}, {"hardware_threads", std::thread::hardware_concurrency()}};
+  return {{"program", "infkv-engine-bench"},
+          {"measure", what},
+          {"model", o.model},
+          {"model_desc", desc},
+          {"text", o.text},
+          {"threads", o.s.threads},
+          {"budget", o.s.budget},
+          {"block", o.s.block},
+          {"load_average_start", load_average()},
+          {"hardware_threads", std::thread::hardware_concurrency()}};
 }
 
 void write_json(const options& o, nlohmann::json j) {
@@ -101,9 +111,10 @@ int run_decode(const options& o, const llama_model* m) {
   const auto toks = stream::tokenize_file(m, o.text, std::max(need_full, need_bounded));
   if (std::int64_t(toks.size()) < std::max(need_full, need_bounded))
     infkv_tools::fail("{}: --text = {} has {} tokens, fewer than the {} this run decodes",
-                         need_full >= need_bounded ? fmt::format("--history = {} (+ --gen {})", longest, o.gen)
-                                                   : fmt::format("--warm = {} (+ --bounded-gen {})", o.warm, o.bounded_gen),
-                         o.text, toks.size(), std::max(need_full, need_bounded));
+                      need_full >= need_bounded
+                          ? fmt::format("--history = {} (+ --gen {})", longest, o.gen)
+                          : fmt::format("--warm = {} (+ --bounded-gen {})", o.warm, o.bounded_gen),
+                      o.text, toks.size(), std::max(need_full, need_bounded));
   const stream::model_shape sh(m);
   auto j = head(o, m, "decode");
   j["gen"] = o.gen, j["bounded_gen"] = o.bounded_gen, j["warm"] = o.warm;
@@ -125,13 +136,18 @@ int run_decode(const options& o, const llama_model* m) {
       const std::int64_t prefilled = n - at;
       at = n;
       const auto t1 = clock_type::now();
-      for (std::int64_t i = 0; i < o.gen; ++i) decode_plain(ctx.get(), std::span(toks).subspan(std::size_t(n + i), 1), n + i, 1);
+      for (std::int64_t i = 0; i < o.gen; ++i)
+        decode_plain(ctx.get(), std::span(toks).subspan(std::size_t(n + i), 1), n + i, 1);
       const double secs = since(t1);
-      if (!llama_memory_seq_rm(mem, 0, llama_pos(n), -1)) infkv_tools::engine_fail("infkv-engine-bench: llama_memory_seq_rm failed");
-      full.push_back({{"history", n}, {"tok_per_s", double(o.gen) / secs}, {"seconds", secs}, {"prefill_seconds", prefill_s},
+      if (!llama_memory_seq_rm(mem, 0, llama_pos(n), -1))
+        infkv_tools::engine_fail("infkv-engine-bench: llama_memory_seq_rm failed");
+      full.push_back({{"history", n},
+                      {"tok_per_s", double(o.gen) / secs},
+                      {"seconds", secs},
+                      {"prefill_seconds", prefill_s},
                       {"kv_bytes", sh.kv_bytes(n + o.gen)}});
-      fmt::print(stderr, "full cache, history {:6}: {:7.1f} tok/s (prefill of {} tokens {:.1f} s)\n", n, double(o.gen) / secs,
-                 prefilled, prefill_s);
+      fmt::print(stderr, "full cache, history {:6}: {:7.1f} tok/s (prefill of {} tokens {:.1f} s)\n", n,
+                 double(o.gen) / secs, prefilled, prefill_s);
     }
   }
   j["full"] = full;
@@ -154,16 +170,26 @@ int run_decode(const options& o, const llama_model* m) {
     }
     const double secs = since(t0);
     auto t = r->stats();
-    for (auto [a, b] : {std::pair{&t.decode, before.decode}, {&t.capture, before.capture}, {&t.append, before.append},
-                        {&t.h2o, before.h2o}, {&t.score, before.score}, {&t.seq_rm, before.seq_rm},
-                        {&t.seq_add, before.seq_add}, {&t.host_evict, before.host_evict}, {&t.rerotate, before.rerotate}})
+    for (auto [a, b] : {std::pair{&t.decode, before.decode},
+                        {&t.capture, before.capture},
+                        {&t.append, before.append},
+                        {&t.h2o, before.h2o},
+                        {&t.score, before.score},
+                        {&t.seq_rm, before.seq_rm},
+                        {&t.seq_add, before.seq_add},
+                        {&t.host_evict, before.host_evict},
+                        {&t.rerotate, before.rerotate}})
       *a -= b;
     t.decodes -= before.decodes, t.decoded_tokens -= before.decoded_tokens, t.evictions -= before.evictions;
-    bounded.push_back({{"policy", name}, {"tok_per_s", double(o.bounded_gen) / secs}, {"seconds", secs},
-                       {"evictions", t.evictions}, {"kv_bytes", r->kv_alloc_bytes()}, {"host_bytes", r->host_bytes()},
+    bounded.push_back({{"policy", name},
+                       {"tok_per_s", double(o.bounded_gen) / secs},
+                       {"seconds", secs},
+                       {"evictions", t.evictions},
+                       {"kv_bytes", r->kv_alloc_bytes()},
+                       {"host_bytes", r->host_bytes()},
                        {"time", stream::to_json(t)}});
-    fmt::print(stderr, "bounded {:<16}: {:7.1f} tok/s over {} tokens, {} evictions, decode {:.2f} s of {:.2f} s\n", name,
-               double(o.bounded_gen) / secs, o.bounded_gen, t.evictions, t.decode, secs);
+    fmt::print(stderr, "bounded {:<16}: {:7.1f} tok/s over {} tokens, {} evictions, decode {:.2f} s of {:.2f} s\n",
+               name, double(o.bounded_gen) / secs, o.bounded_gen, t.evictions, t.decode, secs);
   }
   j["bounded"] = bounded;
   fmt::print("{:<24} {:>9} {:>10}\n", "cache", "tok/s", "KV MiB");
@@ -171,7 +197,8 @@ int run_decode(const options& o, const llama_model* m) {
     fmt::print("{:<24} {:9.1f} {:10.1f}\n", fmt::format("full, {} history", f["history"].get<std::int64_t>()),
                f["tok_per_s"].get<double>(), f["kv_bytes"].get<double>() / 1048576.0);
   for (const auto& b : bounded)
-    fmt::print("{:<24} {:9.1f} {:10.1f}\n", fmt::format("{} {}+{}", b["policy"].get<std::string>(), o.s.budget, o.s.block),
+    fmt::print("{:<24} {:9.1f} {:10.1f}\n",
+               fmt::format("{} {}+{}", b["policy"].get<std::string>(), o.s.budget, o.s.block),
                b["tok_per_s"].get<double>(), b["kv_bytes"].get<double>() / 1048576.0);
   write_json(o, j);
   return 0;
@@ -184,7 +211,7 @@ int run_prefill(const options& o, const llama_model* m) {
   } else {
     if (!e || !stream::policy_budget(e->k, o.s) || e->k == stream::kind::h2o)
       infkv_tools::fail("--policy = {}: budgeted prefill takes a scoring policy (see infkv-stream --list-policies)",
-                           o.policy);
+                        o.policy);
     check_budget(o, e->k);
     stream::check_cells(m, "--budget", o.s.budget, "a bounded cache", double(o.s.budget + o.s.block));
   }
@@ -212,8 +239,8 @@ int run_prefill(const options& o, const llama_model* m) {
     j["policy"] = o.policy;
     infkv::llama_cpp::session session(m, stream::session_options_for(e->k, o.s));
     const infkv::block_prefill schedule{.block = o.s.block, .budget = o.s.budget};
-    auto p = stream::context_params(std::uint32_t(schedule.peak()), std::uint32_t(std::max<std::int64_t>(o.s.block, 512)),
-                                    o.s.threads);
+    auto p = stream::context_params(std::uint32_t(schedule.peak()),
+                                    std::uint32_t(std::max<std::int64_t>(o.s.block, 512)), o.s.threads);
     session.attach(p);
     stream::context_ptr ctx(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx) infkv_tools::engine_fail("infkv-engine-bench: cannot create a context of {} cells", schedule.peak());
@@ -230,8 +257,9 @@ int run_prefill(const options& o, const llama_model* m) {
       }
     });
     secs = since(t0);
-    if (!res.ok()) infkv_tools::engine_fail("infkv-engine-bench: prefill stopped at block {}: llama_decode returned {}",
-                                               res.failed_block, res.status);
+    if (!res.ok())
+      infkv_tools::engine_fail("infkv-engine-bench: prefill stopped at block {}: llama_decode returned {}",
+                               res.failed_block, res.status);
     cells = llama_n_ctx(ctx.get()), peak_slots = res.peak;
     state = std::int64_t(llama_state_seq_get_size(ctx.get(), 0));
     j["time"] = stream::to_json(session.stats());
@@ -240,9 +268,11 @@ int run_prefill(const options& o, const llama_model* m) {
   j["seconds"] = secs, j["tok_per_s"] = double(o.tokens) / secs;
   j["kv_alloc_bytes"] = sh.kv_bytes(cells), j["n_ctx"] = cells, j["peak_slots"] = peak_slots;
   j["kv_state_bytes"] = state, j["peak_rss_bytes"] = status_bytes("VmHWM");
-  fmt::print("prefill {} tokens, {}{}: {:.1f} s ({:.0f} tok/s), {} cells, KV {:.1f} MiB, peak RSS {:.1f} MiB (model loaded: {:.1f} MiB)\n",
-             o.tokens, o.mode, o.mode == "plain" ? "" : " (" + o.policy + ")", secs, double(o.tokens) / secs, cells,
-             double(sh.kv_bytes(cells)) / 1048576.0, double(status_bytes("VmHWM")) / 1048576.0, double(rss_model) / 1048576.0);
+  fmt::print(
+      "prefill {} tokens, {}{}: {:.1f} s ({:.0f} tok/s), {} cells, KV {:.1f} MiB, peak RSS {:.1f} MiB (model loaded: "
+      "{:.1f} MiB)\n",
+      o.tokens, o.mode, o.mode == "plain" ? "" : " (" + o.policy + ")", secs, double(o.tokens) / secs, cells,
+      double(sh.kv_bytes(cells)) / 1048576.0, double(status_bytes("VmHWM")) / 1048576.0, double(rss_model) / 1048576.0);
   write_json(o, j);
   return 0;
 }
@@ -258,16 +288,23 @@ int main(int argc, char** argv) {
   o.s.threads = int(std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   using infkv_tools::at_least;
   const auto common = [&](CLI::App* c) {
-    c->add_option("--model", o.model, "GGUF model file (scripts/model.sh prints one)")->required()->check(CLI::ExistingFile);
-    c->add_option("--text", o.text, "text whose tokens are decoded (scripts/kjv.sh prints one)")->required()->check(CLI::ExistingFile);
+    c->add_option("--model", o.model, "GGUF model file (scripts/model.sh prints one)")
+        ->required()
+        ->check(CLI::ExistingFile);
+    c->add_option("--text", o.text, "text whose tokens are decoded (scripts/kjv.sh prints one)")
+        ->required()
+        ->check(CLI::ExistingFile);
     c->add_option("--budget", o.s.budget, "slots a bounded cache keeps after each eviction")->check(at_least(1));
     c->add_option("--block", o.s.block, "tokens between evictions")->check(at_least(1));
     c->add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
     c->add_option("--json", o.json, "write the results as JSON to FILE")->check(infkv_tools::writable_file());
   };
-  auto* dec = app.add_subcommand("decode", "single-token decode speed: full cache after each --history, bounded caches");
+  auto* dec =
+      app.add_subcommand("decode", "single-token decode speed: full cache after each --history, bounded caches");
   common(dec);
-  dec->add_option("--history", o.history, "history lengths of the full-cache points")->delimiter(',')->check(at_least(1));
+  dec->add_option("--history", o.history, "history lengths of the full-cache points")
+      ->delimiter(',')
+      ->check(at_least(1));
   dec->add_option("--gen", o.gen, "single-token decodes timed at each full-cache point")->check(at_least(1));
   dec->add_option("--bounded-gen", o.bounded_gen, "single-token decodes timed per bounded policy")->check(at_least(1));
   dec->add_option("--warm", o.warm, "tokens streamed through a bounded cache before timing")->check(at_least(0));

@@ -17,8 +17,8 @@
 
 #include <llama.h>
 
-#include <infkv/llama_cpp/handles.hpp>
 #include <infkv/error.hpp>
+#include <infkv/llama_cpp/handles.hpp>
 
 #include "errors.hpp"
 
@@ -35,9 +35,12 @@ struct model_shape {
   std::int32_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, n_ctx_train = 0;
 
   explicit model_shape(const llama_model* m)
-      : layers(llama_model_n_layer(m)), heads(llama_model_n_head(m)), kv_heads(llama_model_n_head_kv(m)),
+      : layers(llama_model_n_layer(m)),
+        heads(llama_model_n_head(m)),
+        kv_heads(llama_model_n_head_kv(m)),
         head_dim(llama_model_n_embd(m) / std::max(1, llama_model_n_head(m))),
-        vocab(llama_vocab_n_tokens(llama_model_get_vocab(m))), n_ctx_train(llama_model_n_ctx_train(m)) {}
+        vocab(llama_vocab_n_tokens(llama_model_get_vocab(m))),
+        n_ctx_train(llama_model_n_ctx_train(m)) {}
 
   /// Bytes of K and V for `cells` cache cells of every layer with element type `t`.
   std::int64_t kv_bytes(std::int64_t cells, ggml_type t = GGML_TYPE_F16) const {
@@ -51,7 +54,7 @@ struct model_shape {
 /// Context parameters shared by every run: `n_ctx` cells, batches up to `n_batch` tokens, `seqs`
 /// sequences over one shared cache (2: retrieval asks its questions on sequence 1).
 inline llama_context_params context_params(std::uint32_t n_ctx, std::uint32_t n_batch, int threads,
-                                          std::uint32_t seqs = 1) {
+                                           std::uint32_t seqs = 1) {
   auto p = llama_context_default_params();
   p.n_ctx = n_ctx;
   p.n_batch = n_batch;
@@ -88,16 +91,23 @@ inline void check_utf8_text(const std::string& path, std::string_view text) {
   for (std::size_t i = 0; i < text.size();) {
     const unsigned c = byte(i);
     if (c == 0) infkv_tools::fail("--text = {}: a NUL byte at offset {}: the file is not text", path, i);
-    const std::size_t len = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    const std::size_t len = c < 0x80                 ? 1
+                            : c >= 0xC2 && c <= 0xDF ? 2
+                            : c >= 0xE0 && c <= 0xEF ? 3
+                            : c >= 0xF0 && c <= 0xF4 ? 4
+                                                     : 0;
     bool ok = len != 0 && i + len <= text.size();
     for (std::size_t k = 1; ok && k < len; ++k) ok = (byte(i + k) & 0xC0) == 0x80;
     if (ok && len > 2) {  // the second byte's range: no overlong forms, surrogates or code points past U+10FFFF
       const unsigned d = byte(i + 1);
-      ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0) && !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d >= 0x90);
+      ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d >= 0xA0) && !(c == 0xF0 && d < 0x90) &&
+           !(c == 0xF4 && d >= 0x90);
     }
     if (!ok)
-      infkv_tools::fail("--text = {}: byte 0x{:02x} at offset {} is not UTF-8 (convert the file, e.g. "
-                           "iconv -f latin1 -t utf-8)", path, c, i);
+      infkv_tools::fail(
+          "--text = {}: byte 0x{:02x} at offset {} is not UTF-8 (convert the file, e.g. "
+          "iconv -f latin1 -t utf-8)",
+          path, c, i);
     i += len;
   }
 }

@@ -32,11 +32,11 @@ using infkv_tools::find_policy;
 /// best of 0 / 0.5 / 2 / 4 / 8 / 32 over the first 3000 KJV tokens at budget 256, and of 2 / 8 at
 /// budget 1024 on held-out KJV text (docs/evaluation.md).
 struct settings : infkv_tools::policy_knobs {
-  std::int64_t budget = 1024;  ///< cache slots kept after each eviction
-  std::int64_t block = 128;    ///< tokens decoded between evictions
-  int threads = 2;             ///< llama.cpp and scoring threads
+  std::int64_t budget = 1024;   ///< cache slots kept after each eviction
+  std::int64_t block = 128;     ///< tokens decoded between evictions
+  int threads = 2;              ///< llama.cpp and scoring threads
   bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
-  std::int64_t ask_room = 0;   ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
+  std::int64_t ask_room = 0;    ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
 };
 
@@ -60,9 +60,10 @@ inline void check_cells(const llama_model* m, std::string_view flag, std::int64_
   const model_shape sh(m);
   const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1)), avail = memory_available();
   if (avail > 0 && cells * per_cell > avail)
-    infkv_tools::fail("{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies ({:.1f} KiB a "
-                         "cell), but {:.0f} MiB of memory are available", flag, value, who, cells,
-                         cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
+    infkv_tools::fail(
+        "{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies ({:.1f} KiB a "
+        "cell), but {:.0f} MiB of memory are available",
+        flag, value, who, cells, cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
 }
 
 /// A question's answer: the greedy text, and the log-probability of the expected answer.
@@ -108,8 +109,10 @@ class runner {
     llama_memory_seq_cp(mem, 0, 1, -1, -1);
     answer a = answer_on(1, question, expected, next_pos(), gen);
     if (!llama_memory_seq_rm(mem, 1, -1, -1) || llama_memory_seq_pos_max(mem, 1) != -1)
-      infkv_tools::engine_fail("infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
-                                  "seq_pos_max = {})", llama_memory_seq_pos_max(mem, 1));
+      infkv_tools::engine_fail(
+          "infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
+          "seq_pos_max = {})",
+          llama_memory_seq_pos_max(mem, 1));
     return a;
   }
 
@@ -143,12 +146,13 @@ class runner {
     const auto q = std::int64_t(question.size());
     plain_decode(next, pos0, q - 1, seq);
     answer a;
-    for (std::size_t i = 0; i < expected.size(); ++i) a.expected_logprob -= token_nll(logits(std::int64_t(i)), expected[i]);
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      a.expected_logprob -= token_nll(logits(std::int64_t(i)), expected[i]);
     llama_token t = argmax(logits(0));
     pos0 += q;
     if (!expected.empty() && !llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
       infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false", seq,
-                                  pos0);
+                               pos0);
     for (std::int64_t g = 0; g < gen && !llama_vocab_is_eog(vocab, t); ++g) {
       a.text += piece(model_, t);
       if (g + 1 == gen) break;
@@ -212,15 +216,21 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
 class session_runner final : public runner {
  public:
   session_runner(const llama_model* m, kind k, const settings& s, std::int64_t max_feed)
-      : runner(m), kind_(k), set_(s), budget_(*policy_budget(k, s)), cap_(s.budget + max_feed),
+      : runner(m),
+        kind_(k),
+        set_(s),
+        budget_(*policy_budget(k, s)),
+        cap_(s.budget + max_feed),
         session_(m, session_options_for(k, s)) {
     budget_.validate();
     auto p = runner_params(s, cap_, max_feed);
     session_.attach(p);
     const auto& rope = session_.rope();
     if (k == kind::expected_attention && rope.has_rope && !rope.supported)
-      infkv_tools::fail("--policy expected_attention: the model's RoPE ({}) is not one infkv can turn back "
-                           "(normal and NeoX only); its queries cannot be taken to before RoPE", rope.kind);
+      infkv_tools::fail(
+          "--policy expected_attention: the model's RoPE ({}) is not one infkv can turn back "
+          "(normal and NeoX only); its queries cannot be taken to before RoPE",
+          rope.kind);
     set_.rotary = rope.has_rope ? std::optional(rope.params) : std::nullopt;
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", cap_);
@@ -232,8 +242,8 @@ class session_runner final : public runner {
     if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = 0;
     note_fed(toks.size());
-    INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(),
-                  "exceed budget + block = ", cap_, ": the cache is not bounded");
+    INFKV_REQUIRE(session_.size() <= cap_, "session slots", session_.size(), "exceed budget + block = ", cap_,
+                  ": the cache is not bounded");
   }
 
   std::int64_t evict() override {
@@ -264,13 +274,12 @@ class session_runner final : public runner {
   /// (f32), as the session holds them.
   std::int64_t host_bytes() const override {
     const std::int64_t keys = shape_.key_copy_bytes(session_.size()) * (session_.options().values ? 2 : 1);
-    const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) *
-                                 shape_.layers * shape_.heads * shape_.head_dim * 4;
+    const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) * shape_.layers *
+                                 shape_.heads * shape_.head_dim * 4;
     return keys + queries;
   }
 
  private:
-
   kind kind_;
   settings set_;
   infkv::budget budget_;
@@ -364,7 +373,8 @@ class shift_runner final : public runner {
     ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
     if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", n_ctx_);
     if (!llama_memory_can_shift(llama_get_memory(ctx_.get())))
-      infkv_tools::fail("--policy context_shift: this model's cache cannot shift positions (llama_memory_can_shift = false)");
+      infkv_tools::fail(
+          "--policy context_shift: this model's cache cannot shift positions (llama_memory_can_shift = false)");
     INFKV_REQUIRE(keep_ + max_feed < n_ctx_, "--sinks", keep_, "leaves no room to shift in a context of ", n_ctx_,
                   " cells with blocks of ", max_feed);
   }

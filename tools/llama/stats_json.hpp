@@ -9,9 +9,17 @@ namespace stream {
 
 /// Seconds per part of the session's work and its counters (session_stats).
 inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
-  return {{"decode", t.decode},         {"capture", t.capture}, {"append", t.append},   {"h2o", t.h2o},
-          {"score", t.score},           {"seq_rm", t.seq_rm},   {"seq_add", t.seq_add}, {"host_evict", t.host_evict},
-          {"rerotate", t.rerotate},     {"decodes", t.decodes}, {"decoded_tokens", t.decoded_tokens},
+  return {{"decode", t.decode},
+          {"capture", t.capture},
+          {"append", t.append},
+          {"h2o", t.h2o},
+          {"score", t.score},
+          {"seq_rm", t.seq_rm},
+          {"seq_add", t.seq_add},
+          {"host_evict", t.host_evict},
+          {"rerotate", t.rerotate},
+          {"decodes", t.decodes},
+          {"decoded_tokens", t.decoded_tokens},
           {"evictions", t.evictions}};
 }
 

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <unistd.h>
+#include <CLI/CLI.hpp>
 #include <infkv/cpu.hpp>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "cli_util.hpp"
 #include "errors.hpp"
@@ -112,9 +112,12 @@ result soak(const std::string& name, const P& policy, const infkv::budget& b, co
       cpu::observe(*h2o_st, in);
     }
     const auto& p = [&]() -> const auto& {
-      if constexpr (std::same_as<P, h2o>) return *h2o_st;
-      else return policy;
-    }();
+      if constexpr (std::same_as<P, h2o>)
+        return *h2o_st;
+      else
+        return policy;
+    }
+    ();
     const auto inputs = cpu::inputs_for(p, in);
     if (!pl || pl->shape.n_slots != n) {  // planned once the cache is full (every eviction sees budget + block)
       pl = make_plan(be, p, b, shape_of(inputs), {.g = granularity::per_token});
@@ -139,7 +142,8 @@ result soak(const std::string& name, const P& policy, const infkv::budget& b, co
     if (n != o.budget) fail(fmt::format("cache kept {} slots, not the budget {}", n, o.budget));
     if (tokens.capacity() > std::size_t(cap)) fail(fmt::format("token list capacity grew to {}", tokens.capacity()));
     if (h2o_st && h2o_st->n_slots() != n) fail("h2o state out of step with the cache");
-    if (blocks > warm_blocks && std::int64_t(ws->span().size()) != res.workspace) fail("the workspace was planned again");
+    if (blocks > warm_blocks && std::int64_t(ws->span().size()) != res.workspace)
+      fail("the workspace was planned again");
     if (res.evictions % o.sample_every == 0) res.samples[n_samples++] = {pos, n + o.block, rss, us};
   }
   times.resize(std::size_t(res.evictions));
@@ -156,8 +160,9 @@ result soak(const std::string& name, const P& policy, const infkv::budget& b, co
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-soak: a long synthetic stream through the core, one policy at a time; checks that memory and "
-               "every container stay flat"};
+  CLI::App app{
+      "infkv-soak: a long synthetic stream through the core, one policy at a time; checks that memory and "
+      "every container stay flat"};
   app.name("infkv-soak");
   options o;
   using infkv_tools::at_least;
@@ -187,24 +192,32 @@ int main(int argc, char** argv) {
       const auto b = *infkv_tools::policy_budget(entry->k, o.budget, knobs);
       results.push_back(infkv_tools::with_policy(entry->k, knobs, [&](const auto& p) { return soak(name, p, b, o); }));
       const result& r = results.back();
-      fmt::print("{:<18} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} us "
-                 "(median, first / last tenth): {}\n",
-                 r.policy, o.tokens, r.evictions, double(r.rss_warm) / 1048576.0, double(r.rss_max) / 1048576.0,
-                 r.us_first, r.us_last, r.flat ? "flat" : "GREW: " + r.why);
+      fmt::print(
+          "{:<18} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} "
+          "us "
+          "(median, first / last tenth): {}\n",
+          r.policy, o.tokens, r.evictions, double(r.rss_warm) / 1048576.0, double(r.rss_max) / 1048576.0, r.us_first,
+          r.us_last, r.flat ? "flat" : "GREW: " + r.why);
     }
     if (!o.csv.empty()) {
       std::string csv = "policy,tokens,slots,rss_bytes,evict_us\n";
       for (const auto& r : results)
-        for (const auto& s : r.samples) csv += fmt::format("{},{},{},{},{:.1f}\n", r.policy, s.tokens, s.slots, s.rss, s.evict_us);
+        for (const auto& s : r.samples)
+          csv += fmt::format("{},{},{},{},{:.1f}\n", r.policy, s.tokens, s.slots, s.rss, s.evict_us);
       std::ofstream(o.csv) << csv;
     }
     if (!o.json.empty()) {
       nlohmann::json j;
       j["tokens"] = o.tokens, j["budget"] = o.budget, j["block"] = o.block;
       for (const auto& r : results)
-        j["policies"].push_back({{"policy", r.policy}, {"evictions", r.evictions}, {"rss_warm", r.rss_warm},
-                                 {"rss_max", r.rss_max}, {"evict_us_first", r.us_first}, {"evict_us_last", r.us_last},
-                                 {"flat", r.flat}, {"why", r.why}});
+        j["policies"].push_back({{"policy", r.policy},
+                                 {"evictions", r.evictions},
+                                 {"rss_warm", r.rss_warm},
+                                 {"rss_max", r.rss_max},
+                                 {"evict_us_first", r.us_first},
+                                 {"evict_us_last", r.us_last},
+                                 {"flat", r.flat},
+                                 {"why", r.why}});
       std::ofstream(o.json) << j.dump(1) << "\n";
     }
     return std::all_of(results.begin(), results.end(), [](const result& r) { return r.flat; }) ? 0 : 1;

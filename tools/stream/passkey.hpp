@@ -29,14 +29,14 @@ namespace stream {
 
 /// One question asked along a retrieval stream.
 struct probe {
-  std::int64_t trial = 0;            ///< the key's number (keys counted over every stream)
-  std::string kind = "passkey";      ///< passkey, or the needle's kind: number, word, fact
-  std::string needle;                ///< what the answer must contain
+  std::int64_t trial = 0;        ///< the key's number (keys counted over every stream)
+  std::string kind = "passkey";  ///< passkey, or the needle's kind: number, word, fact
+  std::string needle;            ///< what the answer must contain
   std::vector<llama_token> question;
-  std::int64_t key_at = 0;           ///< stream index where the key statement starts
-  std::int64_t key_end = 0;          ///< ... and ends
-  std::int64_t at = 0;               ///< asked after the stream's first `at` tokens
-  std::int64_t prefix = 0;           ///< filler sentences (passkey) or prose tokens (needle) before the stream's first key
+  std::int64_t key_at = 0;   ///< stream index where the key statement starts
+  std::int64_t key_end = 0;  ///< ... and ends
+  std::int64_t at = 0;       ///< asked after the stream's first `at` tokens
+  std::int64_t prefix = 0;   ///< filler sentences (passkey) or prose tokens (needle) before the stream's first key
   std::int64_t distance() const { return at - key_end; }
   std::int64_t key_tokens() const { return key_end - key_at; }
 };
@@ -54,7 +54,7 @@ struct passkey_trial {
   std::int64_t key_kept = 0;    ///< tokens of the key statement cached when the question is asked
   double needle_logprob = 0.0;  ///< log-probability of " needle" right after the question
   bool success = false;
-  double seconds = 0.0;         ///< asking and answering
+  double seconds = 0.0;  ///< asking and answering
 };
 
 /// One policy's questions.
@@ -97,7 +97,8 @@ inline retrieval_stream make_passkey(const llama_model* m, std::span<const std::
   key.needle = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
   const std::string intro =
       "There is an important piece of information hidden inside a lot of irrelevant text. Find it and remember it.";
-  const std::string filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+  const std::string filler =
+      " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
   const std::string statement = " The pass key is " + key.needle + ". Remember it. " + key.needle + " is the pass key.";
   const std::int64_t unit = std::int64_t(tokenize(m, filler, false).size());
   const auto reps_of = [&](std::int64_t d) { return std::max<std::int64_t>(1, (d + unit - 1) / unit); };
@@ -130,25 +131,27 @@ struct needle_kind {
 };
 
 namespace detail {
-inline constexpr std::array<std::string_view, 12> words{"pineapple", "telescope", "umbrella", "volcano", "penguin", "lantern",
-                                                        "bicycle", "avocado", "kangaroo", "helicopter", "trampoline", "compass"};
-inline constexpr std::array<std::string_view, 8> cities{"Lisbon", "Oslo", "Nairobi", "Kyoto", "Toronto", "Santiago",
-                                                        "Helsinki", "Melbourne"};
-inline constexpr std::array<std::string_view, 8> colours{"turquoise", "magenta", "orange", "lavender", "beige", "maroon",
-                                                         "teal", "pink"};
-inline constexpr std::array<std::string_view, 8> pets{"hamster", "parrot", "iguana", "rabbit", "goldfish", "tortoise",
-                                                      "ferret", "canary"};
-inline constexpr std::array<std::string_view, 8> cars{"Volvo", "Toyota", "Renault", "Ford", "Honda", "Fiat", "Skoda", "Tesla"};
-inline constexpr std::array<std::string_view, 8> jobs{"dentist", "pilot", "chemist", "plumber", "librarian", "firefighter",
-                                                      "journalist", "architect"};
-inline constexpr std::array<std::string_view, 8> sports{"tennis", "chess", "hockey", "volleyball", "badminton", "golf",
-                                                        "cricket", "baseball"};
-inline constexpr std::array<std::string_view, 8> languages{"Portuguese", "Swahili", "Finnish", "Japanese", "Polish",
-                                                           "Turkish", "Dutch", "Korean"};
-inline constexpr std::array<std::string_view, 8> drinks{"espresso", "lemonade", "cocoa", "cider", "smoothie", "kombucha",
-                                                        "milkshake", "iced tea"};
-inline constexpr std::array<std::string_view, 8> fruits{"mango", "kiwi", "banana", "papaya", "cherry", "lime", "coconut",
-                                                        "blueberry"};
+inline constexpr std::array<std::string_view, 12> words{"pineapple", "telescope",  "umbrella",   "volcano",
+                                                        "penguin",   "lantern",    "bicycle",    "avocado",
+                                                        "kangaroo",  "helicopter", "trampoline", "compass"};
+inline constexpr std::array<std::string_view, 8> cities{"Lisbon",  "Oslo",     "Nairobi",  "Kyoto",
+                                                        "Toronto", "Santiago", "Helsinki", "Melbourne"};
+inline constexpr std::array<std::string_view, 8> colours{"turquoise", "magenta", "orange", "lavender",
+                                                         "beige",     "maroon",  "teal",   "pink"};
+inline constexpr std::array<std::string_view, 8> pets{"hamster",  "parrot",   "iguana", "rabbit",
+                                                      "goldfish", "tortoise", "ferret", "canary"};
+inline constexpr std::array<std::string_view, 8> cars{"Volvo", "Toyota", "Renault", "Ford",
+                                                      "Honda", "Fiat",   "Skoda",   "Tesla"};
+inline constexpr std::array<std::string_view, 8> jobs{"dentist",   "pilot",       "chemist",    "plumber",
+                                                      "librarian", "firefighter", "journalist", "architect"};
+inline constexpr std::array<std::string_view, 8> sports{"tennis",    "chess", "hockey",  "volleyball",
+                                                        "badminton", "golf",  "cricket", "baseball"};
+inline constexpr std::array<std::string_view, 8> languages{"Portuguese", "Swahili", "Finnish", "Japanese",
+                                                           "Polish",     "Turkish", "Dutch",   "Korean"};
+inline constexpr std::array<std::string_view, 8> drinks{"espresso", "lemonade", "cocoa",     "cider",
+                                                        "smoothie", "kombucha", "milkshake", "iced tea"};
+inline constexpr std::array<std::string_view, 8> fruits{"mango",  "kiwi", "banana",  "papaya",
+                                                        "cherry", "lime", "coconut", "blueberry"};
 }  // namespace detail
 
 /// The needle kinds, in the order keys cycle through them: every kind asks a different question,
@@ -172,9 +175,9 @@ inline constexpr std::array<needle_kind, 12> needle_kinds{{
 }};
 
 /// The people needles are about (a stream's needles are about different people).
-inline constexpr std::array<std::string_view, 16> needle_names{
-    "Marta", "Tobias", "Ingrid", "Kenji", "Amara", "Lukas", "Priya", "Mateo",
-    "Sofia", "Dmitri", "Leila", "Oscar", "Hannah", "Rafael", "Yuki", "Nadia"};
+inline constexpr std::array<std::string_view, 16> needle_names{"Marta",  "Tobias", "Ingrid", "Kenji",  "Amara", "Lukas",
+                                                               "Priya",  "Mateo",  "Sofia",  "Dmitri", "Leila", "Oscar",
+                                                               "Hannah", "Rafael", "Yuki",   "Nadia"};
 
 /// The kind called `name`, or nullptr.
 inline const needle_kind* find_needle_kind(std::string_view name) {
@@ -290,7 +293,8 @@ inline std::int64_t ask_room(const llama_model* m, const retrieval_stream& s, st
 /// question is asked), evicting after each; asks each question where it belongs and decodes up
 /// to `gen` answer tokens. `done(trial)` is called after each question.
 inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, settings s, const retrieval_stream& rs,
-                                                std::int64_t gen, const std::function<void(const passkey_trial&)>& done) {
+                                                std::int64_t gen,
+                                                const std::function<void(const passkey_trial&)>& done) {
   s.ask_room = ask_room(m, rs, gen);
   auto r = make_runner(m, k, s, std::int64_t(rs.tokens.size()), s.block);
   std::vector<passkey_trial> out;

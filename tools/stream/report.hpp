@@ -4,10 +4,10 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <iterator>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -58,27 +58,42 @@ inline std::string to_csv(const std::vector<stream_run>& runs) {
 }
 
 inline nlohmann::json to_json(const block_record& b) {
-  return {{"block", b.index},          {"tokens", b.tokens},
-          {"scored", b.scored},        {"nll", b.nll},
-          {"block_ppl", num(b.block_ppl)}, {"running_ppl", num(b.running_ppl)},
-          {"window_ppl", num(b.window_ppl)}, {"slots_peak", b.slots_peak},
-          {"slots", b.slots},          {"evicted", b.evicted},
-          {"kv_alloc_bytes", b.kv_alloc_bytes}, {"kv_state_bytes", b.kv_state_bytes},
-          {"host_bytes", b.host_bytes}, {"rss_bytes", b.rss_bytes},
-          {"seconds", b.seconds},      {"tok_per_s", b.tok_per_s}};
+  return {{"block", b.index},
+          {"tokens", b.tokens},
+          {"scored", b.scored},
+          {"nll", b.nll},
+          {"block_ppl", num(b.block_ppl)},
+          {"running_ppl", num(b.running_ppl)},
+          {"window_ppl", num(b.window_ppl)},
+          {"slots_peak", b.slots_peak},
+          {"slots", b.slots},
+          {"evicted", b.evicted},
+          {"kv_alloc_bytes", b.kv_alloc_bytes},
+          {"kv_state_bytes", b.kv_state_bytes},
+          {"host_bytes", b.host_bytes},
+          {"rss_bytes", b.rss_bytes},
+          {"seconds", b.seconds},
+          {"tok_per_s", b.tok_per_s}};
 }
 
 inline nlohmann::json to_json(const run_summary& s) {
-  return {{"ppl", num(s.ppl)},          {"early_ppl", num(s.early_ppl)}, {"late_ppl", num(s.late_ppl)},
-          {"warm_blocks", s.warm_blocks}, {"tok_per_s", s.tok_per_s},    {"max_slots", s.max_slots},
-          {"kv_alloc_bytes", s.kv_alloc_bytes}, {"peak_rss_bytes", s.peak_rss}, {"evictions", s.evictions}};
+  return {{"ppl", num(s.ppl)},
+          {"early_ppl", num(s.early_ppl)},
+          {"late_ppl", num(s.late_ppl)},
+          {"warm_blocks", s.warm_blocks},
+          {"tok_per_s", s.tok_per_s},
+          {"max_slots", s.max_slots},
+          {"kv_alloc_bytes", s.kv_alloc_bytes},
+          {"peak_rss_bytes", s.peak_rss},
+          {"evictions", s.evictions}};
 }
 
 /// What every JSON output says about its memory figures.
 inline const char* memory_note =
     "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim * 2 bytes (f16 cache); "
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
-    "host_bytes: computed, the session's f16 key (and value) copies and f32 window queries; rss_bytes: /proc/self/statm";
+    "host_bytes: computed, the session's f16 key (and value) copies and f32 window queries; rss_bytes: "
+    "/proc/self/statm";
 
 inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<stream_run>& runs, const settings& s) {
   nlohmann::json j = head;
@@ -87,41 +102,48 @@ inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<
   for (const auto& r : runs) {
     nlohmann::json blocks = nlohmann::json::array();
     for (const auto& b : r.blocks) blocks.push_back(to_json(b));
-    j["runs"].push_back({{"policy", r.policy}, {"tokens", r.tokens}, {"seconds", r.seconds}, {"note", r.note},
-                         {"summary", to_json(summarise(r, s))}, {"time", to_json(r.time)}, {"blocks", std::move(blocks)}});
+    j["runs"].push_back({{"policy", r.policy},
+                         {"tokens", r.tokens},
+                         {"seconds", r.seconds},
+                         {"note", r.note},
+                         {"summary", to_json(summarise(r, s))},
+                         {"time", to_json(r.time)},
+                         {"blocks", std::move(blocks)}});
   }
   return j;
 }
 
 inline void print_stream_table(const std::vector<stream_run>& runs, const settings& s) {
-  fmt::print("{:<18} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>8}\n", "policy", "tokens", "blocks", "ppl",
-             "ppl_early", "ppl_late", "tok/s", "slots", "kv_MiB", "rss_MiB", "evicts");
+  fmt::print("{:<18} {:>7} {:>6} {:>9} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>8}\n", "policy", "tokens", "blocks",
+             "ppl", "ppl_early", "ppl_late", "tok/s", "slots", "kv_MiB", "rss_MiB", "evicts");
   for (const auto& r : runs) {
     const auto m = summarise(r, s);
     fmt::print("{:<18} {:7} {:6} {} {} {} {} {:6} {} {} {:8}{}\n", r.policy, r.tokens, r.blocks.size(),
-               cell(m.ppl, 9, 3), cell(m.early_ppl, 9, 3), cell(m.late_ppl, 9, 3), cell(m.tok_per_s, 7, 1),
-               m.max_slots, cell(double(m.kv_alloc_bytes) / 1048576.0, 8, 2),
-               cell(double(m.peak_rss) / 1048576.0, 8, 1), m.evictions, note_suffix(r.note));
+               cell(m.ppl, 9, 3), cell(m.early_ppl, 9, 3), cell(m.late_ppl, 9, 3), cell(m.tok_per_s, 7, 1), m.max_slots,
+               cell(double(m.kv_alloc_bytes) / 1048576.0, 8, 2), cell(double(m.peak_rss) / 1048576.0, 8, 1),
+               m.evictions, note_suffix(r.note));
   }
-  fmt::print("ppl_early / ppl_late: first / last 10% of the blocks after warm-up (tokens > budget + block = {}); "
-             "slots: peak cached tokens; kv_MiB: llama.cpp K/V buffers (computed from n_ctx)\n",
-             s.budget + s.block);
+  fmt::print(
+      "ppl_early / ppl_late: first / last 10% of the blocks after warm-up (tokens > budget + block = {}); "
+      "slots: peak cached tokens; kv_MiB: llama.cpp K/V buffers (computed from n_ctx)\n",
+      s.budget + s.block);
 }
 
 /// Where each run's seconds went: llama_decode (capture callbacks inside it), then the
 /// session's own work after the decodes and at the evictions.
 inline void print_time_table(const std::vector<stream_run>& runs) {
-  fmt::print("{:<18} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n", "time (s)", "total", "decode",
-             "capture", "append", "h2o", "score", "seq_rm", "seq_add", "h_evict", "rerot", "own %");
+  fmt::print("{:<18} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n", "time (s)", "total",
+             "decode", "capture", "append", "h2o", "score", "seq_rm", "seq_add", "h_evict", "rerot", "own %");
   for (const auto& r : runs) {
     const auto& t = r.time;
     fmt::print("{:<18} {} {} {} {} {} {} {} {} {} {} {}\n", r.policy, cell(r.seconds, 8, 2), cell(t.decode, 8, 2),
-               cell(t.capture, 8, 3), cell(t.append, 7, 3), cell(t.h2o, 7, 3), cell(t.score, 7, 3), cell(t.seq_rm, 7, 3),
-               cell(t.seq_add, 7, 4), cell(t.host_evict, 7, 3), cell(t.rerotate, 7, 3),
+               cell(t.capture, 8, 3), cell(t.append, 7, 3), cell(t.h2o, 7, 3), cell(t.score, 7, 3),
+               cell(t.seq_rm, 7, 3), cell(t.seq_add, 7, 4), cell(t.host_evict, 7, 3), cell(t.rerotate, 7, 3),
                cell(t.decode > 0 ? 100.0 * t.overhead() / t.decode : NAN, 7, 2));
   }
-  fmt::print("decode: llama_decode, capture copies (part of it) and llama.cpp's K-shift included; own %: the session's "
-             "work outside llama_decode over the decode time\n");
+  fmt::print(
+      "decode: llama_decode, capture copies (part of it) and llama.cpp's K-shift included; own %: the session's "
+      "work outside llama_decode over the decode time\n");
 }
 
 inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector<passkey_run>& runs) {
@@ -130,12 +152,23 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
   for (const auto& r : runs) {
     nlohmann::json trials = nlohmann::json::array();
     for (const auto& t : r.trials)
-      trials.push_back({{"trial", t.p.trial}, {"kind", t.p.kind}, {"needle", t.p.needle}, {"prefix", t.p.prefix},
-                        {"key_at", t.p.key_at}, {"asked_at", t.p.at}, {"distance", t.p.distance()},
-                        {"prompt_tokens", t.p.at + std::int64_t(t.p.question.size())}, {"key_tokens", t.p.key_tokens()},
-                        {"key_kept", t.key_kept}, {"needle_logprob", num(t.needle_logprob)}, {"answer", t.answer},
-                        {"success", t.success}, {"seconds", t.seconds}});
-    j["runs"].push_back({{"policy", r.policy}, {"note", r.note}, {"seconds", r.seconds},
+      trials.push_back({{"trial", t.p.trial},
+                        {"kind", t.p.kind},
+                        {"needle", t.p.needle},
+                        {"prefix", t.p.prefix},
+                        {"key_at", t.p.key_at},
+                        {"asked_at", t.p.at},
+                        {"distance", t.p.distance()},
+                        {"prompt_tokens", t.p.at + std::int64_t(t.p.question.size())},
+                        {"key_tokens", t.p.key_tokens()},
+                        {"key_kept", t.key_kept},
+                        {"needle_logprob", num(t.needle_logprob)},
+                        {"answer", t.answer},
+                        {"success", t.success},
+                        {"seconds", t.seconds}});
+    j["runs"].push_back({{"policy", r.policy},
+                         {"note", r.note},
+                         {"seconds", r.seconds},
                          {"success_rate", num(r.trials.empty() ? NAN : success_rate(r.trials))},
                          {"trials", std::move(trials)}});
   }
@@ -144,15 +177,16 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
 
 inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
-  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,needle_logprob,seconds,answer\n";
+  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,needle_logprob,seconds,"
+        "answer\n";
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
       std::string a = t.answer;
       for (auto& c : a)
         if (c == '"' || c == '\n' || c == ',') c = ' ';
-      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{:.4f},{:.3f},\"{}\"\n", r.policy, t.p.trial, t.p.kind, t.p.needle,
-                        t.p.key_at, t.p.distance(), t.p.at + std::int64_t(t.p.question.size()), t.p.key_tokens(),
-                        t.key_kept, int(t.success), t.needle_logprob, t.seconds, a);
+      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{:.4f},{:.3f},\"{}\"\n", r.policy, t.p.trial, t.p.kind,
+                        t.p.needle, t.p.key_at, t.p.distance(), t.p.at + std::int64_t(t.p.question.size()),
+                        t.p.key_tokens(), t.key_kept, int(t.success), t.needle_logprob, t.seconds, a);
     }
   return os.str();
 }
@@ -196,14 +230,16 @@ inline void plot(const std::string& csv, const std::string& png, const std::vect
     for (char c : v) o += c == '\'' ? std::string("''") : std::string(1, c);
     return o;
   };
-  const std::string vars = "csv='" + esc(csv) + "'; out='" + esc(png) + "'; policies='" + esc(policies) +
-                           "'; title='" + esc(title) + "'; budget=" + std::to_string(s.budget);
+  const std::string vars = "csv='" + esc(csv) + "'; out='" + esc(png) + "'; policies='" + esc(policies) + "'; title='" +
+                           esc(title) + "'; budget=" + std::to_string(s.budget);
   const std::string cmd = "gnuplot -e " + quote(vars) + " " + quote(script);
   const int rc = std::system(cmd.c_str());
   std::filesystem::remove(script);
   if (rc != 0)
-    infkv_tools::fail("--plot = {}: gnuplot failed (status {}); install gnuplot (Debian: gnuplot-nox, "
-                         "scripts/kjv.sh does) or leave out --plot", png, rc);
+    infkv_tools::fail(
+        "--plot = {}: gnuplot failed (status {}); install gnuplot (Debian: gnuplot-nox, "
+        "scripts/kjv.sh does) or leave out --plot",
+        png, rc);
 }
 
 }  // namespace stream

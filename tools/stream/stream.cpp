@@ -17,9 +17,9 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.hpp"
@@ -52,29 +52,38 @@ struct options {
 
 void add_options(CLI::App& app, options& o) {
   const auto pos = at_least(1), nonneg = at_least(0);
-  app.add_option("--model", o.model, "GGUF model file (e.g. the path scripts/model.sh prints)")->check(CLI::ExistingFile);
-  app.add_option("--text", o.text, "text file to stream (e.g. the path scripts/kjv.sh prints)")->check(CLI::ExistingFile);
-  app.add_option("--policy", o.policy_names, "policies to run in turn, each on a fresh context (repeatable or comma "
-                                             "list; default streaming_llm; see --list-policies)")->delimiter(',');
+  app.add_option("--model", o.model, "GGUF model file (e.g. the path scripts/model.sh prints)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--text", o.text, "text file to stream (e.g. the path scripts/kjv.sh prints)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--policy", o.policy_names,
+                 "policies to run in turn, each on a fresh context (repeatable or comma "
+                 "list; default streaming_llm; see --list-policies)")
+      ->delimiter(',');
   app.add_option("--budget", o.s.budget, "cache slots kept after each eviction")->check(pos);
   app.add_option("--block", o.s.block, "tokens decoded between two evictions")->check(pos);
   app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
-  app.add_option("--skip", o.skip, "start the stream after this many tokens of the text (e.g. to compare a slice "
-                                   "with the recompute oracle); CSV token counts include them")->check(nonneg);
+  app.add_option("--skip", o.skip,
+                 "start the stream after this many tokens of the text (e.g. to compare a slice "
+                 "with the recompute oracle); CSV token counts include them")
+      ->check(nonneg);
   app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
-  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")->check(nonneg);
-  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)")->check(nonneg);
+  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")
+      ->check(nonneg);
+  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)")
+      ->check(nonneg);
   app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
-  app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")
-      ->check(at_least(0, false));
+  app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")->check(at_least(0, false));
   app.add_option("--ea-window", o.s.ea_window, "queries whose mean and covariance expected_attention uses")->check(pos);
   app.add_option("--reduce", o.s.reduce, "how the heads' and layers' scores combine into one per token (mean, max)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean},
-                                                                                   {"max", infkv::reduction::max}}));
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean}, {"max", infkv::reduction::max}}));
   app.add_option("--recent-share", o.s.recent_share, "recent_keydiff: share of --budget kept as the recency region")
       ->check(at_least(0, false, 1));
-  app.add_option("--keydiff-kernel", o.s.keydiff_kernel, "recent_keydiff: KeyDiff scores max-pooled over this many "
-                                                          "neighbours (odd; 1: none)")->check(at_least(1, true, 1001));
+  app.add_option("--keydiff-kernel", o.s.keydiff_kernel,
+                 "recent_keydiff: KeyDiff scores max-pooled over this many "
+                 "neighbours (odd; 1: none)")
+      ->check(at_least(1, true, 1001));
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
@@ -83,21 +92,33 @@ void add_options(CLI::App& app, options& o) {
       ->check(infkv_tools::writable_file());
   app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)")
       ->check(infkv_tools::writable_file());
-  app.add_flag("--keep-positions", o.s.keep_positions, "evicting policies leave holes at the original positions "
-                                                      "instead of compacting them (positions then grow with the stream)");
+  app.add_flag("--keep-positions", o.s.keep_positions,
+               "evicting policies leave holes at the original positions "
+               "instead of compacting them (positions then grow with the stream)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
-  app.add_option("--passkey", o.passkey, "passkey retrieval instead of perplexity: the question DISTANCE tokens of "
-                                         "filler after the key (comma list: asked at each)")->delimiter(',')->check(pos);
-  app.add_option("--needle", o.needle, "needle retrieval in real text: needle statements planted into the --text "
-                                       "prose, the question DISTANCE tokens after each (comma list: asked at each)")
-      ->delimiter(',')->check(pos)->excludes("--passkey");
+  app.add_option("--passkey", o.passkey,
+                 "passkey retrieval instead of perplexity: the question DISTANCE tokens of "
+                 "filler after the key (comma list: asked at each)")
+      ->delimiter(',')
+      ->check(pos);
+  app.add_option("--needle", o.needle,
+                 "needle retrieval in real text: needle statements planted into the --text "
+                 "prose, the question DISTANCE tokens after each (comma list: asked at each)")
+      ->delimiter(',')
+      ->check(pos)
+      ->excludes("--passkey");
   std::vector<std::string> kind_names;
   for (const auto& k : stream::needle_kinds) kind_names.emplace_back(k.name);
-  app.add_option("--needle-kind", o.needle_kinds, fmt::format("needle kinds the keys cycle through ({}; default: the first "
-                                                              "three, or the first --needles)", fmt::join(kind_names, ", ")))
-      ->delimiter(',')->check(CLI::IsMember(kind_names));
-  app.add_option("--needles", o.needles, "needles planted in one stream, each about its own person and of its own kind "
-                                         "(at most the kinds cycled through)")->check(at_least(1, true, 12));
+  app.add_option("--needle-kind", o.needle_kinds,
+                 fmt::format("needle kinds the keys cycle through ({}; default: the first "
+                             "three, or the first --needles)",
+                             fmt::join(kind_names, ", ")))
+      ->delimiter(',')
+      ->check(CLI::IsMember(kind_names));
+  app.add_option("--needles", o.needles,
+                 "needles planted in one stream, each about its own person and of its own kind "
+                 "(at most the kinds cycled through)")
+      ->check(at_least(1, true, 12));
   app.add_option("--needle-gap", o.needle_gap, "tokens of prose between two needles of a stream")->check(pos);
   app.add_option("--trials", o.trials, "retrieval keys per policy, each asked at every distance (seeded)")->check(pos);
   app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(at_least(1, true, 256));
@@ -110,11 +131,14 @@ std::vector<stream::policy_info> check(const options& o) {
   const bool retrieval = o.retrieval();
   const std::string mode = o.mode();
   if (o.passkey.empty() && o.text.empty()) usage_error("--text is required (or --passkey DISTANCE)");
-  if (o.skip > 0 && retrieval) usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not " + mode);
-  if (o.tokens > 0 && retrieval) usage_error("--tokens = " + std::to_string(o.tokens) + ": only for the text stream, not " + mode);
+  if (o.skip > 0 && retrieval)
+    usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not " + mode);
+  if (o.tokens > 0 && retrieval)
+    usage_error("--tokens = " + std::to_string(o.tokens) + ": only for the text stream, not " + mode);
   if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
   if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
-  if (o.needles > 1 && o.needle.empty()) usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
+  if (o.needles > 1 && o.needle.empty())
+    usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
   if (const std::string why = infkv_tools::knobs_problem(o.s); !why.empty()) usage_error(why);
   if (std::set<std::string>(o.needle_kinds.begin(), o.needle_kinds.end()).size() != o.needle_kinds.size())
     usage_error(fmt::format("--needle-kind = {}: a kind is listed twice", fmt::join(o.needle_kinds, ",")));
@@ -153,14 +177,28 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
   return {{"program", "infkv-stream"},
           {"model", o.model},
           {"model_desc", desc},
-          {"model_shape", {{"layers", sh.layers}, {"heads", sh.heads}, {"kv_heads", sh.kv_heads},
-                           {"head_dim", sh.head_dim}, {"vocab", sh.vocab}, {"n_ctx_train", sh.n_ctx_train}}},
+          {"model_shape",
+           {{"layers", sh.layers},
+            {"heads", sh.heads},
+            {"kv_heads", sh.kv_heads},
+            {"head_dim", sh.head_dim},
+            {"vocab", sh.vocab},
+            {"n_ctx_train", sh.n_ctx_train}}},
           {"text", o.text},
-          {"settings", {{"budget", o.s.budget}, {"block", o.s.block}, {"sinks", o.s.sinks}, {"recent", o.s.recent},
-                        {"window", o.s.window}, {"beta", o.s.beta}, {"ea_window", o.s.ea_window},
-                        {"recent_share", o.s.recent_share}, {"keydiff_kernel", o.s.keydiff_kernel},
-                        {"reduce", infkv::to_string(o.s.reduce)}, {"threads", o.s.threads},
-                        {"keep_positions", o.s.keep_positions}, {"smooth", o.smooth}}},
+          {"settings",
+           {{"budget", o.s.budget},
+            {"block", o.s.block},
+            {"sinks", o.s.sinks},
+            {"recent", o.s.recent},
+            {"window", o.s.window},
+            {"beta", o.s.beta},
+            {"ea_window", o.s.ea_window},
+            {"recent_share", o.s.recent_share},
+            {"keydiff_kernel", o.s.keydiff_kernel},
+            {"reduce", infkv::to_string(o.s.reduce)},
+            {"threads", o.s.threads},
+            {"keep_positions", o.s.keep_positions},
+            {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
 
@@ -168,14 +206,15 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
   const double load0 = load_average();
   auto toks = stream::tokenize_file(m, o.text, o.tokens > 0 ? o.skip + o.tokens : 0);
   if (o.tokens > 0 && std::int64_t(toks.size()) < o.skip + o.tokens)
-    usage_error("--tokens = " + std::to_string(o.tokens) + ": the text has " + std::to_string(toks.size()) +
-                " tokens" + (o.skip > 0 ? " (--skip = " + std::to_string(o.skip) + ")" : std::string()) +
+    usage_error("--tokens = " + std::to_string(o.tokens) + ": the text has " + std::to_string(toks.size()) + " tokens" +
+                (o.skip > 0 ? " (--skip = " + std::to_string(o.skip) + ")" : std::string()) +
                 "; --tokens 0 streams the whole text");
   if (std::int64_t(toks.size()) < o.skip + 2)
     usage_error("--skip = " + std::to_string(o.skip) + ": the text has " + std::to_string(toks.size()) +
                 " tokens, fewer than 2 remain");
   toks.erase(toks.begin(), toks.begin() + o.skip);
-  fmt::print(stderr, "infkv-stream: {} tokens of {} after {} skipped; budget {}, block {}, {} threads; load average {:.2f}\n",
+  fmt::print(stderr,
+             "infkv-stream: {} tokens of {} after {} skipped; budget {}, block {}, {} threads; load average {:.2f}\n",
              toks.size(), o.text, o.skip, o.s.budget, o.s.block, o.s.threads, load0);
   const stream::model_shape sh(m);
   std::vector<stream::stream_run> runs;
@@ -190,9 +229,11 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
     const std::int64_t n_blocks = (std::int64_t(part.size()) + o.s.block - 1) / o.s.block;
     auto progress = [&](const stream::block_record& b) {
       if (o.progress == 0 || ((b.index + 1) % o.progress != 0 && b.index + 1 != n_blocks)) return;
-      fmt::print(stderr, "[{}] block {}/{} tokens {} ppl {:.3f} running {:.3f} slots {} kv {:.2f} MiB rss {:.0f} MiB {:.0f} tok/s\n",
-                 p.name, b.index + 1, n_blocks, b.tokens, b.block_ppl, b.running_ppl, b.slots_peak,
-                 double(b.kv_state_bytes) / 1048576.0, double(b.rss_bytes) / 1048576.0, b.tok_per_s);
+      fmt::print(
+          stderr,
+          "[{}] block {}/{} tokens {} ppl {:.3f} running {:.3f} slots {} kv {:.2f} MiB rss {:.0f} MiB {:.0f} tok/s\n",
+          p.name, b.index + 1, n_blocks, b.tokens, b.block_ppl, b.running_ppl, b.slots_peak,
+          double(b.kv_state_bytes) / 1048576.0, double(b.rss_bytes) / 1048576.0, b.tok_per_s);
     };
     runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.skip, o.s, o.smooth, progress));
     runs.back().note = note;
@@ -231,26 +272,30 @@ std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const 
     for (std::int64_t t = 0; t < o.trials; ++t) streams.push_back(stream::make_passkey(m, o.passkey, t, o.seed));
     return streams;
   }
-  stream::needle_layout lay{.distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
+  stream::needle_layout lay{
+      .distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
   if (lay.kinds.empty())  // number, word, fact; a stream of more needles cycles through more kinds
     for (std::int64_t i = 0; i < std::max<std::int64_t>(3, o.needles); ++i)
       lay.kinds.emplace_back(stream::needle_kinds[std::size_t(i)].name);
   if (o.needles > std::int64_t(lay.kinds.size()))
-    usage_error(fmt::format("--needles = {}: more than the {} --needle-kind given ({}): each needle of a stream is of its "
-                            "own kind", o.needles, lay.kinds.size(), fmt::join(lay.kinds, ",")));
+    usage_error(
+        fmt::format("--needles = {}: more than the {} --needle-kind given ({}): each needle of a stream is of its "
+                    "own kind",
+                    o.needles, lay.kinds.size(), fmt::join(lay.kinds, ",")));
   const auto text = stream::tokenize_file(m, o.text, 0);
   if (std::int64_t(text.size()) <= lay.text_needed())
-    usage_error(fmt::format("--needle = {}: --text = {} has {} tokens; a stream of {} needle(s) --needle-gap {} apart "
-                            "takes up to {} tokens of its prose", fmt::join(o.needle, ","), o.text, text.size(),
-                            o.needles, o.needle_gap, lay.text_needed()));
+    usage_error(
+        fmt::format("--needle = {}: --text = {} has {} tokens; a stream of {} needle(s) --needle-gap {} apart "
+                    "takes up to {} tokens of its prose",
+                    fmt::join(o.needle, ","), o.text, text.size(), o.needles, o.needle_gap, lay.text_needed()));
   std::vector<bool> line_start(text.size(), false);
   for (std::size_t i = 1; i < text.size(); ++i) {
     const std::string prev = stream::piece(m, text[i - 1]);
     line_start[i] = !prev.empty() && prev.back() == '\n';
   }
   for (std::int64_t first = 0, index = 0; first < o.trials; first += o.needles, ++index)
-    streams.push_back(stream::make_needles(m, text, line_start, lay, first, std::min(o.needles, o.trials - first), index,
-                                           o.seed));
+    streams.push_back(
+        stream::make_needles(m, text, line_start, lay, first, std::min(o.needles, o.trials - first), index, o.seed));
   return streams;
 }
 
@@ -262,9 +307,11 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
   for (const auto& rs : streams)
     longest = std::max(longest, std::int64_t(rs.tokens.size())), questions += std::int64_t(rs.probes.size());
   const auto& distances = o.passkey.empty() ? o.needle : o.passkey;
-  fmt::print(stderr, "infkv-stream: {}, distances {}, {} keys in {} stream(s) of up to {} tokens, {} questions; budget {}, "
-             "block {}; load average {:.2f}\n", o.passkey.empty() ? "needles in " + o.text : "passkey",
-             fmt::join(distances, ","), o.trials, streams.size(), longest, questions, o.s.budget, o.s.block, load0);
+  fmt::print(stderr,
+             "infkv-stream: {}, distances {}, {} keys in {} stream(s) of up to {} tokens, {} questions; budget {}, "
+             "block {}; load average {:.2f}\n",
+             o.passkey.empty() ? "needles in " + o.text : "passkey", fmt::join(distances, ","), o.trials,
+             streams.size(), longest, questions, o.s.budget, o.s.block, load0);
   std::vector<stream::passkey_run> runs;
   for (const auto& p : chosen) {
     stream::passkey_run run;
@@ -279,9 +326,11 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
       if (rs.probes.empty()) continue;
       auto got = stream::run_retrieval(m, p.k, o.s, rs, o.gen, [&](const stream::passkey_trial& t) {
         if (o.progress > 0)
-          fmt::print(stderr, "[{}] key {}: {} {} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
-                     "log p(needle) {:.2f}: \"{}\" {}\n", p.name, t.p.trial, t.p.kind, t.p.needle, t.p.key_at, t.p.at,
-                     t.p.distance(), t.key_kept, t.p.key_tokens(), t.needle_logprob, t.answer, t.success ? "ok" : "miss");
+          fmt::print(stderr,
+                     "[{}] key {}: {} {} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
+                     "log p(needle) {:.2f}: \"{}\" {}\n",
+                     p.name, t.p.trial, t.p.kind, t.p.needle, t.p.key_at, t.p.at, t.p.distance(), t.key_kept,
+                     t.p.key_tokens(), t.needle_logprob, t.answer, t.success ? "ok" : "miss");
       });
       run.trials.insert(run.trials.end(), got.begin(), got.end());
     }
@@ -291,9 +340,9 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
   stream::print_passkey_table(runs);
   if (!o.json.empty()) {
     auto j = stream::passkey_json(head(o, m, load0), runs);
-    j[o.passkey.empty() ? "needle" : "passkey"] = {{"distances", distances}, {"trials", o.trials}, {"gen", o.gen},
-                                                   {"seed", o.seed}, {"needles_per_stream", o.needles},
-                                                   {"needle_gap", o.needle_gap}};
+    j[o.passkey.empty() ? "needle" : "passkey"] = {
+        {"distances", distances},          {"trials", o.trials},        {"gen", o.gen}, {"seed", o.seed},
+        {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}};
     j["load_average_end"] = stream::num(load_average());
     infkv_tools::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -304,8 +353,9 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"infkv-stream: perplexity (or passkey / needle retrieval) of a real model streaming text through a KV cache "
-               "bounded to --budget + --block cells, evicted by infkv policies"};
+  CLI::App app{
+      "infkv-stream: perplexity (or passkey / needle retrieval) of a real model streaming text through a KV cache "
+      "bounded to --budget + --block cells, evicted by infkv policies"};
   app.name("infkv-stream");
   app.option_defaults()->always_capture_default();
   options o;
@@ -313,8 +363,7 @@ int main(int argc, char** argv) {
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
   if (o.list) {
-    for (const auto& p : infkv_tools::policy_catalog)
-      fmt::print("{:<19} {}\n", p.name, p.about);
+    for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;
   }
   const auto chosen = check(o);

@@ -17,15 +17,15 @@ namespace stream {
 
 /// What one block of the stream measured.
 struct block_record {
-  std::int64_t index = 0;          ///< block number from 0
-  std::int64_t tokens = 0;         ///< text tokens up to the end of this block (skipped ones included)
-  std::int64_t scored = 0;         ///< tokens of the block with a prediction (the stream's first has none)
-  double nll = 0.0;                ///< summed negative log-likelihood of the block's scored tokens
-  double block_ppl = 0.0;          ///< exp(nll / scored)
-  double running_ppl = 0.0;        ///< over every scored token so far
-  double window_ppl = 0.0;         ///< over the last `smooth` blocks (moving average in the log domain)
-  std::int64_t slots_peak = 0;     ///< cached tokens after the decode, before the eviction
-  std::int64_t slots = 0;          ///< cached tokens after the eviction
+  std::int64_t index = 0;       ///< block number from 0
+  std::int64_t tokens = 0;      ///< text tokens up to the end of this block (skipped ones included)
+  std::int64_t scored = 0;      ///< tokens of the block with a prediction (the stream's first has none)
+  double nll = 0.0;             ///< summed negative log-likelihood of the block's scored tokens
+  double block_ppl = 0.0;       ///< exp(nll / scored)
+  double running_ppl = 0.0;     ///< over every scored token so far
+  double window_ppl = 0.0;      ///< over the last `smooth` blocks (moving average in the log domain)
+  std::int64_t slots_peak = 0;  ///< cached tokens after the decode, before the eviction
+  std::int64_t slots = 0;       ///< cached tokens after the eviction
   std::int64_t evicted = 0;
   std::int64_t kv_alloc_bytes = 0;  ///< llama.cpp K/V buffers (computed from n_ctx)
   std::int64_t kv_state_bytes = 0;  ///< llama_state_seq_get_size after the eviction
@@ -41,17 +41,17 @@ struct stream_run {
   std::vector<block_record> blocks;
   double seconds = 0.0;
   std::int64_t tokens = 0;
-  std::int64_t skipped = 0;  ///< text tokens before the stream's first (--skip)
-  std::string note;  ///< why the run covers fewer tokens than asked, if it does
+  std::int64_t skipped = 0;                ///< text tokens before the stream's first (--skip)
+  std::string note;                        ///< why the run covers fewer tokens than asked, if it does
   infkv::llama_cpp::session_stats time{};  ///< where the seconds went (runner::stats)
 };
 
 /// Figures of one run for the summary table.
 struct run_summary {
-  double ppl = 0.0;                ///< over every scored token
-  double early_ppl = 0.0;          ///< first 10% of the blocks after warm-up
-  double late_ppl = 0.0;           ///< last 10% of the blocks after warm-up
-  std::int64_t warm_blocks = 0;    ///< blocks that count as after warm-up
+  double ppl = 0.0;              ///< over every scored token
+  double early_ppl = 0.0;        ///< first 10% of the blocks after warm-up
+  double late_ppl = 0.0;         ///< last 10% of the blocks after warm-up
+  std::int64_t warm_blocks = 0;  ///< blocks that count as after warm-up
   double tok_per_s = 0.0;
   std::int64_t max_slots = 0, kv_alloc_bytes = 0, peak_rss = 0, evictions = 0;
 };
@@ -70,7 +70,8 @@ inline stream_run run_stream(runner& r, std::string policy, std::span<const llam
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t at = 0, index = 0; at < std::int64_t(toks.size()); at += s.block, ++index) {
     const auto t0 = std::chrono::steady_clock::now();
-    const auto blk = toks.subspan(std::size_t(at), std::size_t(std::min<std::int64_t>(s.block, std::int64_t(toks.size()) - at)));
+    const auto blk =
+        toks.subspan(std::size_t(at), std::size_t(std::min<std::int64_t>(s.block, std::int64_t(toks.size()) - at)));
     r.feed(blk);
     block_record rec{.index = index, .tokens = skipped + at + std::int64_t(blk.size())};
     for (std::size_t i = 0; i < blk.size(); ++i) {

@@ -43,8 +43,14 @@ struct tally {
 };
 
 synthetic::config small() {
-  return {.tokens = 2400, .kv_heads = 2, .group = 2, .head_dim = 32, .round_tokens = 600, .video_every = 2,
-          .frame_tokens = 100, .seed = 11};
+  return {.tokens = 2400,
+          .kv_heads = 2,
+          .group = 2,
+          .head_dim = 32,
+          .round_tokens = 600,
+          .video_every = 2,
+          .frame_tokens = 100,
+          .seed = 11};
 }
 
 }  // namespace
@@ -101,8 +107,7 @@ TEST_CASE("synthetic: rounds, segments, modalities and planted roles are labelle
     REQUIRE(w.tokens[std::size_t(t)].segment - w.tokens[std::size_t(t - 1)].segment == (boundary ? 1 : 0));
   }
   // Planted roles.
-  for (std::int64_t t = 0; t < w.size(); ++t)
-    REQUIRE((w.roles[std::size_t(t)] == role::sink) == (t < cfg.sinks));
+  for (std::int64_t t = 0; t < w.size(); ++t) REQUIRE((w.roles[std::size_t(t)] == role::sink) == (t < cfg.sinks));
   std::vector<std::int64_t> per_round(w.rounds.size(), 0);
   std::int64_t saddle_tokens = 0;
   for (std::size_t i = 0; i < w.saddles.size(); ++i) {
@@ -141,8 +146,10 @@ TEST_CASE("synthetic: saddles, sinks, long-lived saddles and recent tokens draw 
             case role::long_lived: long_lived.add(x); break;
             case role::saddle: (w.round_of[std::size_t(j)] == std::int32_t(r) ? own_saddle : old_saddle).add(x); break;
             case role::ordinary:
-              if (t - j <= 4) recent.add(x);
-              else if (t - j > 128) ordinary.add(x);
+              if (t - j <= 4)
+                recent.add(x);
+              else if (t - j > 128)
+                ordinary.add(x);
           }
         }
       }
@@ -152,7 +159,7 @@ TEST_CASE("synthetic: saddles, sinks, long-lived saddles and recent tokens draw 
   REQUIRE(old_saddle.count > 0);
   const double base = ordinary.mean();
   INFO("mean attention per token: ordinary ", base, ", own-round saddle ", own_saddle.mean(), ", older saddle ",
-          old_saddle.mean(), ", sink ", sink.mean(), ", long-lived ", long_lived.mean(), ", recent ", recent.mean());
+       old_saddle.mean(), ", sink ", sink.mean(), ", long-lived ", long_lived.mean(), ", recent ", recent.mean());
   CHECK(own_saddle.mean() > 20 * base);
   CHECK(own_saddle.mean() > 10 * old_saddle.mean());  // the attended region moves with the rounds
   CHECK(old_saddle.mean() < 10 * base);

@@ -30,7 +30,8 @@ trace_io::trace make_trace(std::int64_t n, std::vector<std::int32_t> layers, std
   for (auto l : layers)
     t.layers.push_back({l, hq, hkv, d, exact_f16(std::size_t(n * hq * d), g), exact_f16(std::size_t(n * hkv * d), g),
                         exact_f16(std::size_t(n * hkv * d), g)});
-  for (std::int64_t i = 0; i < n; ++i) t.segments.push_back(std::int32_t(i / 5)), t.token_ids.push_back(std::int32_t(1000 + i));
+  for (std::int64_t i = 0; i < n; ++i)
+    t.segments.push_back(std::int32_t(i / 5)), t.token_ids.push_back(std::int32_t(1000 + i));
   return t;
 }
 
@@ -62,7 +63,9 @@ std::vector<trace_io::tensor_out> layer_tensors(std::int64_t n, std::int32_t l =
 }
 const std::map<std::string, std::string> meta6{{"n_tokens", "6"}, {"layers", "0"}};
 
-trace_io::trace parse(const std::string& bytes) { return trace_io::to_trace(trace_io::parse_safetensors(bytes, "t.st")); }
+trace_io::trace parse(const std::string& bytes) {
+  return trace_io::to_trace(trace_io::parse_safetensors(bytes, "t.st"));
+}
 
 }  // namespace
 
@@ -96,7 +99,8 @@ TEST_CASE("trace round trip keeps tensors, segments, tokens and metadata") {
 
 TEST_CASE("safetensors reader converts F32 and BF16 and reads the layout of a hand-made file") {
   // 2 F32 values then 2 BF16 values (1.0 = 0x3f80, -2.0 = 0xc000), header written by hand.
-  std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]}})";
+  std::string header =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]}})";
   std::string bytes(8, '\0');
   bytes[0] = char(header.size());
   bytes += header;
@@ -112,7 +116,8 @@ TEST_CASE("safetensors reader converts F32 and BF16 and reads the layout of a ha
 
 TEST_CASE("16-bit tensors at odd offsets read correctly (the format does not align data)") {
   // fuzz_trace: the F16 reader loaded uint16 values from an odd address (UBSan: misaligned load).
-  std::string header = R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[1,7]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[7,11]}})";
+  std::string header =
+      R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[1,7]},"b":{"dtype":"BF16","shape":[2],"data_offsets":[7,11]}})";
   if (header.size() % 2 == 1) header += ' ';  // data starts at an even offset, so "h" at an odd one
   std::string bytes(8, '\0');
   bytes[0] = char(header.size());
@@ -183,7 +188,8 @@ TEST_CASE("wrong dtypes, shapes, sizes and missing pieces are rejected naming th
     m = meta6, m["layers"] = "0,,1";
     CHECK(has(error_of([&] { parse(trace_io::to_safetensors(m, layer_tensors(6))); }), "__metadata__.layers = 0,,1"));
     m = meta6, m["positions"] = "10..15";
-    CHECK(has(error_of([&] { parse(trace_io::to_safetensors(m, layer_tensors(6))); }), "__metadata__.positions = 10..15"));
+    CHECK(has(error_of([&] { parse(trace_io::to_safetensors(m, layer_tensors(6))); }),
+              "__metadata__.positions = 10..15"));
   }
   SUBCASE("segments of the wrong length or decreasing") {
     auto ts = layer_tensors(6);

@@ -37,18 +37,22 @@ void backend::value_norm(score_view s, const tensor_view& values, std::span<std:
 void backend::value_norm(score_view s, const paged_rows& values, std::span<std::byte> scratch) const {
   impl(*this).value_norm(s, values, scratch);
 }
-void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec,
+                   std::span<std::byte> scratch) const {
   impl(*this).pool(s, order, spec, scratch);
 }
 void backend::group_mean(score_view in, score_view out) const { impl(*this).group_mean(in, out); }
-void backend::fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
+void backend::fill_tail(score_view s, const std::int64_t* order, std::int64_t tail,
+                        std::span<std::byte> scratch) const {
   impl(*this).fill_tail(s, order, tail, scratch);
 }
 void backend::bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
                    std::span<std::byte> scratch) const {
   impl(*this).bias(s, tokens, order, spec, scratch);
 }
-void backend::reduce(score_view acc, score_view s, reduction r, bool first) const { impl(*this).reduce(acc, s, r, first); }
+void backend::reduce(score_view acc, score_view s, reduction r, bool first) const {
+  impl(*this).reduce(acc, s, r, first);
+}
 void backend::finish_reduction(score_view acc, reduction r, std::int64_t rows) const {
   impl(*this).finish_reduction(acc, r, rows);
 }
@@ -74,11 +78,13 @@ void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view ke
   if (!v.empty()) {
     validate(v, "v");
     INFKV_REQUIRE(v.n_slots == k.n_slots && v.n_heads == k.n_heads && v.type == k.type && v.head_dim == k.head_dim,
-                  "v.n_slots", v.n_slots, "V must match K (", k.n_slots, " slots, ", k.n_heads, " heads, its type and head_dim)");
+                  "v.n_slots", v.n_slots, "V must match K (", k.n_slots, " slots, ", k.n_heads,
+                  " heads, its type and head_dim)");
   }
   const std::int64_t n = k.n_slots;
   INFKV_REQUIRE(keep.n_slots == n && (keep.n_units == 1 || keep.n_units == k.n_heads), "keep.n_units", keep.n_units,
-                "must be 1 or k.n_heads (", k.n_heads, ") over k.n_slots = ", n, " slots; keep.n_slots = ", keep.n_slots);
+                "must be 1 or k.n_heads (", k.n_heads, ") over k.n_slots = ", n,
+                " slots; keep.n_slots = ", keep.n_slots);
   INFKV_REQUIRE(kept >= 0 && kept <= n, "kept", kept, "must be in [0, n_slots = ", n, "]");
   const bool per_head_tokens = std::int64_t(tokens.size()) == n * k.n_heads && k.n_heads > 1;
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n || per_head_tokens, "tokens.size()", tokens.size(),
@@ -94,10 +100,12 @@ void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view ke
 std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots, std::span<token> tokens,
                      keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
                      cudaStream_t stream) {
-  INFKV_REQUIRE(p.page_size > 0 && p.n_heads > 0 && p.head_dim > 0 && p.k.data && p.indptr && p.indices && p.last_page_len,
-                "paged", "incomplete", "page_size, n_heads, head_dim, k.data and the table arrays must be set");
+  INFKV_REQUIRE(
+      p.page_size > 0 && p.n_heads > 0 && p.head_dim > 0 && p.k.data && p.indptr && p.indices && p.last_page_len,
+      "paged", "incomplete", "page_size, n_heads, head_dim, k.data and the table arrays must be set");
   INFKV_REQUIRE(seq >= 0 && seq < p.n_seqs, "seq", seq, "must be in [0, n_seqs = ", p.n_seqs, ")");
-  INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, "tokens.size()", tokens.size(), "must equal n_slots (", n_slots, ")");
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, "tokens.size()", tokens.size(), "must equal n_slots (", n_slots,
+                ")");
   INFKV_REQUIRE(keep.n_units == 1 && keep.n_slots == n_slots, "keep.n_units", keep.n_units,
                 "a paged compaction takes one unit over n_slots = ", n_slots, " slots; keep.n_slots = ", keep.n_slots);
   INFKV_REQUIRE(kept >= 0 && kept <= n_slots, "kept", kept, "must be in [0, n_slots = ", n_slots, "]");
@@ -110,7 +118,9 @@ std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots
   return drop;
 }
 
-std::size_t h2o_scratch_bytes(const layer_shape& shape) { return cuda::h2o_scratch_bytes<detail::device_launcher>(shape); }
+std::size_t h2o_scratch_bytes(const layer_shape& shape) {
+  return cuda::h2o_scratch_bytes<detail::device_launcher>(shape);
+}
 
 namespace detail {
 template <row_source R>

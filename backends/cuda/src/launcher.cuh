@@ -15,13 +15,15 @@ namespace infkv::cuda::detail {
 /// Raises engine_error naming the call when a CUDA status is not success.
 inline void check_cuda(cudaError_t e, const char* call) {
   if (e != cudaSuccess) [[unlikely]]
-    infkv::detail::raise<engine_error>("infkv: ", call, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+    infkv::detail::raise<engine_error>("infkv: ", call, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
+                                       ")");
 }
 
 /// CUB's DeviceRadixSort::SortPairs on (uint64 key, int64 value) pairs, low `bits` bits of the
 /// key; `temp` null: sets `bytes` to the scratch needed.
 cudaError_t radix_sort_pairs(void* temp, std::size_t& bytes, const std::uint64_t* kin, std::uint64_t* kout,
-                             const std::int64_t* vin, std::int64_t* vout, std::int64_t n, int bits, cudaStream_t stream);
+                             const std::int64_t* vin, std::int64_t* vout, std::int64_t n, int bits,
+                             cudaStream_t stream);
 
 template <class F>
 __global__ void __launch_bounds__(256) for_each_kernel(std::int64_t n, F f) {

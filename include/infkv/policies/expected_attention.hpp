@@ -19,24 +19,32 @@ namespace infkv {
 struct expected_attention {
   static constexpr std::string_view name = "expected_attention";
 
-  std::int64_t window = 64;           ///< recent queries whose statistics model the future ones
+  std::int64_t window = 64;             ///< recent queries whose statistics model the future ones
   std::optional<rope> rotary = rope{};  ///< the model's RoPE; nullopt for a model without RoPE
-  std::int64_t future = 512;          ///< future positions RoPE is averaged over (kvpress: 512)
-  std::int64_t sinks = 4;             ///< first slots left out of the softmax and always kept (kvpress: n_sink = 4)
-  bool covariance = true;             ///< the covariance term (kvpress: use_covariance)
-  bool value_norm = true;             ///< times |v_j| (kvpress: use_vnorm)
+  std::int64_t future = 512;            ///< future positions RoPE is averaged over (kvpress: 512)
+  std::int64_t sinks = 4;               ///< first slots left out of the softmax and always kept (kvpress: n_sink = 4)
+  bool covariance = true;               ///< the covariance term (kvpress: use_covariance)
+  bool value_norm = true;               ///< times |v_j| (kvpress: use_vnorm)
 
   void validate() const {
     INFKV_REQUIRE(window >= 1, "expected_attention.window", window, "must be >= 1");
     expect().validate(name);
   }
   expectation expect() const {
-    return {.rotary = rotary.value_or(rope{}), .rotated = rotary.has_value(), .future = future, .sinks = sinks,
+    return {.rotary = rotary.value_or(rope{}),
+            .rotated = rotary.has_value(),
+            .future = future,
+            .sinks = sinks,
             .covariance = covariance};
   }
   policy_spec spec() const {
-    return {.name = name, .source = score_source::expected_attention, .queries = window, .protect_sinks = sinks,
-            .natural = granularity::per_head, .value_norm = value_norm, .expect = expect()};
+    return {.name = name,
+            .source = score_source::expected_attention,
+            .queries = window,
+            .protect_sinks = sinks,
+            .natural = granularity::per_head,
+            .value_norm = value_norm,
+            .expect = expect()};
   }
 };
 

@@ -22,8 +22,8 @@ struct h2o {
   double forgetting = 1.0;          ///< old mass is multiplied by this before each step, in (0, 1]
 
   void validate() const {
-    INFKV_REQUIRE(std::isfinite(forgetting) && forgetting > 0.0 && forgetting <= 1.0, "h2o.forgetting",
-                  forgetting, "must be in (0, 1]");
+    INFKV_REQUIRE(std::isfinite(forgetting) && forgetting > 0.0 && forgetting <= 1.0, "h2o.forgetting", forgetting,
+                  "must be in (0, 1]");
   }
 };
 

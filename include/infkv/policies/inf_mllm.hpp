@@ -8,19 +8,19 @@
 
 #include <string_view>
 
-#include "../policy.hpp"
 #include "../bias.hpp"
+#include "../policy.hpp"
 
 namespace infkv {
 
 struct inf_mllm {
   static constexpr std::string_view name = "inf_mllm";
 
-  std::int64_t window = 32;        ///< retrieval window: recent queries that score the cache
-  std::int32_t kernel = 5;         ///< local-sum width (odd): saddles come with their neighbours
+  std::int64_t window = 32;  ///< retrieval window: recent queries that score the cache
+  std::int32_t kernel = 5;   ///< local-sum width (odd): saddles come with their neighbours
   pooling pool = pooling::sum;
   attention_bias bias{};
-  bool value_norm = false;         ///< attention times |v_j| before the local sum (value-aware saddles)
+  bool value_norm = false;  ///< attention times |v_j| before the local sum (value-aware saddles)
 
   void validate() const {
     INFKV_REQUIRE(window >= 1, "inf_mllm.window", window, "must be >= 1");
@@ -30,9 +30,16 @@ struct inf_mllm {
   /// As SnapKV: the local sum covers the slots before the retrieval window, which is always
   /// kept; then the attention bias.
   policy_spec spec() const {
-    return {.name = name, .source = score_source::window_attention, .queries = window, .pool = pool,
-            .kernel = kernel, .pool_tail = window, .bias = bias, .protect_recent = window,
-            .natural = granularity::per_head, .value_norm = value_norm};
+    return {.name = name,
+            .source = score_source::window_attention,
+            .queries = window,
+            .pool = pool,
+            .kernel = kernel,
+            .pool_tail = window,
+            .bias = bias,
+            .protect_recent = window,
+            .natural = granularity::per_head,
+            .value_norm = value_norm};
   }
 };
 

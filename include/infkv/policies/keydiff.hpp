@@ -23,7 +23,10 @@ struct keydiff {
     INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "keydiff.kernel", kernel, "must be odd and >= 1");
   }
   policy_spec spec() const {
-    return {.name = name, .source = score_source::key_diversity, .pool = pool, .kernel = kernel,
+    return {.name = name,
+            .source = score_source::key_diversity,
+            .pool = pool,
+            .kernel = kernel,
             .natural = granularity::per_head};
   }
 };

@@ -14,9 +14,9 @@ namespace infkv {
 struct snapkv {
   static constexpr std::string_view name = "snapkv";
 
-  std::int64_t window = 32;         ///< observation window (queries); also kept as recent tokens
-  std::int32_t kernel = 5;          ///< pooling width (odd)
-  pooling pool = pooling::avg;      ///< avg (paper default) or max (LongBench config)
+  std::int64_t window = 32;     ///< observation window (queries); also kept as recent tokens
+  std::int32_t kernel = 5;      ///< pooling width (odd)
+  pooling pool = pooling::avg;  ///< avg (paper default) or max (LongBench config)
 
   void validate() const {
     INFKV_REQUIRE(window >= 1, "snapkv.window", window, "must be >= 1");
@@ -26,8 +26,14 @@ struct snapkv {
   /// the window is always kept: recent = max(budget.recent, window). Max pooling runs per query
   /// head, then the G heads of a group are averaged.
   policy_spec spec() const {
-    return {.name = name, .source = score_source::window_attention, .queries = window, .pool = pool,
-            .kernel = kernel, .pool_tail = window, .protect_recent = window, .natural = granularity::per_head};
+    return {.name = name,
+            .source = score_source::window_attention,
+            .queries = window,
+            .pool = pool,
+            .kernel = kernel,
+            .pool_tail = window,
+            .protect_recent = window,
+            .natural = granularity::per_head};
   }
 };
 

@@ -15,7 +15,9 @@ struct streaming_llm {
   static constexpr std::string_view name = "streaming_llm";
 
   void validate() const {}
-  policy_spec spec() const { return {.name = name, .source = score_source::recency, .natural = granularity::per_token}; }
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::recency, .natural = granularity::per_token};
+  }
 };
 
 }  // namespace infkv

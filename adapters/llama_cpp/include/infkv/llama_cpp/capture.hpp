@@ -40,10 +40,10 @@ class stopwatch {
 struct node_rope {
   bool seen = false;
   std::int32_t n_dims = 0;
-  std::int32_t mode = 0;          ///< GGML_ROPE_TYPE_*: 0 normal, 2 NeoX, others (M-RoPE, vision)
+  std::int32_t mode = 0;  ///< GGML_ROPE_TYPE_*: 0 normal, 2 NeoX, others (M-RoPE, vision)
   float freq_base = 0.f, freq_scale = 0.f;
-  float ext_factor = 0.f;         ///< YaRN: 0 when off
-  bool freq_factors = false;      ///< per-dimension frequency factors (Llama 3's rope_freqs)
+  float ext_factor = 0.f;     ///< YaRN: 0 when off
+  bool freq_factors = false;  ///< per-dimension frequency factors (Llama 3's rope_freqs)
 };
 
 /// Post-RoPE Q and K rows of one layer seen during one decode: f32, [n_tokens][heads][head_dim].
@@ -88,10 +88,11 @@ inline std::int32_t layer_of(const char* name, std::string_view prefix) {
 /// Appends the rows of a [head_dim, heads, n_tokens] f32 or f16 tensor to `out` as f32.
 inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vector<char>& scratch) {
   if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)
-    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ", ggml_type_name(t->type),
-                        ": only f32 and f16 query/key nodes can be observed");
+    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ",
+                                       ggml_type_name(t->type), ": only f32 and f16 query/key nodes can be observed");
   if (t->ne[3] != 1)
-    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3], ": expected 1");
+    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3],
+                                       ": expected 1");
   const char* base = nullptr;
   if (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
     base = static_cast<const char*>(t->data);
@@ -117,7 +118,6 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
       }
     }
 }
-
 
 /// Collects post-RoPE Q and K of every layer while active. Install it into the context
 /// parameters before the context is created; it keeps and forwards any callback already set.
@@ -187,8 +187,7 @@ class graph_observer {
   /// [head_dim, heads, tokens] (when values are captured), 0 otherwise.
   int match(const ggml_tensor* t) const {
     const char* name = ggml_get_name(t);
-    if (values_ && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' &&
-        layer_of(name, "Vcur") >= 0)
+    if (values_ && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' && layer_of(name, "Vcur") >= 0)
       return 3;
     if (t->op != GGML_OP_ROPE) return 0;
     if (name[0] == 'Q' && layer_of(name, "Qcur") >= 0) return 1;
@@ -200,13 +199,12 @@ class graph_observer {
     const int kind = match(t);
     if (kind == 0) return;
     const std::int32_t layer = layer_of(ggml_get_name(t), kind == 1 ? "Qcur" : kind == 2 ? "Kcur" : "Vcur");
-    INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ",
-                  ggml_get_name(t), " is beyond the model's ", layers_.size(), " layers");
+    INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp node ", ggml_get_name(t),
+                  " is beyond the model's ", layers_.size(), " layers");
     layer_rows& l = layers_[std::size_t(layer)];
     const auto d = std::int32_t(t->ne[0]), heads = std::int32_t(t->ne[1]);
     if (l.head_dim == 0) l.head_dim = d;
-    INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ",
-                  l.head_dim);
+    INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ", l.head_dim);
     if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
       append_rows(t, l.v, scratch_);
       l.n_v += t->ne[2];

@@ -24,10 +24,10 @@ namespace infkv::llama_cpp {
 
 /// One piece of input in stream order: text token ids, or `n_tokens` rows of input embeddings.
 struct chunk {
-  std::span<const llama_token> tokens{};    ///< token ids (text chunks); empty for embeddings
-  std::span<const float> embd{};            ///< n_tokens rows of llama_model_n_embd_inp floats, row-major
-  std::int64_t n_tokens = 0;                ///< rows of `embd` (embedding chunks only)
-  modality kind = modality::text;           ///< recorded on the cached tokens
+  std::span<const llama_token> tokens{};  ///< token ids (text chunks); empty for embeddings
+  std::span<const float> embd{};          ///< n_tokens rows of llama_model_n_embd_inp floats, row-major
+  std::int64_t n_tokens = 0;              ///< rows of `embd` (embedding chunks only)
+  modality kind = modality::text;         ///< recorded on the cached tokens
   /// Explicit positions (keep mode only): one per token, or for embeddings on an M-RoPE model
   /// 4 per token, section-major (t of every token, then y, x, z), as llama_batch.pos wants them.
   /// Empty: positions continue from the session's next position.
@@ -56,18 +56,18 @@ inline chunk embd_chunk(std::span<const float> embd, std::int64_t n_tokens, moda
 
 /// What one block did, given to prefill_options::on_block after its eviction.
 struct block_report {
-  std::int64_t index = 0;       ///< block number
-  block_range range{};          ///< input tokens [begin, end) of the block
-  std::int64_t decoded = 0;     ///< slots the session held after decoding the block
-  eviction_result eviction{};   ///< what the eviction after the block did (empty when none was due)
+  std::int64_t index = 0;      ///< block number
+  block_range range{};         ///< input tokens [begin, end) of the block
+  std::int64_t decoded = 0;    ///< slots the session held after decoding the block
+  eviction_result eviction{};  ///< what the eviction after the block did (empty when none was due)
 };
 
 /// Settings of one prefill besides the policy and the schedule.
 struct prefill_options {
-  std::int64_t sinks = 0;                           ///< first positions every eviction keeps
-  std::int64_t recent = 0;                          ///< last positions every eviction keeps
-  bool logits_last = true;                          ///< logits for the last input token
-  bool evict_after_last = true;                     ///< evict after the last block too
+  std::int64_t sinks = 0;                               ///< first positions every eviction keeps
+  std::int64_t recent = 0;                              ///< last positions every eviction keeps
+  bool logits_last = true;                              ///< logits for the last input token
+  bool evict_after_last = true;                         ///< evict after the last block too
   std::function<void(const block_report&)> on_block{};  ///< called after every block
 };
 
@@ -75,15 +75,15 @@ struct prefill_options {
 /// and `failed_chunk` say where, `decoded` how many input tokens went in before it; the session's
 /// bookkeeping matches the llama memory (the failed decode was rolled back).
 struct prefill_result {
-  std::vector<block_range> blocks;   ///< planned blocks, input token ranges
-  std::int64_t blocks_done = 0;      ///< blocks decoded (and evicted)
-  std::int64_t decoded = 0;          ///< input tokens decoded
-  std::int64_t peak = 0;             ///< most slots the session held
-  std::int64_t evicted = 0;          ///< slots evicted by the prefill
-  std::int32_t first_segment = 0;    ///< segment of chunks[0]; chunk i has first_segment + i
-  std::int32_t status = 0;           ///< 0, or the failing llama_decode's return value
-  std::int64_t failed_block = -1;    ///< block of the failed decode, -1 when none
-  std::int64_t failed_chunk = -1;    ///< chunk of the failed decode, -1 when none
+  std::vector<block_range> blocks;  ///< planned blocks, input token ranges
+  std::int64_t blocks_done = 0;     ///< blocks decoded (and evicted)
+  std::int64_t decoded = 0;         ///< input tokens decoded
+  std::int64_t peak = 0;            ///< most slots the session held
+  std::int64_t evicted = 0;         ///< slots evicted by the prefill
+  std::int32_t first_segment = 0;   ///< segment of chunks[0]; chunk i has first_segment + i
+  std::int32_t status = 0;          ///< 0, or the failing llama_decode's return value
+  std::int64_t failed_block = -1;   ///< block of the failed decode, -1 when none
+  std::int64_t failed_chunk = -1;   ///< chunk of the failed decode, -1 when none
   bool ok() const { return status == 0; }
 };
 
@@ -126,11 +126,10 @@ inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, 
   INFKV_REQUIRE(mode == position_mode::keep, at + ".positions.size()", c.positions.size(),
                 "explicit positions need the session in position_mode::keep (compaction renumbers them)");
   const std::int64_t per = c.is_embd() ? pos_per_embd(m) : 1;
-  INFKV_REQUIRE(std::int64_t(c.positions.size()) == c.size() * per, at + ".positions.size()",
-                c.positions.size(), "must be ", per, " * ", c.size(), " (positions per token * tokens)");
+  INFKV_REQUIRE(std::int64_t(c.positions.size()) == c.size() * per, at + ".positions.size()", c.positions.size(),
+                "must be ", per, " * ", c.size(), " (positions per token * tokens)");
   for (std::size_t k = 0; k < c.positions.size(); ++k)
-    INFKV_REQUIRE(c.positions[k] >= 0, at + ".positions[" + std::to_string(k) + "]", c.positions[k],
-                  "must be >= 0");
+    INFKV_REQUIRE(c.positions[k] >= 0, at + ".positions[" + std::to_string(k) + "]", c.positions[k], "must be >= 0");
   INFKV_REQUIRE(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
 }
 
@@ -169,15 +168,12 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   INFKV_REQUIRE(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
   const budget pb = protect(p, b);
   INFKV_REQUIRE(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
-                "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (",
-                pb.recent, ")");
-  if constexpr (requires { p.window; })
-    INFKV_REQUIRE(p.window <= s.options().window, std::string(p.spec().name) + ".window", p.window,
-                  "exceeds the queries the session keeps (session_options.window = ", s.options().window, ")");
+                "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (", pb.recent,
+                ")");
+  s.require_captures(p.spec());
   const std::int64_t n_ctx = llama_n_ctx(ctx);
-  INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx,
-                "the context cannot hold block_prefill.budget (", schedule.budget, ") + block (",
-                schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
+  INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx, "the context cannot hold block_prefill.budget (",
+                schedule.budget, ") + block (", schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
   for (std::size_t i = 0; i < chunks.size(); ++i) detail::validate_chunk(chunks[i], i, m, s.mode());
 
   prefill_result res;
@@ -195,8 +191,8 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   const std::int64_t n_ubatch = llama_n_ubatch(ctx), n_batch = llama_n_batch(ctx);
   for (std::size_t c = 0; c < chunks.size(); ++c) {
     if (!chunks[c].non_causal) continue;
-    const bool one_block = std::ranges::any_of(res.blocks, [&](const block_range& r) {
-      return r.begin <= start[c] && start[c + 1] <= r.end; });
+    const bool one_block = std::ranges::any_of(
+        res.blocks, [&](const block_range& r) { return r.begin <= start[c] && start[c + 1] <= r.end; });
     INFKV_REQUIRE(one_block && chunks[c].size() <= std::min(n_ubatch, n_batch),
                   "chunks[" + std::to_string(c) + "].size()", chunks[c].size(),
                   "a non-causal chunk must fit one block (block_prefill.block = ", schedule.block,

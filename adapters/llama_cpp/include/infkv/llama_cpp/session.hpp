@@ -46,10 +46,10 @@ struct memory_calls {
 
 /// Session configuration.
 struct session_options {
-  llama_seq_id seq = 0;                              ///< the sequence the session owns
-  std::int64_t window = 32;                          ///< recent queries kept per layer
-  dtype key_type = dtype::f32;                       ///< host copy of the keys (and values): f32 or f16
-  bool values = false;                               ///< also copy the values (value-norm policies)
+  llama_seq_id seq = 0;         ///< the sequence the session owns
+  std::int64_t window = 32;     ///< recent queries kept per layer
+  dtype key_type = dtype::f32;  ///< host copy of the keys (and values): f32 or f16
+  bool values = false;          ///< also copy the values (value-norm policies)
   /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
   /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
   /// then cost the decode nothing. Evicting with a policy that reads them raises.
@@ -100,10 +100,10 @@ struct session_stats {
 
 /// What one eviction did.
 struct eviction_result {
-  std::int64_t evicted = 0;            ///< slots removed
-  std::int64_t kept = 0;               ///< slots left
-  std::vector<position_run> removed;   ///< position runs removed, before any shift
-  bool shifted = false;                ///< positions were compacted
+  std::int64_t evicted = 0;           ///< slots removed
+  std::int64_t kept = 0;              ///< slots left
+  std::vector<position_run> removed;  ///< position runs removed, before any shift
+  bool shifted = false;               ///< positions were compacted
 };
 
 /// A session over one llama_context and sequence. Usage: construct from the model, `attach` to
@@ -120,8 +120,8 @@ class session {
     if (opt_.track_h2o) opt_.track_h2o->validate();
     INFKV_REQUIRE(opt_.capture || (!opt_.values && !opt_.track_h2o), "session_options.capture", "false",
                   opt_.values ? "values = true" : "track_h2o", " needs the graph observed: set capture = true");
-    INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory",
-                  "empty", "every call must be set (the defaults are llama.h's)");
+    INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory", "empty",
+                  "every call must be set (the defaults are llama.h's)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
@@ -148,14 +148,15 @@ class session {
     INFKV_REQUIRE(attached_, "attached", "false", "call attach(params) before creating the context");
     ctx_ = ctx;
     mem_ = llama_get_memory(ctx);
-    if (mem_ == nullptr) infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    if (mem_ == nullptr)
+      infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
     // llama.cpp asserts (ends the process) on a sequence id beyond the context's.
     INFKV_REQUIRE(opt_.seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.seq", opt_.seq,
                   "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
     const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
     INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
-    shift_ = opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) &&
-             (rope_.supported || !rope_.has_rope);
+    shift_ =
+        opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) && (rope_.supported || !rope_.has_rope);
   }
 
   llama_context* context() const { return ctx_; }
@@ -187,14 +188,19 @@ class session {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
     const rope_info& r = layer_rope_[std::size_t(layer)];
-    return {l.keys(), l.values(), l.queries(), l.query_pos(), tokens_, opt_.scale, {},
-            r.has_rope && r.supported ? &r.params : nullptr};
+    return {.keys = l.keys(),
+            .values = l.values(),
+            .queries = l.queries(),
+            .query_pos = l.query_pos(),
+            .tokens = tokens_,
+            .scale = opt_.scale,
+            .rotary = r.has_rope && r.supported ? &r.params : nullptr};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
     require_h2o();
-    INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer,
-                  "must be in [0, ", h2o_.size(), ") (H2O states exist after the first decode)");
+    INFKV_REQUIRE(layer >= 0 && layer < std::int32_t(h2o_.size()), "layer", layer, "must be in [0, ", h2o_.size(),
+                  ") (H2O states exist after the first decode)");
     return h2o_[std::size_t(layer)];
   }
 
@@ -212,7 +218,10 @@ class session {
       b.logits[i] = all_logits || i + 1 == tokens.size();
     }
     b.n_tokens = std::int32_t(tokens.size());
-    struct guard { llama_batch& b; ~guard() { llama_batch_free(b); } } g{b};
+    struct guard {
+      llama_batch& b;
+      ~guard() { llama_batch_free(b); }
+    } g{b};
     return decode(b, meta);
   }
 
@@ -245,7 +254,8 @@ class session {
     if (rc == 0 && why.empty() && opt_.capture)
       for (std::int32_t l = 0; l < n_layers(); ++l) {
         const auto& r = observer_.layers()[std::size_t(l)];
-        if (r.n_q != n || r.n_k != n || (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
+        if (r.n_q != n || r.n_k != n ||
+            (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
           why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
                 std::to_string(r.n_k) + " key rows" +
                 (opt_.values ? " (" + std::to_string(r.n_v) + " value rows)" : std::string()) + " for " +
@@ -290,7 +300,7 @@ class session {
   eviction_result evict(const h2o& config, const budget& b) {
     require_h2o();
     INFKV_REQUIRE(config.forgetting == opt_.track_h2o->forgetting &&
-                  config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
+                      config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
                   "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
                   opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
     if (h2o_.empty()) return {0, size(), {}, false};
@@ -321,16 +331,17 @@ class session {
         const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
         std::vector<std::int64_t> left;
         for (std::size_t s = 0; s < tokens_.size(); ++s)
-          if (std::none_of(done.begin(), done.end(), [&](const position_run& d) {
-                return tokens_[s].pos >= d.begin && tokens_[s].pos < d.end; }))
+          if (std::none_of(done.begin(), done.end(),
+                           [&](const position_run& d) { return tokens_[s].pos >= d.begin && tokens_[s].pos < d.end; }))
             left.push_back(std::int64_t(s));
         keep_set partial(size());
         partial.add_unit(left);
         drop(partial);
         verify();
-        infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
-                            ") = false: the memory cannot remove part of the sequence; ", i, " of ",
-                            res.removed.size(), " runs were removed and the bookkeeping follows them");
+        infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin,
+                                           ", p1 = ", r.end,
+                                           ") = false: the memory cannot remove part of the sequence; ", i, " of ",
+                                           res.removed.size(), " runs were removed and the bookkeeping follows them");
       }
     }
     res.evicted = size() - keep.size(0);
@@ -339,6 +350,19 @@ class session {
     res.kept = size();
     verify();
     return res;
+  }
+
+  /// Throws naming the option when the session does not capture what `spec` reads
+  /// (spec.needs(); session_options::for_policy sets exactly that).
+  void require_captures(const policy_spec& spec) const {
+    const capture_needs needs = spec.needs();
+    INFKV_REQUIRE(opt_.capture || !needs.observes(), "session_options.capture", "false", spec.name,
+                  " reads the keys or queries: create the session with capture = true "
+                  "(session_options::for_policy sets what a policy needs)");
+    INFKV_REQUIRE(opt_.values || !needs.values, "session_options.values", "false", spec.name,
+                  " weights scores by value norms: create the session with values = true");
+    INFKV_REQUIRE(needs.queries <= opt_.window, std::string(spec.name) + ".window", needs.queries,
+                  "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
   }
 
   /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch.
@@ -350,8 +374,9 @@ class session {
     const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
     const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
     INFKV_REQUIRE(n_swa_ > 0 ? lo >= want_lo && lo <= want_hi : lo == want_lo,
-                  "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo, "the session's bookkeeping says ",
-                  want_lo, n_swa_ > 0 ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
+                  "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
+                  "the session's bookkeeping says ", want_lo,
+                  n_swa_ > 0 ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
     INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
                   "the session's bookkeeping says ", want_hi);
   }
@@ -363,14 +388,8 @@ class session {
   eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
     p.validate();
     const policy_spec spec = p.spec();
-    const capture_needs needs = spec.needs();  // checked against what the session captures
-    INFKV_REQUIRE(opt_.capture || !needs.observes(), "session_options.capture", "false", spec.name,
-                  " reads the keys or queries: create the session with capture = true "
-                  "(session_options::for_policy sets what a policy needs)");
-    INFKV_REQUIRE(opt_.values || !needs.values, "session_options.values", "false", spec.name,
-                  " weights scores by value norms: create the session with values = true");
-    INFKV_REQUIRE(needs.queries <= opt_.window, std::string(spec.name) + ".window", needs.queries,
-                  "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
+    require_captures(spec);
+    const capture_needs needs = spec.needs();
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
     std::optional<stopwatch> w{std::in_place, stats_.score};
     layers_in_.clear();
@@ -413,10 +432,11 @@ class session {
     const llama_pos p0 = tokens_.empty() ? -1 : llama_pos(max_pos() + 1);
     const llama_pos kept = llama_memory_seq_pos_max(mem_, opt_.seq);
     if (kept >= std::max<llama_pos>(p0, 0) && !opt_.memory.seq_rm(mem_, opt_.seq, p0, -1))
-      infkv::detail::raise<engine_error>(
-          "infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0, ", p1 = -1) = false while rolling back a decode (",
-          why, "): the memory keeps positions up to ", kept, ", which the session never captured; clear the "
-          "sequence and start a new session");
+      infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0,
+                                         ", p1 = -1) = false while rolling back a decode (", why,
+                                         "): the memory keeps positions up to ", kept,
+                                         ", which the session never captured; clear the "
+                                         "sequence and start a new session");
   }
 
   void observe_h2o(const std::vector<layer_rows>& rows, std::span<const std::int64_t> pos) {
@@ -461,7 +481,7 @@ class session {
       if (d != 0) {
         const stopwatch w{stats_.seq_add};
         opt_.memory.seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
-                             llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
+                            llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
         moved = true;
       }
       i = j;
@@ -498,7 +518,7 @@ class session {
   std::vector<cpu::h2o_state> h2o_;
   std::int64_t stream_next_ = 0;
   std::vector<layer_inputs<tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
-  std::optional<cpu::workspace> workspace_;            // grown on demand, reused across evictions
+  std::optional<cpu::workspace> workspace_;           // grown on demand, reused across evictions
 };
 
 }  // namespace infkv::llama_cpp

@@ -19,9 +19,9 @@
 #include <infkv/scores.hpp>
 #include <infkv/tokens.hpp>
 
-#include "executor.hpp"
 #include "detail/kernels.hpp"
 #include "detail/softmax.hpp"
+#include "executor.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
@@ -49,16 +49,15 @@ void window_attention_into(const layer_inputs<R>& in, score_view out, bool per_q
     for (std::int64_t r = 0; r < count; ++r) std::fill(out.row(first + r), out.row(first + r) + out.cols, 0.f);
     detail::softmax_tiles(in, std::int32_t(h), group, scale, first_query, scratch + std::size_t(w) * per_worker,
                           [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
-      for (std::int64_t r = 0; r < group * n_q; ++r) {
-        const float cr = c[r];  // a local, so the loop below vectorises
-        if (cr == 0.f) continue;
-        float* col = out.row(per_query_head ? first + r / n_q : first) + t0;
-        const float* x = e + r * detail::key_tile;
-        detail::axpy(cr, x, col, tn);
-      }
-    });
-    if (!per_query_head)
-      detail::divide(out.row(first), out.cols, float(group));
+                            for (std::int64_t r = 0; r < group * n_q; ++r) {
+                              const float cr = c[r];  // a local, so the loop below vectorises
+                              if (cr == 0.f) continue;
+                              float* col = out.row(per_query_head ? first + r / n_q : first) + t0;
+                              const float* x = e + r * detail::key_tile;
+                              detail::axpy(cr, x, col, tn);
+                            }
+                          });
+    if (!per_query_head) detail::divide(out.row(first), out.cols, float(group));
   });
 }
 
@@ -74,7 +73,8 @@ score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}
 }
 
 /// Per slot, how many of the queries can see it (tokens[j].pos <= query_pos[i]).
-inline std::vector<std::int64_t> visible_counts(std::span<const std::int64_t> query_pos, std::span<const token> tokens) {
+inline std::vector<std::int64_t> visible_counts(std::span<const std::int64_t> query_pos,
+                                                std::span<const token> tokens) {
   std::vector<std::int64_t> seen(tokens.size(), 0);
   for (std::size_t j = 0; j < tokens.size(); ++j)
     for (auto qp : query_pos) seen[j] += tokens[j].pos <= qp ? 1 : 0;
@@ -86,9 +86,9 @@ template <row_source R>
 std::vector<float> attention_output(const layer_inputs<R>& in, const executor& ex = {}) {
   detail::check_attention_inputs(in);
   validate(in.values, "values");
-  INFKV_REQUIRE(in.values.n_slots == in.keys.n_slots && in.values.n_heads == in.keys.n_heads,
-                "values.n_slots", in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ",
-                in.keys.n_heads, " heads); values.n_heads = ", in.values.n_heads);
+  INFKV_REQUIRE(in.values.n_slots == in.keys.n_slots && in.values.n_heads == in.keys.n_heads, "values.n_slots",
+                in.values.n_slots, "values must match keys (", in.keys.n_slots, " slots, ", in.keys.n_heads,
+                " heads); values.n_heads = ", in.values.n_heads);
   const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv, dv = in.values.head_dim;
   const std::int64_t n_q = in.queries.n_slots;
   const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
@@ -99,19 +99,19 @@ std::vector<float> attention_output(const layer_inputs<R>& in, const executor& e
     std::vector<float> v(static_cast<std::size_t>(detail::key_tile * dv));  // the tile's values, f32
     detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, work.span().data() + std::size_t(w) * per_worker,
                           [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
-      for (std::int64_t j = 0; j < tn; ++j)
-        to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);
-      for (std::int64_t r = 0; r < group * n_q; ++r) {
-        const float cr = c[r];
-        if (cr == 0.f) continue;
-        float* o = out.data() + ((r % n_q) * in.queries.n_heads + h * group + r / n_q) * dv;
-        for (std::int64_t j = 0; j < tn; ++j) {
-          const float w = cr * e[r * detail::key_tile + j];
-          if (w == 0.f) continue;
-          detail::axpy(w, v.data() + j * dv, o, dv);
-        }
-      }
-    });
+                            for (std::int64_t j = 0; j < tn; ++j)
+                              to_f32(in.values.type, in.values.row(t0 + j, std::int32_t(h)), v.data() + j * dv, dv);
+                            for (std::int64_t r = 0; r < group * n_q; ++r) {
+                              const float cr = c[r];
+                              if (cr == 0.f) continue;
+                              float* o = out.data() + ((r % n_q) * in.queries.n_heads + h * group + r / n_q) * dv;
+                              for (std::int64_t j = 0; j < tn; ++j) {
+                                const float w = cr * e[r * detail::key_tile + j];
+                                if (w == 0.f) continue;
+                                detail::axpy(w, v.data() + j * dv, o, dv);
+                              }
+                            }
+                          });
   });
   return out;
 }

@@ -1,8 +1,7 @@
 // infkv CPU backend: the pipeline's primitives on the host (pipeline.hpp runs them): time
 // order, the six score sources (recency, key diversity, window attention, last-query
-// attention, accumulated attention, expected attention), value norms, pooling, GQA group mean, bias, reduction, AdaKV allocation
-// and top-k selection. Everything runs in the caller's workspace; with one thread nothing is
-// allocated.
+// attention, accumulated attention, expected attention), value norms, pooling, GQA group mean, bias, reduction, AdaKV
+// allocation and top-k selection. Everything runs in the caller's workspace; with one thread nothing is allocated.
 #pragma once
 
 #include <algorithm>
@@ -14,9 +13,9 @@
 #include <infkv/select.hpp>
 
 #include "attention.hpp"
+#include "detail/kernels.hpp"
 #include "executor.hpp"
 #include "expected.hpp"
-#include "detail/kernels.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
@@ -44,7 +43,8 @@ layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
 /// head. Cost O(Hkv * n * d). Results do not depend on the thread count (parallel over heads,
 /// each head summed in slot order).
 inline std::size_t keydiff_scratch_bytes(std::int64_t head_dim, std::int64_t n_heads) {
-  return infkv::detail::bytes_of([&](infkv::detail::carver& c) { c.take<float>(8 * head_dim), c.take<float>(head_dim * n_heads); });
+  return infkv::detail::bytes_of(
+      [&](infkv::detail::carver& c) { c.take<float>(8 * head_dim), c.take<float>(head_dim * n_heads); });
 }
 template <row_source R>
 void keydiff_into(const R& keys, score_view out, std::byte* scratch, const executor& ex = {}) {
@@ -74,7 +74,8 @@ void keydiff_into(const R& keys, score_view out, std::byte* scratch, const execu
         const std::int64_t jn = std::min<std::int64_t>(8, n - j0);
         const float* k[8];
         float norm[8];
-        for (std::int64_t b = ahead; b < std::min(n - j0, ahead + 8); ++b) detail::prefetch(keys.row(j0 + b, h), row_bytes);
+        for (std::int64_t b = ahead; b < std::min(n - j0, ahead + 8); ++b)
+          detail::prefetch(keys.row(j0 + b, h), row_bytes);
         for (std::int64_t b = 0; b < jn; ++b) {
           k[b] = key_row(j0 + b, h, buf + b * d);
           norm[b] = detail::dot_of(k[b], k[b], d);
@@ -118,7 +119,8 @@ struct backend {
     std::size_t source = 0;
     switch (spec.source) {
       case score_source::key_diversity: source = workers * keydiff_scratch_bytes(shape.head_dim, shape.kv_heads); break;
-      case score_source::window_attention: case score_source::last_query: {
+      case score_source::window_attention:
+      case score_source::last_query: {
         source = workers * detail::window_scratch_bytes(group, m, shape.head_dim, n);
         if (spec.source == score_source::last_query)  // every KV head's mass first
           source += infkv::detail::carver::round_up(std::size_t(shape.kv_heads * n) * sizeof(float));
@@ -127,7 +129,8 @@ struct backend {
       case score_source::expected_attention:
         source = detail::expected_layout{workers, group, m, shape.head_dim, n}.bytes();
         break;
-      case score_source::recency: case score_source::accumulated: break;
+      case score_source::recency:
+      case score_source::accumulated: break;
     }
     const std::int64_t units = opt.g == granularity::per_head ? shape.kv_heads : 1;
     const std::int64_t words = std::max(n, opt.adakv ? adakv::scratch_size(units, n) : 0);  // int64 / double
@@ -151,7 +154,8 @@ struct backend {
       case score_source::key_diversity: keydiff_into(in.keys, out, f, ex); return;
       case score_source::window_attention: {
         const auto window = detail::last_queries(in, spec.queries);
-        window_attention_into(window, out, spec.pools_per_query_head(), f, ex, in.queries.n_slots - window.queries.n_slots);
+        window_attention_into(window, out, spec.pools_per_query_head(), f, ex,
+                              in.queries.n_slots - window.queries.n_slots);
         return;
       }
       case score_source::last_query: {  // every KV head's mass, then the mean over all heads
@@ -183,7 +187,8 @@ struct backend {
 
   void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
     auto* tmp = reinterpret_cast<float*>(scratch.data());
-    for (std::int64_t r = 0; r < s.rows; ++r) pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
+    for (std::int64_t r = 0; r < s.rows; ++r)
+      pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
   }
 
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> = {}) const {

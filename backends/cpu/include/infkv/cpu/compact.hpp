@@ -61,11 +61,10 @@ void move_row(const R& t, std::int64_t from, std::int64_t to, std::int32_t head)
 
 /// Checks that `keep` fits a cache of `n_slots` and `n_heads` heads and returns the kept count.
 inline std::int64_t check_keep(const keep_set& keep, std::int64_t n_slots, std::int32_t n_heads, bool per_head_ok) {
-  INFKV_REQUIRE(keep.n_slots() == n_slots, "keep.n_slots()", keep.n_slots(),
-                "must equal the cache's slot count (", n_slots, ")");
-  INFKV_REQUIRE(keep.n_units() == 1 || (per_head_ok && keep.n_units() == n_heads), "keep.n_units()",
-                keep.n_units(), per_head_ok ? "must be 1 or the number of heads (" : "must be 1 (",
-                per_head_ok ? n_heads : 1, ")");
+  INFKV_REQUIRE(keep.n_slots() == n_slots, "keep.n_slots()", keep.n_slots(), "must equal the cache's slot count (",
+                n_slots, ")");
+  INFKV_REQUIRE(keep.n_units() == 1 || (per_head_ok && keep.n_units() == n_heads), "keep.n_units()", keep.n_units(),
+                per_head_ok ? "must be 1 or the number of heads (" : "must be 1 (", per_head_ok ? n_heads : 1, ")");
   const std::int64_t m = keep.size(0);
   for (std::int64_t u = 1; u < keep.n_units(); ++u)
     INFKV_REQUIRE(keep.size(u) == m, "keep.size(" + std::to_string(u) + ")", keep.size(u),
@@ -80,7 +79,8 @@ inline std::int64_t check_keep(const keep_set& keep, std::int64_t n_slots, std::
 /// be read, so the moves are safe in place.
 inline void move_slots(const tensor_view& t, std::span<const std::int64_t> slots) {
   if (t.empty()) return;
-  const std::int64_t m = std::int64_t(slots.size()), row_bytes = std::int64_t(t.head_dim) * std::int64_t(size_of(t.type));
+  const std::int64_t m = std::int64_t(slots.size()),
+                     row_bytes = std::int64_t(t.head_dim) * std::int64_t(size_of(t.type));
   const bool packed_slots = t.head_stride == t.head_dim && t.slot_stride == std::int64_t(t.n_heads) * t.head_dim;
   const bool packed_heads = t.slot_stride == t.head_dim;
   if (!packed_slots && !packed_heads) {
@@ -121,8 +121,8 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
   validate(kv.k, "kv.k");
   if (!kv.v.empty()) {
     validate(kv.v, "kv.v");
-    INFKV_REQUIRE(kv.v.n_slots == kv.k.n_slots && kv.v.n_heads == kv.k.n_heads, "kv.v.n_slots",
-                  kv.v.n_slots, "V must have K's slots (", kv.k.n_slots, ") and heads (", kv.k.n_heads,
+    INFKV_REQUIRE(kv.v.n_slots == kv.k.n_slots && kv.v.n_heads == kv.k.n_heads, "kv.v.n_slots", kv.v.n_slots,
+                  "V must have K's slots (", kv.k.n_slots, ") and heads (", kv.k.n_heads,
                   "); kv.v.n_heads = ", kv.v.n_heads);
   }
   const std::int64_t n = kv.k.n_slots, m = detail::check_keep(keep, n, kv.k.n_heads, true);
@@ -144,7 +144,8 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
   }
   if (per_head_tokens)
     for (std::int32_t h = 0; h < kv.k.n_heads; ++h)
-      detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)), keep.unit(keep.n_units() == 1 ? 0 : h));
+      detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)),
+                             keep.unit(keep.n_units() == 1 ? 0 : h));
   if (per_head_tokens) {  // pack the per-head lists to n_heads x m
     for (std::int32_t h = 1; h < kv.k.n_heads; ++h)
       for (std::int64_t i = 0; i < m; ++i) tokens[std::size_t(h * m + i)] = tokens[std::size_t(h * n + i)];

@@ -24,9 +24,9 @@
 #include <infkv/scores.hpp>
 
 #include "attention.hpp"
-#include "executor.hpp"
 #include "detail/kernels.hpp"
 #include "detail/softmax.hpp"
+#include "executor.hpp"
 
 namespace infkv::cpu {
 
@@ -48,7 +48,8 @@ struct expected_layout {
     return infkv::detail::bytes_of([&](infkv::detail::carver& c) { worker(c); });
   }
   std::size_t bytes() const {
-    return infkv::detail::bytes_of([&](infkv::detail::carver& c) { shared(c); }) + std::size_t(workers) * worker_bytes();
+    return infkv::detail::bytes_of([&](infkv::detail::carver& c) { shared(c); }) +
+           std::size_t(workers) * worker_bytes();
   }
 };
 
@@ -88,10 +89,10 @@ void on_logit_overflow(const tensor_view& q, std::int64_t first_query, const R& 
                         "small enough for their sums and squares");
   const std::int32_t h = std::int32_t(qh / (q.n_heads / keys.n_heads));
   const auto [kmax, kj] = largest(keys, h, keys.n_slots);
-  infkv::detail::fail("infkv: keys[slot ", j, ", head ", h, "]: expected_attention's logit under the window queries of ",
-                      "head ", qh, " overflows f32 (largest |element|: keys ", kmax, " at slot ", kj, ", queries ", qmax,
-                      " at queries[slot ", qi, ", head ", qh, "]): keys and queries must be small enough that s^2 ",
-                      "(q.k)^2 / 2 stays finite");
+  infkv::detail::fail(
+      "infkv: keys[slot ", j, ", head ", h, "]: expected_attention's logit under the window queries of ", "head ", qh,
+      " overflows f32 (largest |element|: keys ", kmax, " at slot ", kj, ", queries ", qmax, " at queries[slot ", qi,
+      ", head ", qh, "]): keys and queries must be small enough that s^2 ", "(q.k)^2 / 2 stays finite");
 }
 
 }  // namespace detail
@@ -150,7 +151,8 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
       for (std::int64_t i = 0; i < m; ++i) {
         float* x = c + i * d;
         to_f32(q.type, q.row(i, qh), x, d);
-        if (!detail::all_finite(x, d)) [[unlikely]] detail::fail_query_not_finite(q, first_query, i, qh);
+        if (!detail::all_finite(x, d)) [[unlikely]]
+          detail::fail_query_not_finite(q, first_query, i, qh);
         for (std::int32_t p = 0; p < half; ++p) {  // rotate back by -pos_i
           std::int32_t a = 0, b = 0;
           rope_pair(rot.style, p, dims, a, b);
@@ -172,7 +174,8 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
     }
     for (std::int64_t j = 0; j < n; ++j) {
       to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
-      if (!detail::all_finite(k, d)) [[unlikely]] detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
+      if (!detail::all_finite(k, d)) [[unlikely]]
+        detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
       for (std::int64_t g = 0; g < group; ++g) {
         const float* mu = stats + g * (m + 1) * d;
         float quad = 0.f;
@@ -223,7 +226,8 @@ void value_norm_into(score_view s, const R& values) {
         to_f32(values.type, row + e0 * std::int64_t(size_of(values.type)), x, len);
         for (std::int64_t el = 0; el < len; ++el) sum += double(x[el]) * double(x[el]);
       }
-      if (!std::isfinite(sum)) [[unlikely]] detail::fail_not_finite(values, "values", j, 1, h);
+      if (!std::isfinite(sum)) [[unlikely]]
+        detail::fail_not_finite(values, "values", j, 1, h);
       const auto norm = float(std::sqrt(sum));
       for (std::int64_t r = h * per; r < (h + 1) * per; ++r) s(r, j) *= norm;
     }

@@ -32,7 +32,9 @@ class h2o_state {
   }
 
   void validate() const { cfg_.validate(); }
-  policy_spec spec() const { return {.name = name, .source = score_source::accumulated, .natural = granularity::per_head}; }
+  policy_spec spec() const {
+    return {.name = name, .source = score_source::accumulated, .natural = granularity::per_head};
+  }
 
   std::int64_t n_slots() const { return n_; }
   std::int32_t n_heads() const { return heads_; }
@@ -65,8 +67,8 @@ class h2o_state {
   /// to the front in increasing slot order, as the cache itself is compacted.
   void evict(const keep_set& k) {
     INFKV_REQUIRE(k.n_slots() == n_, "keep.n_slots()", k.n_slots(), "must equal the state's slots (", n_, ")");
-    INFKV_REQUIRE(k.n_units() == 1 || k.n_units() == heads_, "keep.n_units()", k.n_units(),
-                  "must be 1 or n_kv_heads (", heads_, ")");
+    INFKV_REQUIRE(k.n_units() == 1 || k.n_units() == heads_, "keep.n_units()", k.n_units(), "must be 1 or n_kv_heads (",
+                  heads_, ")");
     const std::int64_t m = k.size(0);
     for (std::int64_t u = 1; u < k.n_units(); ++u)
       INFKV_REQUIRE(k.size(u) == m, "keep.size(" + std::to_string(u) + ")", k.size(u),

@@ -15,8 +15,8 @@
 #include <infkv/rope.hpp>
 #include <infkv/tokens.hpp>
 
-#include "executor.hpp"
 #include "detail/kernels.hpp"
+#include "executor.hpp"
 
 namespace infkv::cpu {
 
@@ -52,11 +52,14 @@ inline void rope_sincos(const double* freq, std::int32_t count, std::int64_t dp,
       const double r = ((a - k * p1) - k * p2) - k * p3;
       const double r2 = r * r;
       const double sp =
-          r + r * r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (1.0 / 362880 + r2 * (-1.0 / 39916800 +
-                                                                                                   r2 * (1.0 / 6227020800))))));
+          r + r * r2 *
+                  (-1.0 / 6 +
+                   r2 * (1.0 / 120 +
+                         r2 * (-1.0 / 5040 + r2 * (1.0 / 362880 + r2 * (-1.0 / 39916800 + r2 * (1.0 / 6227020800))))));
       const double cp =
-          1.0 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 + r2 * (-1.0 / 3628800 +
-                                                                                         r2 * (1.0 / 479001600))))));
+          1.0 +
+          r2 * (-0.5 + r2 * (1.0 / 24 +
+                             r2 * (-1.0 / 720 + r2 * (1.0 / 40320 + r2 * (-1.0 / 3628800 + r2 * (1.0 / 479001600))))));
       const std::uint64_t q = std::bit_cast<std::uint64_t>(kb);  // low bits: k mod 4
       const double sw = (q & 1u) ? cp : sp, cw = (q & 1u) ? sp : cp;
       sv[l] = std::bit_cast<double>(std::bit_cast<std::uint64_t>(sw) ^ ((q & 2u) << 62));
@@ -77,7 +80,8 @@ inline void rope_rotate(rope_style style, std::int32_t dims, const float* __rest
 #if defined(__AVX2__) && defined(__FMA__)
     for (; i + 8 <= dims; i += 8) {  // the pair swap is one in-lane permute
       const __m256 v = _mm256_loadu_ps(x + i), swapped = _mm256_permute_ps(v, 0xb1);
-      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(swapped, _mm256_loadu_ps(s + i), _mm256_mul_ps(v, _mm256_loadu_ps(c + i))));
+      _mm256_storeu_ps(y + i,
+                       _mm256_fmadd_ps(swapped, _mm256_loadu_ps(s + i), _mm256_mul_ps(v, _mm256_loadu_ps(c + i))));
     }
 #endif
     for (; i + 8 <= dims; i += 8)
@@ -107,8 +111,8 @@ inline void rope_rotate(rope_style style, std::int32_t dims, const float* __rest
 template <row_source R>
 void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r, const executor& ex = {}) {
   validate(keys, "keys");
-  INFKV_REQUIRE(std::int64_t(delta.size()) == keys.n_slots, "delta.size()", delta.size(),
-                "must equal keys.n_slots (", keys.n_slots, ")");
+  INFKV_REQUIRE(std::int64_t(delta.size()) == keys.n_slots, "delta.size()", delta.size(), "must equal keys.n_slots (",
+                keys.n_slots, ")");
   const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2, padded = (half + 3) / 4 * 4;
   std::vector<double> freq(static_cast<std::size_t>(padded), 0.0);
@@ -139,7 +143,8 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
           }
         }
         if (normal)
-          for (std::int32_t i = 0; i < half; ++i) ci[2 * i] = ci[2 * i + 1] = c[i], si[2 * i] = -s[i], si[2 * i + 1] = s[i];
+          for (std::int32_t i = 0; i < half; ++i)
+            ci[2 * i] = ci[2 * i + 1] = c[i], si[2 * i] = -s[i], si[2 * i + 1] = s[i];
         last = dp;
       }
       for (std::int32_t h = 0; h < keys.n_heads; ++h) {

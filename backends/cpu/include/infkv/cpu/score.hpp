@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 

@@ -13,7 +13,8 @@ namespace infkv::cpu {
 class workspace {
  public:
   explicit workspace(std::size_t bytes)
-      : bytes_(bytes), p_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(64)))) {}
+      : bytes_(bytes),
+        p_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), std::align_val_t(64)))) {}
   ~workspace() { ::operator delete(p_, std::align_val_t(64)); }
   workspace(const workspace&) = delete;
   workspace& operator=(const workspace&) = delete;

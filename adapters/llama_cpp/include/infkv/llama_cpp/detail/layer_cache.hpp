@@ -90,9 +90,12 @@ class layer_cache {
     std::vector<float> q;
     std::vector<std::int64_t> pos, delta;
     for (std::size_t i = 0; i < query_pos_.size(); ++i) {
-      const auto it = std::lower_bound(moved.begin(), moved.end(), std::pair<std::int64_t, std::int64_t>{query_pos_[i], std::numeric_limits<std::int64_t>::min()});
+      const auto it = std::lower_bound(
+          moved.begin(), moved.end(),
+          std::pair<std::int64_t, std::int64_t>{query_pos_[i], std::numeric_limits<std::int64_t>::min()});
       if (it == moved.end() || it->first != query_pos_[i]) continue;
-      q.insert(q.end(), queries_.begin() + std::ptrdiff_t(i * q_row), queries_.begin() + std::ptrdiff_t((i + 1) * q_row));
+      q.insert(q.end(), queries_.begin() + std::ptrdiff_t(i * q_row),
+               queries_.begin() + std::ptrdiff_t((i + 1) * q_row));
       pos.push_back(query_pos_[i] + it->second);
       delta.push_back(it->second);
     }

@@ -47,11 +47,11 @@ inline float fmadd(float a, float b, float c) {
 /// vectorise even under -ftrapping-math.
 inline float exp_nonpos(float x) {
   constexpr float lo = -87.33654f, log2e = 1.44269504f, shifter = 12582912.f;  // 1.5 * 2^23
-  constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682e-6f;       // ln2_hi * n is exact
+  constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682e-6f;        // ln2_hi * n is exact
   constexpr std::uint32_t lo_bits = std::bit_cast<std::uint32_t>(lo);
   const std::uint32_t xb = std::bit_cast<std::uint32_t>(x);
   const float xc = std::bit_cast<float>(std::min(xb, lo_bits));  // max(x, lo)
-  const float n = (xc * log2e + shifter) - shifter;  // round to nearest integer, in [-126, 0]
+  const float n = (xc * log2e + shifter) - shifter;              // round to nearest integer, in [-126, 0]
   const float r = fmadd(-n, ln2_lo, fmadd(-n, ln2_hi, xc));
   float p = fmadd(fmadd(fmadd(1.f / 5040.f, r, 1.f / 720.f), r, 1.f / 120.f), r, 1.f / 24.f);  // Horner
   p = fmadd(fmadd(fmadd(fmadd(p, r, 1.f / 6.f), r, 0.5f), r, 1.f), r, 1.f);
@@ -90,8 +90,8 @@ inline __m256 exp_nonpos8(__m256 x) {
   const __m256 xc = _mm256_castsi256_ps(xcb);
   const __m256 shifter = _mm256_set1_ps(12582912.f);
   const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504f), shifter), shifter);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682e-6f),
-                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc));
+  const __m256 r =
+      _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc));
   __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.f / 5040.f), r, _mm256_set1_ps(1.f / 720.f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));

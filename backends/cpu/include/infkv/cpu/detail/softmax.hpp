@@ -31,17 +31,20 @@ inline constexpr std::int64_t prob_cache_bytes = std::int64_t(16) << 20;
 struct softmax_layout {
   std::int64_t rows, padded, n_tiles, tile_floats, cached, d;
   softmax_layout(std::int64_t rows_, std::int64_t d_, std::int64_t n)
-      : rows(rows_), padded((rows_ + kernel_rows - 1) / kernel_rows * kernel_rows), n_tiles((n + key_tile - 1) / key_tile),
+      : rows(rows_),
+        padded((rows_ + kernel_rows - 1) / kernel_rows * kernel_rows),
+        n_tiles((n + key_tile - 1) / key_tile),
         tile_floats(padded * key_tile),
-        cached(std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))))), d(d_) {}
+        cached(std::min(n_tiles, prob_cache_bytes / (tile_floats * std::int64_t(sizeof(float))))),
+        d(d_) {}
 
   struct pieces {
     float *q, *kt, *rows8, *cache, *spare, *tmax, *tsum, *unused;
   };
   pieces carve(infkv::detail::carver& c) const {
-    return {c.take<float>(padded * d),         c.take<float>(d * key_tile),    c.take<float>(8 * d),
-            c.take<float>(cached * tile_floats), c.take<float>(tile_floats), c.take<float>(n_tiles * rows),
-            c.take<float>(n_tiles * rows),     c.take<float>(2 * rows)};
+    return {c.take<float>(padded * d),           c.take<float>(d * key_tile), c.take<float>(8 * d),
+            c.take<float>(cached * tile_floats), c.take<float>(tile_floats),  c.take<float>(n_tiles * rows),
+            c.take<float>(n_tiles * rows),       c.take<float>(2 * rows)};
   }
   std::size_t bytes() const {
     return infkv::detail::bytes_of([&](infkv::detail::carver& c) { carve(c); });
@@ -61,22 +64,24 @@ std::size_t window_scratch_bytes(const layer_inputs<R>& in) {
 
 /// Throws naming the first non-finite element of `t`'s rows [first, first + count) of `head`.
 template <row_source R>
-[[noreturn]] void fail_not_finite(const R& t, const char* name, std::int64_t first, std::int64_t count, std::int32_t head) {
+[[noreturn]] void fail_not_finite(const R& t, const char* name, std::int64_t first, std::int64_t count,
+                                  std::int32_t head) {
   std::vector<float> x(static_cast<std::size_t>(t.head_dim));
   for (std::int64_t j = first; j < first + count; ++j) {
     to_f32(t.type, t.row(j, head), x.data(), t.head_dim);
     for (std::int32_t e = 0; e < t.head_dim; ++e)
       if (!std::isfinite(x[std::size_t(e)]))
-        infkv::detail::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ", name,
-                            " must be finite (a NaN or Inf would silently distort every score of the layer)");
+        infkv::detail::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ",
+                            name, " must be finite (a NaN or Inf would silently distort every score of the layer)");
   }
-  infkv::detail::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ", head);
+  infkv::detail::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ",
+                      head);
 }
 
 /// Throws naming the first non-finite element of query i of `head` in `q`, a window cut from a
 /// longer query view after its first `first` queries (named as the caller counts them).
 [[noreturn]] inline void fail_query_not_finite(const tensor_view& q, std::int64_t first, std::int64_t i,
-                                                std::int32_t head) {
+                                               std::int32_t head) {
   tensor_view all = q;
   all.data = q.row(-first, 0);
   all.n_slots += first;
@@ -93,8 +98,8 @@ void check_attention_inputs(const layer_inputs<R>& in) {
                 "must equal keys.head_dim (", in.keys.head_dim, ")");
   INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
                 "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()",
-                in.query_pos.size(), "must equal the number of queries (", in.queries.n_slots, ")");
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
+                "must equal the number of queries (", in.queries.n_slots, ")");
   INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
   INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
@@ -125,7 +130,8 @@ void load_key_tile(const R& keys, std::int32_t head, std::int64_t t0, std::int64
   }
   bool finite = true;  // one NaN or Inf key would zero or poison the whole tile's softmax
   for (std::int64_t e = 0; e < d; ++e) finite &= all_finite(kt + e * key_tile, tn);
-  if (!finite) [[unlikely]] fail_not_finite(keys, "keys", t0, tn, head);
+  if (!finite) [[unlikely]]
+    fail_not_finite(keys, "keys", t0, tn, head);
 }
 
 /// Logits out[r * key_tile + j] (r < rows, j < tn rounded up to kernel_keys) of f32 query rows
@@ -147,7 +153,8 @@ inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32
     for (std::int64_t i = 0; i < n_q; ++i) {
       float* row = out + (g * n_q + i) * d;
       to_f32(q.type, q.row(i, kv_head * group + g), row, d);
-      if (!all_finite(row, d)) [[unlikely]] fail_query_not_finite(q, first, i, kv_head * group + g);
+      if (!all_finite(row, d)) [[unlikely]]
+        fail_query_not_finite(q, first, i, kv_head * group + g);
     }
 }
 
@@ -211,7 +218,7 @@ void softmax_tiles(const layer_inputs<R>& in, std::int32_t h, std::int32_t group
   float *const tmax = w.tmax, *const tsum = w.tsum, *const unused = w.unused;
   group_queries(in.queries, h, group, first_query, qbuf);
   std::fill(qbuf + rows * d, qbuf + padded * d, 0.f);  // padding rows: 0
-  std::fill(kt, kt + d * key_tile, 0.f);              // key columns past a short last tile stay 0
+  std::fill(kt, kt + d * key_tile, 0.f);               // key columns past a short last tile stay 0
   const tile_softmax<R> tile{in, h, rows, padded, scale, qbuf, kt, rows8};
   for (std::int64_t t = 0; t < n_tiles; ++t)
     tile(t * key_tile, std::min(key_tile, n - t * key_tile), t < cached ? cache + t * tile_floats : scratch,

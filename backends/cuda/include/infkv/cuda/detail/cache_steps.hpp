@@ -43,10 +43,11 @@ void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg
   INFKV_REQUIRE(st.heads == in.keys.n_heads && st.n_slots == n && st.ld >= n, "h2o_state_view.n_slots", st.n_slots,
                 "the state must hold the layer's ", n, " slots of ", in.keys.n_heads, " KV heads; heads = ", st.heads,
                 ", ld = ", st.ld);
-  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == n, "tokens.size()", in.tokens.size(), "must equal keys.n_slots (", n, ")");
+  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == n, "tokens.size()", in.tokens.size(), "must equal keys.n_slots (", n,
+                ")");
   const basic_backend<L> be{launch};
-  const std::size_t after = be.scratch_bytes({.name = "h2o", .source = score_source::window_attention, .queries = nq},
-                                             shape_of(in));
+  const std::size_t after =
+      be.scratch_bytes({.name = "h2o", .source = score_source::window_attention, .queries = nq}, shape_of(in));
   detail::carver c{scratch.data(), after};
   const score_view mass{c.take<float>(st.heads * n), st.heads, n, n};
   float* seen = c.take<float>(n);
@@ -91,7 +92,8 @@ void check_keep(const L& launch, keep_view keep, std::int64_t m, status_word* st
     }
     if (m == 0) return;
     const std::int64_t u = x / m, k = x % m, s = keep.slots[u * m + k];
-    if (s < 0 || s >= n || (k > 0 && s <= keep.slots[u * m + k - 1])) record(st, encode(fault::bad_keep, u, 0, u * m + k));
+    if (s < 0 || s >= n || (k > 0 && s <= keep.slots[u * m + k - 1]))
+      record(st, encode(fault::bad_keep, u, 0, u * m + k));
   });
 }
 
@@ -109,7 +111,8 @@ void copy_rows(const L& launch, std::int64_t rows, std::int64_t bytes, From from
 inline int word_bytes(std::int64_t row_bytes, std::initializer_list<std::uint64_t> quantities) {
   std::uint64_t all = std::uint64_t(row_bytes);
   for (auto q : quantities) all |= q;
-  for (int w : {16, 8, 4}) if (all % std::uint64_t(w) == 0) return w;
+  for (int w : {16, 8, 4})
+    if (all % std::uint64_t(w) == 0) return w;
   return 2;
 }
 
@@ -120,17 +123,22 @@ struct alignas(16) w16 {
 template <class L, class From, class To>
 void copy_rows_widest(const L& launch, std::int64_t rows, std::int64_t bytes, int word, From from, To to,
                       const status_word* st) {
-  if (word == 16) copy_rows<w16>(launch, rows, bytes, from, to, st);
-  else if (word == 8) copy_rows<std::uint64_t>(launch, rows, bytes, from, to, st);
-  else if (word == 4) copy_rows<std::uint32_t>(launch, rows, bytes, from, to, st);
-  else copy_rows<std::uint16_t>(launch, rows, bytes, from, to, st);
+  if (word == 16)
+    copy_rows<w16>(launch, rows, bytes, from, to, st);
+  else if (word == 8)
+    copy_rows<std::uint64_t>(launch, rows, bytes, from, to, st);
+  else if (word == 4)
+    copy_rows<std::uint32_t>(launch, rows, bytes, from, to, st);
+  else
+    copy_rows<std::uint16_t>(launch, rows, bytes, from, to, st);
 }
 
 }  // namespace detail
 
 /// Scratch a compaction of `kept` slots of `heads` heads of `row_bytes` (K and V) needs.
 inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes) {
-  return 64 + 2 * std::size_t(kept) * std::size_t(heads) * std::size_t(row_bytes) + std::size_t(kept) * sizeof(token) * std::size_t(heads) + 192;
+  return 64 + 2 * std::size_t(kept) * std::size_t(heads) * std::size_t(row_bytes) +
+         std::size_t(kept) * sizeof(token) * std::size_t(heads) + 192;
 }
 
 /// Compacts K, V (either may be empty) and tokens of a strided cache: unit u (or unit 0 for all
@@ -151,9 +159,9 @@ void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens,
     if (t.empty()) continue;
     auto* buf = c.take<std::byte>(m * heads * row_bytes);
     const std::int64_t es = std::int64_t(size_of(t.type));
-    const int word = detail::word_bytes(row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.data)),
-                                                   std::uint64_t(t.slot_stride * es), std::uint64_t(t.head_stride * es),
-                                                   std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
+    const int word = detail::word_bytes(
+        row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.data)), std::uint64_t(t.slot_stride * es),
+                    std::uint64_t(t.head_stride * es), std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
     const auto kept_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* {  // r = head * m + i
       const std::int64_t h = r / m, i = r % m;
       return t.row(keep.slots[(per_head ? h * m : 0) + i], std::int32_t(h));
@@ -179,7 +187,8 @@ void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens,
 /// Keeps the slots of `keep` (`m` per unit) in H2O's state, compacted to the front as the cache
 /// is (cpu::h2o_state::evict): the state's rows are [heads][ld] tensors of one f32 per slot.
 template <class L>
-void h2o_evict_steps(const L& launch, h2o_state_view& st, keep_view keep, std::int64_t m, std::span<std::byte> scratch) {
+void h2o_evict_steps(const L& launch, h2o_state_view& st, keep_view keep, std::int64_t m,
+                     std::span<std::byte> scratch) {
   const auto rows = [&](float* p) { return tensor_view{p, dtype::f32, st.n_slots, st.heads, 1, 1, st.ld}; };
   compact_steps(launch, rows(st.acc), rows(st.life), nullptr, 0, keep, m, scratch);
   compact_steps(launch, rows(st.score), tensor_view{}, nullptr, 0, keep, m, scratch);
@@ -212,10 +221,10 @@ void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::i
     if (t.empty()) continue;
     auto* buf = c.take<std::byte>(m * heads * row_bytes);
     const std::int64_t es = std::int64_t(size_of(t.type));
-    const int word = detail::word_bytes(row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.store.data)),
-                                                   std::uint64_t(t.store.page_stride * es), std::uint64_t(t.store.slot_stride * es),
-                                                   std::uint64_t(t.store.head_stride * es),
-                                                   std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
+    const int word = detail::word_bytes(
+        row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.store.data)),
+                    std::uint64_t(t.store.page_stride * es), std::uint64_t(t.store.slot_stride * es),
+                    std::uint64_t(t.store.head_stride * es), std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
     const auto row_of = [=] INFKV_HOST_DEVICE(std::int64_t slot, std::int64_t h) -> void* {
       paged_rows r = t;
       r.pages = t.pages + indptr[seq];  // this sequence's pages
@@ -236,7 +245,8 @@ void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::i
   });
   launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {  // the table: one thread, in order
     if (*st != status_ok) return;
-    const std::int32_t before = p.indptr[seq + 1] - p.indptr[seq], after = std::int32_t((m + p.page_size - 1) / p.page_size);
+    const std::int32_t before = p.indptr[seq + 1] - p.indptr[seq],
+                       after = std::int32_t((m + p.page_size - 1) / p.page_size);
     const std::int32_t drop = before - after, end = p.indptr[p.n_seqs];
     for (std::int32_t i = 0; i < drop; ++i) freed[i] = p.indices[p.indptr[seq] + after + i];
     for (std::int32_t i = p.indptr[seq + 1]; i < end; ++i) p.indices[i - drop] = p.indices[i];

@@ -31,14 +31,14 @@ namespace infkv::cuda {
 /// What a device step found wrong, by priority (the smallest recorded code wins).
 enum class fault : std::uint8_t {
   none = 0,
-  bad_keep = 1,           ///< a keep set that does not fit the cache (a = unit, b = entry)
-  bad_pages = 2,          ///< a page table that does not match the sequence (b = the sequence's slots)
-  bad_position = 3,       ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1)
-  key_not_finite = 4,     ///< a = head, e = element, b = slot
-  query_not_finite = 5,   ///< a = query head, e = element, b = query (as the caller counts them)
-  value_not_finite = 6,   ///< a = head, b = slot
-  logit_overflow = 7,     ///< Expected Attention's logit of key b of head a under query head e is not finite
-  nan_score = 8,          ///< a = row, b = column
+  bad_keep = 1,        ///< a keep set that does not fit the cache (a = unit, b = entry)
+  bad_pages = 2,       ///< a page table that does not match the sequence (b = the sequence's slots)
+  bad_position = 3,    ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1)
+  key_not_finite = 4,  ///< a = head, e = element, b = slot
+  query_not_finite = 5,  ///< a = query head, e = element, b = query (as the caller counts them)
+  value_not_finite = 6,  ///< a = head, b = slot
+  logit_overflow = 7,    ///< Expected Attention's logit of key b of head a under query head e is not finite
+  nan_score = 8,         ///< a = row, b = column
 };
 
 /// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
@@ -58,7 +58,8 @@ INFKV_HOST_DEVICE inline status_word encode(fault kind, std::int64_t a, std::int
 }
 inline status decode(status_word w) {
   if (w == status_ok) return {};
-  return {fault(w >> 56), std::int64_t((w >> 44) & 0xfff), std::int64_t((w >> 32) & 0xfff), std::int64_t(w & 0xffffffffu)};
+  return {fault(w >> 56), std::int64_t((w >> 44) & 0xfff), std::int64_t((w >> 32) & 0xfff),
+          std::int64_t(w & 0xffffffffu)};
 }
 
 /// Raises `infkv::invalid_argument` describing a recorded fault; `what` names the call.
@@ -67,7 +68,8 @@ inline void raise_if(status s, const char* what) {
   switch (s.kind) {
     case fault::none: return;
     case fault::bad_keep:
-      fail("infkv: ", what, ": keep (unit ", s.a, ", entry ", s.b, "): every unit must keep the planned count of slots, "
+      fail("infkv: ", what, ": keep (unit ", s.a, ", entry ", s.b,
+           "): every unit must keep the planned count of slots, "
            "strictly increasing in [0, n_slots), offsets u x count; nothing was moved");
     case fault::bad_pages:
       fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
@@ -118,8 +120,10 @@ INFKV_HOST_DEVICE inline float load(dtype t, const void* row, std::int64_t e) {
 #endif
 }
 INFKV_HOST_DEVICE inline void store(dtype t, void* row, std::int64_t e, float x) {
-  if (t == dtype::f32) static_cast<float*>(row)[e] = x;
-  else static_cast<std::uint16_t*>(row)[e] = t == dtype::f16 ? f32_to_f16(x) : f32_to_bf16(x);
+  if (t == dtype::f32)
+    static_cast<float*>(row)[e] = x;
+  else
+    static_cast<std::uint16_t*>(row)[e] = t == dtype::f16 ? f32_to_f16(x) : f32_to_bf16(x);
 }
 
 /// Dot product of two rows of d elements (f32 accumulation, in element order).
@@ -198,7 +202,7 @@ struct bias_scratch {
   std::int64_t* counts;
   double *lo, *hi, *range, *row_part, *row_inv;
   static bias_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
-    return {c.take<double>(n), c.take<std::int64_t>(chunks(n)), c.take<double>(chunks(n)), c.take<double>(chunks(n)),
+    return {c.take<double>(n), c.take<std::int64_t>(chunks(n)),  c.take<double>(chunks(n)), c.take<double>(chunks(n)),
             c.take<double>(2), c.take<double>(rows * chunks(n)), c.take<double>(rows)};
   }
 };
@@ -210,9 +214,14 @@ struct expected_scratch {
   double* psum;
   float *rmax, *rinv;
   static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n) {
-    return {c.take<float>((m + 1) * d), c.take<float>(hq * d),          c.take<float>(hq * (m + 1) * d),
-            c.take<float>(hq * n),      c.take<float>(hq * chunks(n)),  c.take<double>(hq * chunks(n)),
-            c.take<float>(hq),          c.take<float>(hq)};
+    return {c.take<float>((m + 1) * d),
+            c.take<float>(hq * d),
+            c.take<float>(hq * (m + 1) * d),
+            c.take<float>(hq * n),
+            c.take<float>(hq * chunks(n)),
+            c.take<double>(hq * chunks(n)),
+            c.take<float>(hq),
+            c.take<float>(hq)};
   }
 };
 /// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie

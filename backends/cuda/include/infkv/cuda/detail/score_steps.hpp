@@ -147,7 +147,8 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
       for (std::int64_t i = 0; i < w; ++i) {
         const std::int64_t r = qh * w + i;
         if (tok[j].pos > qpos[q0 + i] || rcoef[r] == 0.f) continue;
-        mass += expf(scale * detail::dot(q.type, q.row(q0 + i, std::int32_t(qh)), keys.type, kr, d) - rmax[r]) * rcoef[r];
+        mass +=
+            expf(scale * detail::dot(q.type, q.row(q0 + i, std::int32_t(qh)), keys.type, kr, d) - rmax[r]) * rcoef[r];
       }
       if (per_query_head) out(qh, j) = mass;
       total += mass;
@@ -258,7 +259,8 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t qh = x / nc, cc = x % nc;
     float mx = -INFINITY;
-    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j) mx = fmaxf(mx, z[qh * n + j]);
+    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
+      mx = fmaxf(mx, z[qh * n + j]);
     pmax[x] = mx;
   });
   launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {

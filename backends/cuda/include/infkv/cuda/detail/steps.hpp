@@ -108,7 +108,8 @@ struct basic_backend {
       case score_source::last_query: {  // every KV head's mass, then the mean over the heads
         const std::int64_t hkv = in.keys.n_heads;
         detail::carver c{scratch.data(), 64};  // after window_attention's statistics
-        detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots), n);
+        detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots),
+                                       n);
         const score_view heads{c.take<float>(hkv * n), hkv, n, n};
         detail::window_attention_steps(launch, in, spec.queries, false, heads, scratch, 64);
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
@@ -130,14 +131,15 @@ struct basic_backend {
   void value_norm(score_view s, const R& values, std::span<std::byte> scratch) const {
     validate(values, "values");
     INFKV_REQUIRE(s.cols == values.n_slots && s.rows % values.n_heads == 0, "values.n_slots", values.n_slots,
-                  "value norms weight ", s.rows, " score rows of ", s.cols, " slots; values.n_heads = ", values.n_heads);
+                  "value norms weight ", s.rows, " score rows of ", s.cols,
+                  " slots; values.n_heads = ", values.n_heads);
     const std::int64_t n = s.cols, per = s.rows / values.n_heads, dv = values.head_dim;
     status_word* st = status_of(scratch);
     launch.for_each(values.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const auto h = std::int32_t(x / n);
       const std::int64_t j = x % n;
-      const auto norm = float(sqrt(detail::squared_norm<double>(values.type, values.row(j, h), dv, st,
-                                                                  fault::value_not_finite, h, j)));
+      const auto norm = float(
+          sqrt(detail::squared_norm<double>(values.type, values.row(j, h), dv, st, fault::value_not_finite, h, j)));
       for (std::int64_t r = h * per; r < (h + 1) * per; ++r) s(r, j) *= norm;
     });
   }
@@ -209,10 +211,13 @@ struct basic_backend {
     double *when = w.when, *lo = w.lo, *hi = w.hi, *range = w.range, *row_part = w.row_part, *row_inv = w.row_inv;
     std::int64_t* counts = w.counts;  // new positions per chunk, then the ranks before it
     const auto value = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t rank) {
-      return b.unit == age_unit::ranks ? double(rank) : b.unit == age_unit::positions ? double(t[order[i]].pos)
-                                                                                        : double(t[order[i]].segment);
+      return b.unit == age_unit::ranks       ? double(rank)
+             : b.unit == age_unit::positions ? double(t[order[i]].pos)
+                                             : double(t[order[i]].segment);
     };
-    const auto is_new = [=] INFKV_HOST_DEVICE(std::int64_t i) { return i == 0 || t[order[i]].pos != t[order[i - 1]].pos; };
+    const auto is_new = [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      return i == 0 || t[order[i]].pos != t[order[i - 1]].pos;
+    };
     launch.for_each(nc, [=] INFKV_HOST_DEVICE(std::int64_t cc) {
       std::int64_t k = 0;
       for (std::int64_t i = cc * detail::chunk; i < std::min(n, (cc + 1) * detail::chunk); ++i) k += is_new(i) ? 1 : 0;
