@@ -1,7 +1,7 @@
 // infkv benchmarks: the CPU backend's kernels (window attention, KeyDiff, compaction, RoPE
-// re-rotation, top-k selection). Throughput counters sit next to the ceilings of the same run:
-// frac_peak = flop/s over the single-thread FMA peak times the thread count, frac_memcpy =
-// bytes/s over memcpy bandwidth beyond the last-level cache (see bench_ceilings.cpp).
+// re-rotation, top-k selection) and what starting its threads costs. Throughput counters sit next to the ceilings of
+// the same run: frac_peak = flop/s over the single-thread FMA peak times the thread count, frac_memcpy = bytes/s over
+// memcpy bandwidth beyond the last-level cache (see bench_ceilings.cpp).
 #include <chrono>
 #include <cstdint>
 #include <random>
@@ -253,12 +253,46 @@ void BM_pipeline_run_snapkv(benchmark::State& state) {
   std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
   const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
   for (auto _ : state) {
-    run(pl, be, std::span<const layer_inputs<>>(&l.in, 1), ws.span(), out);
+    run(pl, be, l.in, ws.span(), out);
     benchmark::DoNotOptimize(slots.data());
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * n);
 }
 BENCHMARK(BM_pipeline_run_snapkv)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+/// What starting a parallel loop of 2 workers costs: threads spawned for the loop (pool 0)
+/// against a persistent pool lent through the executor (pool 1). The jobs do nothing.
+void BM_parallel_loop_start(benchmark::State& state) {
+  cpu::thread_pool pool(2);
+  const cpu::executor ex{.threads = 2, .pool = state.range(0) ? &pool : nullptr};
+  for (auto _ : state) cpu::parallel_for(ex, 2, [](std::int64_t i) { benchmark::DoNotOptimize(i); });
+}
+BENCHMARK(BM_parallel_loop_start)->ArgName("pool")->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+/// The planned SnapKV run of BM_pipeline_run_snapkv on 2 threads, spawned for every parallel loop
+/// (pool 0) or lent once (pool 1), where an engine evicts small caches often: flop/s counts the
+/// logits GEMM (2 * Hq * w * n * d), frac_peak against twice the single-thread FMA peak.
+void BM_pipeline_run_threads(benchmark::State& state) {
+  const std::int64_t n = state.range(0);
+  const policy_layer l(n);
+  cpu::thread_pool pool(2);
+  const cpu::backend be{.ex = {.threads = 2, .pool = state.range(1) ? &pool : nullptr}};
+  const plan pl = make_plan(be, snapkv{.window = 32, .kernel = 7, .pool = pooling::max}, l.b, shape_of(l.in));
+  cpu::workspace ws(pl.workspace_bytes);
+  std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
+  const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
+  const loop_clock clock;
+  for (auto _ : state) {
+    run(pl, be, l.in, ws.span(), out);
+    benchmark::DoNotOptimize(slots.data());
+  }
+  add_flop_counters(state, clock, 2.0 * l.hkv * l.group * l.window * double(n) * l.d, 2);
+}
+BENCHMARK(BM_pipeline_run_threads)
+    ->ArgNames({"n", "pool"})
+    ->ArgsProduct({{1024, 4096}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

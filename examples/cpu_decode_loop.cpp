@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
   // What the engine must copy out of its forward pass for this policy: the cached keys and the
   // last 16 queries with their positions (no values, no per-step attention, no RoPE).
   const infkv::capture_needs needs = infkv::capture_needs_of(policy);
-  const infkv::cpu::backend be{.ex = {.threads = 2}};
+  infkv::cpu::thread_pool threads(2);  // the engine's threads, lent to infkv for the whole stream
+  const infkv::cpu::backend be{.ex = {.threads = 2, .pool = &threads}};
   // example-end
 
   const std::int64_t cells = budget.capacity + block;  // the cache never holds more
@@ -70,7 +71,7 @@ int main(int argc, char** argv) {
     if (!ws || ws->span().size() < plan.workspace_bytes) ws.emplace(plan.workspace_bytes);
     slots.resize(std::size_t(plan.kept_total)), offsets.resize(std::size_t(plan.offsets_size()));
     const infkv::keep_view keep{slots.data(), offsets.data(), plan.units, n};
-    infkv::run(plan, be, std::span(&in, 1), ws->span(), keep);
+    infkv::run(plan, be, in, ws->span(), keep);
 
     // Compact K, V and tokens in place, then close the position gaps and turn each kept key by
     // its position change, as if it had been computed at its new position.

@@ -83,10 +83,11 @@ int main(int argc, char** argv) try {
     upload(d_indptr, indptr), upload(d_indices, indices), upload(d_last, last);
     const infkv::page_storage ks{k, std::int64_t(page) * row, row, dim}, vs{v, std::int64_t(page) * row, row, dim};
     const infkv::paged_rows keys{ks, d_indices, infkv::dtype::f16, n, heads, dim, page};
-    const infkv::layer_inputs<infkv::paged_rows> in{.keys = keys,
-                                                    .queries = infkv::nhd(q, infkv::dtype::f16, window, q_heads, dim),
-                                                    .query_pos = {d_qpos, std::size_t(window)},
-                                                    .tokens = {d_tokens, std::size_t(n)}};
+    const infkv::layer_inputs<infkv::const_paged_rows> in{
+        .keys = keys,
+        .queries = infkv::nhd(q, infkv::dtype::f16, window, q_heads, dim),
+        .query_pos = {d_qpos, std::size_t(window)},
+        .tokens = {d_tokens, std::size_t(n)}};
     const infkv::plan plan = infkv::make_plan(be, policy, {.capacity = budget, .sinks = 4}, infkv::shape_of(in),
                                               {.g = infkv::granularity::per_token});
     auto* ws = device<std::byte>(plan.workspace_bytes);

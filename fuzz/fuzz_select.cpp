@@ -113,7 +113,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (in.flag())
       check(layer_inputs<>{keys.tensor, {}, queries.tensor, qpos, tokens, scale}, b, g);
     else
-      check(layer_inputs<paged_rows>{keys.paged, {}, queries.tensor, qpos, tokens, scale}, b, g);
+      check(layer_inputs<const_paged_rows>{keys.paged, {}, queries.tensor, qpos, tokens, scale}, b, g);
   } catch (const infkv::error&) {
   }
   return 0;

@@ -83,7 +83,7 @@ struct adakv {
   /// keep count, below the slot count): each row keeps sinks + recent, the rest is shared.
   /// `order` is the slots' time order; `scratch` holds scratch_size(rows, cols) int64. Allocates
   /// nothing. The global top scores are ranked by score, ties to the lower row, then the newer slot.
-  void allocate_into(score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
+  void allocate_into(const_score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
                      std::span<std::int64_t> scratch, std::int64_t* caps) const {
     validate();
     const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "config.hpp"
@@ -22,16 +23,24 @@ struct position_run {
 };
 
 /// Non-owning keep set in CSR form: unit u keeps slots[offsets[u] .. offsets[u + 1]), strictly
-/// increasing, within [0, n_slots). What the pipeline writes and kernels take by value.
-struct keep_view {
-  std::int64_t* slots = nullptr;    ///< [offsets[n_units]]
-  std::int64_t* offsets = nullptr;  ///< [n_units + 1], offsets[0] = 0
+/// increasing, within [0, n_slots). What the pipeline writes (`keep_view`) and compaction reads
+/// (`const_keep_view`, to which a keep_view converts); kernels take it by value.
+template <class T>
+struct basic_keep_view {
+  T* slots = nullptr;    ///< [offsets[n_units]]
+  T* offsets = nullptr;  ///< [n_units + 1], offsets[0] = 0
   std::int64_t n_units = 0;
   std::int64_t n_slots = 0;
 
   INFKV_HOST_DEVICE std::int64_t size(std::int64_t u) const { return offsets[u + 1] - offsets[u]; }
-  INFKV_HOST_DEVICE std::int64_t* unit(std::int64_t u) const { return slots + offsets[u]; }
+  INFKV_HOST_DEVICE T* unit(std::int64_t u) const { return slots + offsets[u]; }
+  INFKV_HOST_DEVICE constexpr operator detail::read_only_view<std::is_const_v<T>, basic_keep_view<const std::int64_t>>()
+      const {
+    return {slots, offsets, n_units, n_slots};
+  }
 };
+using keep_view = basic_keep_view<std::int64_t>;
+using const_keep_view = basic_keep_view<const std::int64_t>;
 
 /// Slots kept per decision unit (a KV head, a layer, or the whole token), in CSR form.
 /// Each unit's slots are strictly increasing and in [0, n_slots).
@@ -52,7 +61,7 @@ class keep_set {
   }
 
   /// Copies a view's units, checking each (a pipeline's output, for instance).
-  static keep_set from_view(const keep_view& v) {
+  static keep_set from_view(const const_keep_view& v) {
     keep_set k(v.n_slots);
     INFKV_REQUIRE(v.n_units >= 0, "keep.n_units", v.n_units, "must be >= 0");
     k.slots_.reserve(std::size_t(v.n_units == 0 ? 0 : v.offsets[v.n_units]));
@@ -63,10 +72,8 @@ class keep_set {
     }
     return k;
   }
-  /// A view of the storage (reading through it is fine on a const keep set).
-  keep_view view() const {
-    return {const_cast<std::int64_t*>(slots_.data()), const_cast<std::int64_t*>(offsets_.data()), n_units(), n_slots_};
-  }
+  /// A read-only view of the storage.
+  const_keep_view view() const { return {slots_.data(), offsets_.data(), n_units(), n_slots_}; }
 
   /// Appends a unit; `slots` must be strictly increasing and within [0, n_slots).
   void add_unit(std::span<const std::int64_t> slots) {

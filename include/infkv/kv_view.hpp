@@ -8,6 +8,7 @@
 #include <concepts>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "config.hpp"
 #include "dtype.hpp"
@@ -23,10 +24,20 @@ constexpr std::int64_t product(std::int64_t a, std::int64_t b) {
 }
 }  // namespace detail
 
+namespace detail {
+/// `char` with the constness of `Data` (void or const void): the byte type a view addresses.
+template <class Data>
+using byte_of = std::conditional_t<std::is_const_v<Data>, const char, char>;
+}  // namespace detail
+
 /// One cache tensor (K or V of one layer, one sequence): element (slot, head, d) lives at
 /// `data + (slot * slot_stride + head * head_stride + d) * size_of(type)`; strides in elements.
-struct tensor_view {
-  void* data = nullptr;
+/// `Data` is `void` for a view that may be written (`tensor_view`: compaction, re-rotation) and
+/// `const void` for one that is only read (`const_tensor_view`: what scoring reads); a writable
+/// view converts to a read-only one.
+template <class Data>
+struct basic_tensor_view {
+  Data* data = nullptr;
   dtype type = dtype::f32;
   std::int64_t n_slots = 0;
   std::int32_t n_heads = 0;
@@ -35,12 +46,19 @@ struct tensor_view {
   std::int64_t head_stride = 0;
 
   /// Address of the head_dim elements of (slot, head). No bounds check.
-  INFKV_HOST_DEVICE void* row(std::int64_t slot, std::int32_t head) const {
-    return static_cast<char*>(data) +
+  INFKV_HOST_DEVICE Data* row(std::int64_t slot, std::int32_t head) const {
+    return static_cast<detail::byte_of<Data>*>(data) +
            (slot * slot_stride + std::int64_t(head) * head_stride) * std::int64_t(size_of(type));
   }
   INFKV_HOST_DEVICE bool empty() const { return data == nullptr; }
+  /// The same view, read-only.
+  INFKV_HOST_DEVICE constexpr operator detail::read_only_view<std::is_const_v<Data>, basic_tensor_view<const void>>()
+      const {
+    return {data, type, n_slots, n_heads, head_dim, slot_stride, head_stride};
+  }
 };
+using tensor_view = basic_tensor_view<void>;
+using const_tensor_view = basic_tensor_view<const void>;
 
 /// Keys and values of one layer; `v` may be empty for scorers that read keys only.
 struct kv_view {
@@ -48,17 +66,38 @@ struct kv_view {
   tensor_view v;
 };
 
-/// [slot][head][dim] layout, rows packed.
-inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim) {
+namespace detail {
+template <class Data>
+basic_tensor_view<Data> nhd(Data* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim) {
   return {data, t, n_slots, n_heads, head_dim, std::int64_t(n_heads) * head_dim, head_dim};
+}
+template <class Data>
+basic_tensor_view<Data> hnd(Data* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim,
+                            std::int64_t slot_capacity) {
+  INFKV_REQUIRE(slot_capacity >= n_slots, "slot_capacity", slot_capacity, "must be >= n_slots (", n_slots,
+                "): the rows of one head would run into the next head's");
+  return {data, t, n_slots, n_heads, head_dim, head_dim, slot_capacity * head_dim};
+}
+}  // namespace detail
+
+/// [slot][head][dim] layout, rows packed: a writable view of writable data, a read-only one of
+/// const data.
+inline tensor_view nhd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim) {
+  return detail::nhd(data, t, n_slots, n_heads, head_dim);
+}
+inline const_tensor_view nhd(const void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                             std::int32_t head_dim) {
+  return detail::nhd(data, t, n_slots, n_heads, head_dim);
 }
 
 /// [head][slot][dim] layout; `slot_capacity` is the allocated slots per head (>= n_slots).
 inline tensor_view hnd(void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads, std::int32_t head_dim,
                        std::int64_t slot_capacity) {
-  INFKV_REQUIRE(slot_capacity >= n_slots, "slot_capacity", slot_capacity, "must be >= n_slots (", n_slots,
-                "): the rows of one head would run into the next head's");
-  return {data, t, n_slots, n_heads, head_dim, head_dim, slot_capacity * head_dim};
+  return detail::hnd(data, t, n_slots, n_heads, head_dim, slot_capacity);
+}
+inline const_tensor_view hnd(const void* data, dtype t, std::int64_t n_slots, std::int32_t n_heads,
+                             std::int32_t head_dim, std::int64_t slot_capacity) {
+  return detail::hnd(data, t, n_slots, n_heads, head_dim, slot_capacity);
 }
 
 inline kv_view contiguous_nhd(void* k, void* v, dtype t, std::int64_t n_slots, std::int32_t n_heads,
@@ -72,13 +111,21 @@ inline kv_view contiguous_hnd(void* k, void* v, dtype t, std::int64_t n_slots, s
 }
 
 /// Storage of one paged tensor (K or V): page p, in-page slot s, head h, element d at
-/// `data + (p * page_stride + s * slot_stride + h * head_stride + d) * size_of(type)`.
-struct page_storage {
-  void* data = nullptr;
+/// `data + (p * page_stride + s * slot_stride + h * head_stride + d) * size_of(type)`. `Data` as
+/// for basic_tensor_view.
+template <class Data>
+struct basic_page_storage {
+  Data* data = nullptr;
   std::int64_t page_stride = 0;
   std::int64_t slot_stride = 0;
   std::int64_t head_stride = 0;
+  INFKV_HOST_DEVICE constexpr operator detail::read_only_view<std::is_const_v<Data>, basic_page_storage<const void>>()
+      const {
+    return {data, page_stride, slot_stride, head_stride};
+  }
 };
+using page_storage = basic_page_storage<void>;
+using const_page_storage = basic_page_storage<const void>;
 
 /// Paged cache of one layer for a batch of sequences (CSR page table). Sequence s owns pages
 /// indices[indptr[s] .. indptr[s+1]), all full but the last, which holds last_page_len[s] slots;
@@ -103,9 +150,11 @@ struct paged_view {
   }
 };
 
-/// Rows of one sequence of a paged tensor, with the same interface as `tensor_view`.
-struct paged_rows {
-  page_storage store;
+/// Rows of one sequence of a paged tensor, with the same interface as `tensor_view`; writable
+/// (`paged_rows`) or read-only (`const_paged_rows`), as basic_tensor_view.
+template <class Data>
+struct basic_paged_rows {
+  basic_page_storage<Data> store;
   const std::int32_t* pages = nullptr;  // this sequence's page ids
   dtype type = dtype::f32;
   std::int64_t n_slots = 0;
@@ -113,14 +162,34 @@ struct paged_rows {
   std::int32_t head_dim = 0;
   std::int32_t page_size = 0;
 
-  INFKV_HOST_DEVICE void* row(std::int64_t slot, std::int32_t head) const {
+  INFKV_HOST_DEVICE Data* row(std::int64_t slot, std::int32_t head) const {
     const std::int64_t page = pages[slot / page_size], in = slot % page_size;
-    return static_cast<char*>(store.data) +
+    return static_cast<detail::byte_of<Data>*>(store.data) +
            (page * store.page_stride + in * store.slot_stride + std::int64_t(head) * store.head_stride) *
                std::int64_t(size_of(type));
   }
   INFKV_HOST_DEVICE bool empty() const { return store.data == nullptr; }
+  INFKV_HOST_DEVICE constexpr operator detail::read_only_view<std::is_const_v<Data>, basic_paged_rows<const void>>()
+      const {
+    return {store, pages, type, n_slots, n_heads, head_dim, page_size};
+  }
 };
+using paged_rows = basic_paged_rows<void>;
+using const_paged_rows = basic_paged_rows<const void>;
+
+/// The read-only counterpart of a view type (itself when it is read-only already).
+template <class View>
+struct read_only;
+template <class Data>
+struct read_only<basic_tensor_view<Data>> {
+  using type = const_tensor_view;
+};
+template <class Data>
+struct read_only<basic_paged_rows<Data>> {
+  using type = const_paged_rows;
+};
+template <class View>
+using read_only_t = typename read_only<View>::type;
 
 inline void validate(const paged_view& p, const char* name);
 
@@ -137,7 +206,7 @@ inline paged_rows value_rows(const paged_view& p, std::int32_t s) {
   return {p.v, p.indices + p.indptr[s], p.type, p.seq_len(s), p.n_heads, p.head_dim, p.page_size};
 }
 
-/// Anything that hands out rows of head_dim elements by (slot, head): `tensor_view`, `paged_rows`.
+/// Anything that hands out rows of head_dim elements by (slot, head): the tensor views and paged rows.
 template <class R>
 concept row_source = requires(const R& r, std::int64_t slot, std::int32_t head) {
   { r.row(slot, head) } -> std::convertible_to<const void*>;
@@ -154,9 +223,9 @@ void validate(const R& r, const char* name) {
   INFKV_REQUIRE(r.n_slots >= 0, std::string(name) + ".n_slots", r.n_slots, "must be >= 0");
   INFKV_REQUIRE(r.n_heads > 0, std::string(name) + ".n_heads", r.n_heads, "must be > 0");
   INFKV_REQUIRE(r.head_dim > 0, std::string(name) + ".head_dim", r.head_dim, "must be > 0");
-  if constexpr (std::same_as<R, paged_rows>)
+  if constexpr (requires { r.page_size; })
     INFKV_REQUIRE(r.page_size > 0, std::string(name) + ".page_size", r.page_size, "must be > 0");
-  if constexpr (std::same_as<R, tensor_view>) {
+  if constexpr (requires { r.slot_stride; }) {
     // Rows (slot, head) of head_dim elements must not overlap: the smaller stride spans a row,
     // the larger one spans all rows of the smaller.
     const bool heads_inner = r.n_heads == 1 ? false : r.n_slots <= 1 ? true : r.head_stride <= r.slot_stride;

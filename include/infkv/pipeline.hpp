@@ -84,7 +84,7 @@ struct plan {
 /// views point to memory the backend can address (host memory for the CPU, device memory for a
 /// GPU); `scratch` is the backend's part of the workspace (`scratch_bytes` sized it), lent to
 /// each primitive in turn: nothing in it outlives the call.
-template <class B, class R = tensor_view>
+template <class B, class R = const_tensor_view>
 concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const plan_options& opt,
                            const layer_inputs<R>& in, std::span<const token> tokens, std::int64_t* order,
                            const std::int64_t* corder, score_view s, std::span<std::byte> scratch, std::int64_t* caps,

@@ -136,15 +136,17 @@ capture_needs capture_needs_of(const P& p) {
 /// `queries`: [n_q][Hq][D] with Hq a multiple of Hkv, and `query_pos` their positions (key j is
 /// visible to query i iff tokens[j].pos <= query_pos[i]); `scale` 0 means 1/sqrt(D);
 /// `accumulated`: [Hkv][n_slots] scores of a stateful source (H2O), owned by the backend.
-template <row_source Rows = tensor_view>
+/// Everything is only read: the views are read-only ones (`const_tensor_view`, or
+/// `const_paged_rows` for a paged cache), and writable views convert to them.
+template <row_source Rows = const_tensor_view>
 struct layer_inputs {
   Rows keys{};
   Rows values{};
-  tensor_view queries{};
+  const_tensor_view queries{};
   std::span<const std::int64_t> query_pos{};
   std::span<const token> tokens{};
   float scale = 0.f;
-  score_view accumulated{};
+  const_score_view accumulated{};
   /// This layer's RoPE where layers differ (host memory); overrides expected_attention's.
   const rope* rotary = nullptr;
 };

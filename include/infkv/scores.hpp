@@ -9,6 +9,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "config.hpp"
@@ -18,20 +19,29 @@
 namespace infkv {
 
 /// Non-owning row-major scores: `rows` x `cols`, row r at `data + r * ld` (ld >= cols).
-/// Trivially copyable: kernels take it by value.
-struct score_view {
-  float* data = nullptr;
+/// Trivially copyable: kernels take it by value. `T` is `float` for scores that may be written
+/// (`score_view`) and `const float` for scores only read (`const_score_view`); a writable view
+/// converts to a read-only one.
+template <class T>
+struct basic_score_view {
+  T* data = nullptr;
   std::int64_t rows = 0;
   std::int64_t cols = 0;
   std::int64_t ld = 0;
 
-  INFKV_HOST_DEVICE float* row(std::int64_t r) const { return data + r * ld; }
-  INFKV_HOST_DEVICE float& operator()(std::int64_t r, std::int64_t c) const { return data[r * ld + c]; }
+  INFKV_HOST_DEVICE T* row(std::int64_t r) const { return data + r * ld; }
+  INFKV_HOST_DEVICE T& operator()(std::int64_t r, std::int64_t c) const { return data[r * ld + c]; }
   /// Rows [first, first + count).
-  INFKV_HOST_DEVICE score_view rows_from(std::int64_t first, std::int64_t count) const {
+  INFKV_HOST_DEVICE basic_score_view rows_from(std::int64_t first, std::int64_t count) const {
     return {data + first * ld, count, cols, ld};
   }
+  INFKV_HOST_DEVICE constexpr operator detail::read_only_view<std::is_const_v<T>, basic_score_view<const float>>()
+      const {
+    return {data, rows, cols, ld};
+  }
 };
+using score_view = basic_score_view<float>;
+using const_score_view = basic_score_view<const float>;
 
 /// Dense row-major scores owning their storage: rows = decision units (KV heads, layers, ...),
 /// cols = slots. A convenience over `score_view`.
@@ -46,8 +56,9 @@ struct score_matrix {
   std::span<const float> row(std::int64_t r) const { return {data.data() + r * cols, std::size_t(cols)}; }
   float& operator()(std::int64_t r, std::int64_t c) { return data[std::size_t(r * cols + c)]; }
   float operator()(std::int64_t r, std::int64_t c) const { return data[std::size_t(r * cols + c)]; }
-  /// A view of the storage (reading through it is fine on a const matrix).
-  score_view view() const { return {const_cast<float*>(data.data()), rows, cols, cols}; }
+  /// A view of the storage.
+  score_view view() { return {data.data(), rows, cols, cols}; }
+  const_score_view view() const { return {data.data(), rows, cols, cols}; }
 
  private:
   static std::size_t checked_size(std::int64_t r, std::int64_t c) {
@@ -76,7 +87,7 @@ constexpr const char* to_string(reduction r) {
 
 /// Folds every row of `s` into `acc` (one row of s.cols): sum or max (mean is a sum divided by
 /// the row count at the end, see `finish_reduction`). `first` starts the fold.
-inline void reduce_into(score_view acc, score_view s, reduction r, bool first) {
+inline void reduce_into(score_view acc, const_score_view s, reduction r, bool first) {
   float* a = acc.row(0);
   if (first) std::fill(a, a + s.cols, r == reduction::max ? -std::numeric_limits<float>::infinity() : 0.f);
   for (std::int64_t row = 0; row < s.rows; ++row) {
@@ -189,7 +200,7 @@ inline void pool_along_time(score_matrix& s, std::span<const token> tokens, std:
 }
 
 /// Throws `infkv::invalid_argument` naming the first NaN score.
-inline void check_scores(score_view s, const char* name = "scores") {
+inline void check_scores(const_score_view s, const char* name = "scores") {
   for (std::int64_t r = 0; r < s.rows; ++r)
     for (std::int64_t c = 0; c < s.cols; ++c)
       if (std::isnan(s(r, c))) [[unlikely]]

@@ -110,7 +110,7 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
   const stored paged = store(p.k, p.n, p.hkv, p.d, p.type, layout::paged);
   const stored queries = store_queries(p);
   const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
-  const layer_inputs<paged_rows> in_paged{key_rows(paged.paged, 1), {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const layer_inputs<const_paged_rows> in_paged{key_rows(paged.paged, 1), {}, queries.tensor, p.qpos, p.tokens, 0.f};
   const budget b{.capacity = 100, .sinks = 4, .recent = 8};
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
@@ -118,7 +118,7 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
     const auto one_paged = cpu::inputs_for(pol, in_paged);
     for (granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token}) {
       check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = g});
-      check_run(pol, std::span<const layer_inputs<paged_rows>>(&one_paged, 1), b, {.g = g, .r = reduction::max});
+      check_run(pol, std::span<const layer_inputs<const_paged_rows>>(&one_paged, 1), b, {.g = g, .r = reduction::max});
     }
     const std::vector<layer_inputs<>> three(3, one);  // one per-token decision over three layers
     check_run(pol, std::span<const layer_inputs<>>(three), b, {.g = granularity::per_token, .n_layers = 3});

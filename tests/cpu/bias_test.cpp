@@ -82,13 +82,13 @@ census run(const stream& s, const inf_mllm& p, const budget& b) {
       const std::int64_t first_q = t0 + block - p.window;
       std::vector<std::int64_t> qpos;
       for (std::int64_t i = first_q; i < t0 + block; ++i) qpos.push_back(i);
-      layer_inputs<> in{
-          .keys = nhd(cache.data(), dtype::f32, n, 1, dim),
-          .queries = nhd(const_cast<float*>(s.queries.data() + first_q * dim), dtype::f32, p.window, 1, dim),
-          .query_pos = qpos,
-          .tokens = cached};
+      const tensor_view keys = nhd(cache.data(), dtype::f32, n, 1, dim);
+      layer_inputs<> in{.keys = keys,
+                        .queries = nhd(s.queries.data() + first_q * dim, dtype::f32, p.window, 1, dim),
+                        .query_pos = qpos,
+                        .tokens = cached};
       const auto keep = cpu::select(p, b, in);
-      kv_view kv{in.keys, {}};
+      kv_view kv{keys, {}};
       const auto m = cpu::compact(kv, cached, keep);
       cached.resize(std::size_t(m));
       REQUIRE(m == b.capacity);

@@ -105,6 +105,7 @@ void check_same_up_to_near_ties(const decision& a, const decision& b) {
 }  // namespace
 
 TEST_CASE("properties of every registered policy on random caches") {
+  cpu::thread_pool lent(3);  // threads lent by an engine: the same keep sets as threads of its own
   for (std::uint64_t seed = 1000; seed < 1040; ++seed) {
     const random_case c = draw(seed);
     const problem& p = c.p;
@@ -151,6 +152,7 @@ TEST_CASE("properties of every registered policy on random caches") {
         }
         // Threads.
         CHECK(cpu::select(pol, c.b, in, c.g, reduction::mean, cpu::executor{3}) == keep);
+        CHECK(cpu::select(pol, c.b, in, c.g, reduction::mean, cpu::executor{.threads = 3, .pool = &lent}) == keep);
         // Slot order.
         check_same_up_to_near_ties(decide(pol, c.b, c.g, in), permuted.at(name));
         // Kept and evicted runs partition the positions: each slot's position lies in exactly one

@@ -123,8 +123,8 @@ inline stored store(const std::vector<float>& x, std::int64_t n, std::int32_t he
   auto at = [&](std::int64_t slot, std::int32_t h) { return x.data() + (slot * heads + h) * d; };
   if (l != layout::paged) {
     infkv::tensor_view v{};
-    if (l == layout::nhd) v = infkv::nhd(nullptr, t, n, heads, d);
-    if (l == layout::hnd) v = infkv::hnd(nullptr, t, n, heads, d, n + 3);
+    if (l == layout::nhd) v = infkv::nhd(static_cast<void*>(nullptr), t, n, heads, d);
+    if (l == layout::hnd) v = infkv::hnd(static_cast<void*>(nullptr), t, n, heads, d, n + 3);
     if (l == layout::strided) v = {nullptr, t, n, heads, d, std::int64_t(heads) * (d + 3) + 5, d + 3};
     const std::int64_t elems =
         l == layout::hnd ? std::int64_t(heads) * (n + 3) * d : std::max<std::int64_t>(1, n) * v.slot_stride;

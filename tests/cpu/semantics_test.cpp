@@ -181,7 +181,7 @@ TEST_CASE("NaN and Inf in keys or queries raise, naming the tensor, slot and hea
     p.k[std::size_t((10 * 2 + 0) * 16 + 0)] = nan;
     const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::paged);
     const stored queries = store_queries(p);
-    const layer_inputs<paged_rows> in{key_rows(keys.paged, 1), {}, queries.tensor, p.qpos, p.tokens, 0.f};
+    const layer_inputs<const_paged_rows> in{key_rows(keys.paged, 1), {}, queries.tensor, p.qpos, p.tokens, 0.f};
     CHECK_ERROR((cpu::select(snapkv{.window = 4}, budget{.capacity = 100}, in)), "keys[slot 10, head 0][0] = nan");
     CHECK_ERROR((cpu::select(keydiff{}, budget{.capacity = 100}, in)), "keys[slot 10, head 0][0] = nan");
   }

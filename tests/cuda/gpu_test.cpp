@@ -94,8 +94,7 @@ struct device_run {
         out{slots.p, offsets.p, p.units, p.shape.n_slots} {}
   keep_set keep() const {
     const auto o = offsets.down(), s = slots.down();
-    return keep_set::from_view(
-        {const_cast<std::int64_t*>(s.data()), const_cast<std::int64_t*>(o.data()), out.n_units, out.n_slots});
+    return keep_set::from_view({s.data(), o.data(), out.n_units, out.n_slots});
   }
 };
 
@@ -105,7 +104,7 @@ struct device_meta {
   dvec<std::int64_t> qpos;
   dvec<float> acc;
   score_view acc_view{};
-  device_meta(const std::vector<token>& t, const std::vector<std::int64_t>& q, score_view host_acc)
+  device_meta(const std::vector<token>& t, const std::vector<std::int64_t>& q, const_score_view host_acc)
       : tokens(t), qpos(q), acc(std::size_t(host_acc.rows * host_acc.cols)) {
     if (host_acc.data) {
       std::vector<float> h(host_acc.data, host_acc.data + host_acc.rows * host_acc.cols);
@@ -138,14 +137,14 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
         for_each_policy(ly.in(), [&](const std::string& name, const auto& pol) {
           const std::string what = name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay);
           keys.visit([&](const auto& hk) {
-            using R = std::decay_t<decltype(hk)>;
+            using R = read_only_t<std::decay_t<decltype(hk)>>;
             const auto host_in = cpu::inputs_for(pol, layer_inputs<R>{hk, {}, queries.tensor, p.qpos, p.tokens, 0.f});
             const plan hp = make_plan(cpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(host_in));
             cpu::workspace hws(hp.workspace_bytes);
             const score_view want = run_scores(hp, cpu_be, host_in, hws.span());
             const device_meta meta(p.tokens, p.qpos, host_in.accumulated);
             layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, meta.acc_view};
-            if constexpr (std::same_as<R, paged_rows>)
+            if constexpr (std::same_as<R, const_paged_rows>)
               din.keys = dk.rows;
             else
               din.keys = dk.tensor;

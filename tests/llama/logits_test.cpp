@@ -31,8 +31,8 @@ float key_diff(lc::session& a, lc::session& b, int layer) {
     REQUIRE(a.tokens()[std::size_t(oa[i])].pos == b.tokens()[std::size_t(ob[i])].pos);
     for (int h = 0; h < ka.keys.n_heads; ++h)
       for (int e = 0; e < ka.keys.head_dim; ++e)
-        m = std::max(m, std::fabs(static_cast<float*>(ka.keys.row(oa[i], h))[e] -
-                                  static_cast<float*>(kb.keys.row(ob[i], h))[e]));
+        m = std::max(m, std::fabs(static_cast<const float*>(ka.keys.row(oa[i], h))[e] -
+                                  static_cast<const float*>(kb.keys.row(ob[i], h))[e]));
   }
   return m;
 }

@@ -170,14 +170,14 @@ TEST_CASE("llama session: a context whose cb_eval was replaced is detected and r
 namespace {
 
 /// Largest element difference of two row sources with the same shape, and the largest magnitude.
-std::pair<float, float> row_diff(const infkv::tensor_view& a, const infkv::tensor_view& b) {
+std::pair<float, float> row_diff(const infkv::const_tensor_view& a, const infkv::const_tensor_view& b) {
   REQUIRE(a.n_slots == b.n_slots);
   REQUIRE(a.n_heads == b.n_heads);
   float d = 0.f, mag = 0.f;
   for (std::int64_t j = 0; j < a.n_slots; ++j)
     for (int h = 0; h < a.n_heads; ++h)
       for (int e = 0; e < a.head_dim; ++e) {
-        const float x = static_cast<float*>(a.row(j, h))[e], y = static_cast<float*>(b.row(j, h))[e];
+        const float x = static_cast<const float*>(a.row(j, h))[e], y = static_cast<const float*>(b.row(j, h))[e];
         d = std::max(d, std::fabs(x - y)), mag = std::max(mag, std::fabs(x));
       }
   return {d, mag};
@@ -356,4 +356,26 @@ TEST_CASE("llama session: the README's llama.cpp snippet runs and bounds the cac
   CHECK(s.size() == 1024);
   CHECK(s.options().window == 32);
   check_memory_matches(s);
+}
+
+TEST_CASE("llama session: more than one thread runs on a pool the session keeps, or on one it is lent") {
+  auto model = tiny_model(2);
+  lc::session own(model.get(), {.executor = {.threads = 2}});
+  REQUIRE(own.options().executor.pool != nullptr);  // created once, for the session's whole life
+  CHECK(own.options().executor.pool->size() == 2);
+  const infkv::cpu::worker_pool* first = own.options().executor.pool;
+  auto ctx = bound_context(model.get(), own);
+  for (int round = 0; round < 3; ++round) {
+    REQUIRE(own.decode(random_tokens(20, 30 + unsigned(round))) == 0);
+    own.evict(infkv::snapkv{.window = 8}, {.capacity = 24, .sinks = 2});
+    CHECK(own.options().executor.pool == first);
+  }
+  infkv::cpu::thread_pool engine(3);
+  lc::session lent(model.get(), {.executor = {.threads = 3, .pool = &engine}});
+  CHECK(lent.options().executor.pool == &engine);
+  lc::session one(model.get());
+  CHECK(one.options().executor.pool == nullptr);  // one thread: the caller's
+  infkv::cpu::thread_pool small(2);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.executor = {.threads = 3, .pool = &small}}),
+                       doctest::Contains("executor.threads = 3"), infkv::invalid_argument);
 }

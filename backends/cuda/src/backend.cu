@@ -23,18 +23,18 @@ std::size_t backend::scratch_bytes(const policy_spec& spec, const layer_shape& s
 void backend::time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
   impl(*this).time_order(tokens, order, scratch);
 }
-void backend::score(const policy_spec& spec, const layer_inputs<tensor_view>& in, const std::int64_t* order,
+void backend::score(const policy_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
                     score_view out, std::span<std::byte> scratch) const {
   impl(*this).score(spec, in, order, out, scratch);
 }
-void backend::score(const policy_spec& spec, const layer_inputs<paged_rows>& in, const std::int64_t* order,
+void backend::score(const policy_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
                     score_view out, std::span<std::byte> scratch) const {
   impl(*this).score(spec, in, order, out, scratch);
 }
-void backend::value_norm(score_view s, const tensor_view& values, std::span<std::byte> scratch) const {
+void backend::value_norm(score_view s, const const_tensor_view& values, std::span<std::byte> scratch) const {
   impl(*this).value_norm(s, values, scratch);
 }
-void backend::value_norm(score_view s, const paged_rows& values, std::span<std::byte> scratch) const {
+void backend::value_norm(score_view s, const const_paged_rows& values, std::span<std::byte> scratch) const {
   impl(*this).value_norm(s, values, scratch);
 }
 void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec,
@@ -72,7 +72,7 @@ void check(const void* status, cudaStream_t stream, const char* what) {
   raise_if(decode(w), what);
 }
 
-void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view keep, std::int64_t kept,
+void compact(tensor_view k, tensor_view v, std::span<token> tokens, const_keep_view keep, std::int64_t kept,
              std::span<std::byte> ws, cudaStream_t stream) {
   validate(k, "k");
   if (!v.empty()) {
@@ -98,7 +98,7 @@ void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view ke
 }
 
 std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots, std::span<token> tokens,
-                     keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
+                     const_keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
                      cudaStream_t stream) {
   INFKV_REQUIRE(
       p.page_size > 0 && p.n_heads > 0 && p.head_dim > 0 && p.k.data && p.indptr && p.indices && p.last_page_len,
@@ -133,16 +133,17 @@ void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<R>
 }
 }  // namespace detail
 
-void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<tensor_view>& in, std::span<std::byte> ws,
-                 cudaStream_t stream) {
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_tensor_view>& in,
+                 std::span<std::byte> ws, cudaStream_t stream) {
   detail::h2o_observe(st, cfg, in, ws, stream);
 }
-void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<paged_rows>& in, std::span<std::byte> ws,
-                 cudaStream_t stream) {
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_paged_rows>& in,
+                 std::span<std::byte> ws, cudaStream_t stream) {
   detail::h2o_observe(st, cfg, in, ws, stream);
 }
 
-void h2o_evict(h2o_state_view& st, keep_view keep, std::int64_t kept, std::span<std::byte> ws, cudaStream_t stream) {
+void h2o_evict(h2o_state_view& st, const_keep_view keep, std::int64_t kept, std::span<std::byte> ws,
+               cudaStream_t stream) {
   INFKV_REQUIRE(keep.n_slots == st.n_slots && (keep.n_units == 1 || keep.n_units == st.heads), "keep.n_units",
                 keep.n_units, "must be 1 or the state's heads (", st.heads, ") over its ", st.n_slots, " slots");
   INFKV_REQUIRE(kept >= 0 && kept <= st.n_slots, "kept", kept, "must be in [0, n_slots = ", st.n_slots, "]");

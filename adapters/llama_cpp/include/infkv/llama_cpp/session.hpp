@@ -12,6 +12,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -57,9 +58,11 @@ struct session_options {
   reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
-  cpu::executor executor{};                          ///< threads for scoring and re-rotation
-  float scale = 0.f;                                 ///< attention scale; 0 = 1/sqrt(head_dim)
-  memory_calls memory{};                             ///< how the cache is changed (llama.h by default)
+  /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
+  /// session keeps for its whole life.
+  cpu::executor executor{};
+  float scale = 0.f;      ///< attention scale; 0 = 1/sqrt(head_dim)
+  memory_calls memory{};  ///< how the cache is changed (llama.h by default)
 
   /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
   /// window queries, the values where it weights by them, nothing at all where it reads nothing
@@ -122,6 +125,11 @@ class session {
                   opt_.values ? "values = true" : "track_h2o", " needs the graph observed: set capture = true");
     INFKV_REQUIRE(opt_.memory.seq_rm && opt_.memory.seq_add && opt_.memory.can_shift, "session_options.memory", "empty",
                   "every call must be set (the defaults are llama.h's)");
+    if (opt_.executor.threads > 1 && opt_.executor.pool == nullptr) {
+      pool_ = std::make_unique<cpu::thread_pool>(opt_.executor.threads);
+      opt_.executor.pool = pool_.get();
+    }
+    cpu::workers(opt_.executor, 1);  // checks the executor
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
@@ -184,7 +192,7 @@ class session {
 
   /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
   /// their positions, tokens, the layer's RoPE.
-  layer_inputs<tensor_view> inputs(std::int32_t layer) {
+  layer_inputs<const_tensor_view> inputs(std::int32_t layer) {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
     const rope_info& r = layer_rope_[std::size_t(layer)];
@@ -405,7 +413,7 @@ class session {
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
     std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
     const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
-    run(pl, be, std::span<const layer_inputs<tensor_view>>(layers_in_), workspace_->span(), out);
+    run(pl, be, std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span(), out);
     w.reset();
     return apply(keep_set::from_view(out));
   }
@@ -447,7 +455,7 @@ class session {
       auto& st = h2o_[std::size_t(l)];
       st.append(size() - st.n_slots());
       auto in = inputs(l);
-      in.queries = nhd(const_cast<float*>(r.q.data()), dtype::f32, r.n_q, r.n_head, r.head_dim);
+      in.queries = nhd(r.q.data(), dtype::f32, r.n_q, r.n_head, r.head_dim);
       in.query_pos = pos;
       cpu::observe(st, in, opt_.executor);
     }
@@ -502,6 +510,7 @@ class session {
   }
 
   const llama_model* model_;
+  std::unique_ptr<cpu::thread_pool> pool_;  // the session's own threads (before opt_, which points to it)
   session_options opt_;
   graph_observer observer_;
   rope_info rope_;
@@ -517,8 +526,8 @@ class session {
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
   std::int64_t stream_next_ = 0;
-  std::vector<layer_inputs<tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
-  std::optional<cpu::workspace> workspace_;           // grown on demand, reused across evictions
+  std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
 };
 
 }  // namespace infkv::llama_cpp

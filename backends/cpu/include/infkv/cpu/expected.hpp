@@ -78,8 +78,8 @@ std::pair<float, std::int64_t> largest(const R& t, std::int32_t head, std::int64
 /// `first_query`) when the query statistics `stats` themselves overflowed, else the key, with the
 /// queries' largest element.
 template <row_source R>
-void on_logit_overflow(const tensor_view& q, std::int64_t first_query, const R& keys, std::int32_t qh, std::int64_t j,
-                       const std::int64_t* order, std::int64_t sinks, std::span<const float> stats) {
+void on_logit_overflow(const const_tensor_view& q, std::int64_t first_query, const R& keys, std::int32_t qh,
+                       std::int64_t j, const std::int64_t* order, std::int64_t sinks, std::span<const float> stats) {
   if (std::find(order, order + sinks, j) != order + sinks) return;
   auto [qmax, qi] = largest(q, qh, q.n_slots);
   qi += first_query;  // as the caller counts the queries
@@ -107,7 +107,7 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
                              std::byte* scratch, const executor& ex = {}, std::int64_t first_query = 0) {
   detail::check_attention_inputs(in);
   const R& keys = in.keys;
-  const tensor_view& q = in.queries;
+  const const_tensor_view& q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, m = q.n_slots, group = q.n_heads / keys.n_heads;
   INFKV_REQUIRE(out.rows == keys.n_heads && out.cols == n, "out.rows", out.rows, "must be ", keys.n_heads, " x ", n,
                 "; out.cols = ", out.cols);

@@ -33,12 +33,12 @@ struct backend {
 
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const;
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const;
-  void score(const policy_spec& spec, const layer_inputs<tensor_view>& in, const std::int64_t* order, score_view out,
-             std::span<std::byte> scratch) const;
-  void score(const policy_spec& spec, const layer_inputs<paged_rows>& in, const std::int64_t* order, score_view out,
-             std::span<std::byte> scratch) const;
-  void value_norm(score_view s, const tensor_view& values, std::span<std::byte> scratch) const;
-  void value_norm(score_view s, const paged_rows& values, std::span<std::byte> scratch) const;
+  void score(const policy_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
+             score_view out, std::span<std::byte> scratch) const;
+  void score(const policy_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
+             score_view out, std::span<std::byte> scratch) const;
+  void value_norm(score_view s, const const_tensor_view& values, std::span<std::byte> scratch) const;
+  void value_norm(score_view s, const const_paged_rows& values, std::span<std::byte> scratch) const;
   void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const;
   void group_mean(score_view in, score_view out) const;
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const;
@@ -53,7 +53,7 @@ struct backend {
 };
 
 static_assert(infkv::backend<backend>);
-static_assert(infkv::backend<backend, paged_rows>);
+static_assert(infkv::backend<backend, const_paged_rows>);
 
 /// Waits for `stream` and raises what the kernels recorded in the status word at the start of
 /// `status` (the backend's scratch of a plan's workspace, or a compaction's workspace).
@@ -82,7 +82,7 @@ void run(const plan& p, const backend& be, const layer_inputs<R>& layer, std::sp
 /// (n_slots entries, or heads x n_slots packed to heads x kept). `ws`: compact_scratch_bytes(kept,
 /// heads, row bytes) of device memory. Waits; a keep set that does not fit raises and moves
 /// nothing.
-void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view keep, std::int64_t kept,
+void compact(tensor_view k, tensor_view v, std::span<token> tokens, const_keep_view keep, std::int64_t kept,
              std::span<std::byte> ws, cudaStream_t stream);
 
 /// Compacts sequence `seq` (holding `n_slots` slots) of a paged device cache: kept rows move to
@@ -91,22 +91,23 @@ void compact(tensor_view k, tensor_view v, std::span<token> tokens, keep_view ke
 /// size) entries). Returns that count. Waits; a table or keep set that does not fit raises and
 /// changes nothing.
 std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots, std::span<token> tokens,
-                     keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
+                     const_keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
                      cudaStream_t stream);
 
 /// H2O on the device: one decode step's attention (every query of `in`) accumulated into the
 /// state (cpu::observe's semantics); `ws`: h2o_scratch_bytes(shape_of(in)) of device memory.
 /// The pipeline then reads `st.scores()` as layer_inputs::accumulated. Waits; NaN keys or
 /// queries raise by name.
-void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<tensor_view>& in, std::span<std::byte> ws,
-                 cudaStream_t stream);
-void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<paged_rows>& in, std::span<std::byte> ws,
-                 cudaStream_t stream);
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_tensor_view>& in,
+                 std::span<std::byte> ws, cudaStream_t stream);
+void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_paged_rows>& in,
+                 std::span<std::byte> ws, cudaStream_t stream);
 /// Scratch h2o_observe needs for a layer of `shape` (on a device: the radix sort's size is asked).
 std::size_t h2o_scratch_bytes(const layer_shape& shape);
 /// Keeps the slots of `keep` (`kept` per unit: one unit, or one per head) in the state, compacted
 /// as the cache is; `ws`: compact_scratch_bytes(kept, st.heads, 4). Waits.
-void h2o_evict(h2o_state_view& st, keep_view keep, std::int64_t kept, std::span<std::byte> ws, cudaStream_t stream);
+void h2o_evict(h2o_state_view& st, const_keep_view keep, std::int64_t kept, std::span<std::byte> ws,
+               cudaStream_t stream);
 
 /// Rotates every head of slot j of device keys by delta[j] positions (device array of n_slots).
 void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream);

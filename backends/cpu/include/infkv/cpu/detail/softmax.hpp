@@ -80,9 +80,9 @@ template <row_source R>
 
 /// Throws naming the first non-finite element of query i of `head` in `q`, a window cut from a
 /// longer query view after its first `first` queries (named as the caller counts them).
-[[noreturn]] inline void fail_query_not_finite(const tensor_view& q, std::int64_t first, std::int64_t i,
+[[noreturn]] inline void fail_query_not_finite(const const_tensor_view& q, std::int64_t first, std::int64_t i,
                                                std::int32_t head) {
-  tensor_view all = q;
+  const_tensor_view all = q;
   all.data = q.row(-first, 0);
   all.n_slots += first;
   fail_not_finite(all, "queries", first + i, 1, head);
@@ -146,7 +146,7 @@ inline void tile_logits(const float* q, std::int64_t rows, std::int64_t d, const
 /// Queries of KV head `h`'s group as f32 [G * n_q][d] into `out`, query-major within each head;
 /// a NaN or Inf raises naming the query (counted from `first`, the queries dropped before the
 /// view) and head.
-inline void group_queries(const tensor_view& q, std::int32_t kv_head, std::int32_t group, std::int64_t first,
+inline void group_queries(const const_tensor_view& q, std::int32_t kv_head, std::int32_t group, std::int64_t first,
                           float* out) {
   const std::int64_t d = q.head_dim, n_q = q.n_slots;
   for (std::int32_t g = 0; g < group; ++g)

@@ -82,7 +82,7 @@ namespace detail {
 /// Checks a keep set of `units` units of `m` slots each over `n` slots (offsets u * m, slots
 /// strictly increasing in [0, n)); records bad_keep.
 template <class L>
-void check_keep(const L& launch, keep_view keep, std::int64_t m, status_word* st) {
+void check_keep(const L& launch, const_keep_view keep, std::int64_t m, status_word* st) {
   const std::int64_t n = keep.n_slots;
   launch.for_each(keep.n_units * std::max<std::int64_t>(m, 1) + 1, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     if (x == keep.n_units * std::max<std::int64_t>(m, 1)) {
@@ -147,8 +147,8 @@ inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, 
 /// keep) or heads x n_slots (per-head keep, packed to heads x m), or is null. Nothing moves when
 /// the keep set is inconsistent (status bad_keep).
 template <class L>
-void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens, std::int64_t n_tokens, keep_view keep,
-                   std::int64_t m, std::span<std::byte> scratch) {
+void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens, std::int64_t n_tokens,
+                   const_keep_view keep, std::int64_t m, std::span<std::byte> scratch) {
   status_word* st = reinterpret_cast<status_word*>(scratch.data());
   launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
   detail::check_keep(launch, keep, m, st);
@@ -187,7 +187,7 @@ void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens,
 /// Keeps the slots of `keep` (`m` per unit) in H2O's state, compacted to the front as the cache
 /// is (cpu::h2o_state::evict): the state's rows are [heads][ld] tensors of one f32 per slot.
 template <class L>
-void h2o_evict_steps(const L& launch, h2o_state_view& st, keep_view keep, std::int64_t m,
+void h2o_evict_steps(const L& launch, h2o_state_view& st, const_keep_view keep, std::int64_t m,
                      std::span<std::byte> scratch) {
   const auto rows = [&](float* p) { return tensor_view{p, dtype::f32, st.n_slots, st.heads, 1, 1, st.ld}; };
   compact_steps(launch, rows(st.acc), rows(st.life), nullptr, 0, keep, m, scratch);
@@ -201,8 +201,8 @@ void h2o_evict_steps(const L& launch, h2o_state_view& st, keep_view keep, std::i
 /// (pages_freed(n, m) entries). A table whose sequence does not hold n slots, or a bad keep set,
 /// changes nothing (status bad_pages / bad_keep).
 template <class L>
-void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::int64_t n, token* tokens, keep_view keep,
-                         std::int64_t m, std::int32_t* freed, std::span<std::byte> scratch) {
+void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::int64_t n, token* tokens,
+                         const_keep_view keep, std::int64_t m, std::int32_t* freed, std::span<std::byte> scratch) {
   status_word* st = reinterpret_cast<status_word*>(scratch.data());
   launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
     *st = status_ok;

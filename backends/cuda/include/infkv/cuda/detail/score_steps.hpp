@@ -92,7 +92,7 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
                             score_view out, std::span<std::byte> scratch, std::size_t offset) {
   check_query_inputs(in);
   const R keys = in.keys;
-  const tensor_view q = in.queries;
+  const const_tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
   const std::int64_t w = std::min(window, q.n_slots), q0 = q.n_slots - w, rows = hq * w;
   const std::int64_t tiles = detail::tiles(n);
@@ -167,7 +167,7 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
                               std::size_t offset) {
   check_query_inputs(in);
   const R keys = in.keys;
-  const tensor_view q = in.queries;
+  const const_tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
   const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
   const rope rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins (read on the host)

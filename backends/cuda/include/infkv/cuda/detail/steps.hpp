@@ -97,7 +97,7 @@ struct basic_backend {
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(0, order[i]) = float(i); });
         return;
       case score_source::accumulated: {
-        const score_view acc = in.accumulated;
+        const const_score_view acc = in.accumulated;
         launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
         return;
       }
