@@ -8,10 +8,11 @@
 #   stream_768.json    streaming_llm with budget 768 (the context shift's mean occupancy)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
 #                      tokens of history, against bounded caches
-#   prefill_*.json     one prefill per process: plain at 4K and 16K, budgeted block-wise at 4K,
-#                      16K and 64K tokens (time, KV bytes, peak RSS)
+#   prefill_*.json     one prefill per process: plain at 2K, 4K, 8K and 16K, budgeted block-wise
+#                      at 2K, 4K, 8K, 16K and 64K tokens (time, KV bytes, the session's bytes, peak RSS)
 #   kernels_o2.json, kernels_o3.json   infkv_bench built at -O2 and at -O3 (-march=x86-64-v3)
-# About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
+# Every JSON gets a "provenance" record (scripts/provenance.py: commit, uncommitted changes, the
+# command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
 set -euo pipefail
@@ -35,6 +36,7 @@ step() {  # step NAME COMMAND...: runs COMMAND (which writes NAME.json.tmp) unle
   if [[ -s "$out/$name.json" ]]; then echo "perf: $out/$name.json exists, kept" >&2; return; fi
   echo "perf: $name (load $(cut -d' ' -f1 /proc/loadavg))" >&2
   "$@" | tee "$out/$name.txt"
+  python3 scripts/provenance.py "$out/$name.json.tmp" "$*"
   mv "$out/$name.json.tmp" "$out/$name.json"
 }
 stream() {
@@ -49,11 +51,11 @@ engine() {
   while (( hist <= history )); do list=${list:+$list,}$hist; hist=$((hist * 2)); done
   step decode "$bin/infkv-engine-bench" decode --model "$model" --text "$text" --history "$list" --threads "$threads" \
     --policy context_shift,streaming_llm,inf_mllm_bias,h2o --json "$out/decode.json.tmp"
-  for n in 4096 16384; do
+  for n in 2048 4096 8192 16384; do
     step "prefill_plain_$n" "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens $n --mode plain \
       --threads "$threads" --json "$out/prefill_plain_$n.json.tmp"
   done
-  for n in 4096 16384 65536; do
+  for n in 2048 4096 8192 16384 65536; do
     step "prefill_budgeted_$n" "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens $n \
       --mode budgeted --policy snapkv --block 512 --threads "$threads" --json "$out/prefill_budgeted_$n.json.tmp"
   done

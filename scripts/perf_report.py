@@ -61,6 +61,13 @@ plot {', '.join(plots)}
             return False
 
 
+def commits(*ds):
+    """ "; commit X" for the results' provenance (scripts/provenance.py), or "" for older results."""
+    seen = sorted({d["provenance"]["commit"][:10] + (" (with uncommitted changes)" if d["provenance"]["dirty"] else "")
+                   for d in ds if "provenance" in d})
+    return "; commit " + ", ".join(seen) if seen else ""
+
+
 def own(t):
     return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
 
@@ -71,26 +78,31 @@ def stream_section(d, md):
     md.append(f"Run: `infkv-stream` over {d['tokens']} KJV tokens, budget {d['settings']['budget']}, block "
               f"{d['settings']['block']}, {d['settings']['threads']} thread(s); load average "
               f"{fmt(d['load_average_start'], 2)} at start, {fmt(d['load_average_end'], 2)} at end. "
-              f"{os.path.basename(d['model'])} (llama.cpp: {d['model_desc']}).\n")
+              f"{os.path.basename(d['model'])} (llama.cpp: {d['model_desc']}){commits(d)}.\n")
     rows = []
     for name, r in runs.items():
         t, s = r["time"], r["summary"]
         extra = (t["decode"] - ref["time"]["decode"]) if ref else float("nan")
         over = (extra + own(t)) / ref["time"]["decode"] * 100 if ref else float("nan")
-        rows.append([name, fmt(s["tok_per_s"]), fmt(s["ppl"], 3), fmt(s["late_ppl"], 3), fmt(r["seconds"]),
+        session = max(b["host_bytes"] for b in r["blocks"]) / MIB
+        kv = max(b["kv_alloc_bytes"] for b in r["blocks"]) / MIB
+        rows.append([name, fmt(s["tok_per_s"]), fmt(s["ppl"], 3), fmt(s["late_ppl"], 3), fmt(kv), fmt(session),
+                     fmt(r["seconds"]),
                      fmt(t["decode"]), fmt(t["capture"], 2), fmt(t["append"], 2), fmt(t["h2o"], 2),
                      fmt(t["score"], 2), fmt(t["seq_rm"] + t["seq_add"], 3), fmt(t["host_evict"] + t["rerotate"], 2),
                      "(reference)" if name == "streaming_llm" else fmt(over, 1) if name != "context_shift" else
                      f"({fmt(over, 1)}: no session)"])
-    md.append(table(["run", "tok/s", "ppl", "ppl late", "total s", "decode s", "capture s", "append s", "h2o s",
-                     "score s", "seq_rm+add s", "host evict+rerotate s", "overhead %"], rows))
+    md.append(table(["run", "tok/s", "ppl", "ppl late", "KV MiB", "session MiB", "total s", "decode s", "capture s",
+                     "append s", "h2o s", "score s", "seq_rm+add s", "host evict+rerotate s", "overhead %"], rows))
     md.append("\nColumns: `decode` is llama_decode (the capture callbacks and llama.cpp's K-shift run inside it); "
               "`capture` is the part of it spent copying Q / K rows out of the graph; the next columns are the "
               "session's own work outside llama_decode. **overhead %** = (this run's decode time - streaming_llm's "
               "decode time + its own work) / streaming_llm's decode time: streaming_llm's session installs no "
               "callback and copies nothing, so its decode is plain llama.cpp's at the same cache size. `total` also "
               "holds the perplexity bookkeeping of the program (a log-softmax over the vocabulary per token), "
-              "the same for every run.\n")
+              "the same for every run. `KV MiB`: llama.cpp's K and V (computed from the context's cells); "
+              "`session MiB`: the most the session held beside it over the run (`session::memory()`: key copies, "
+              "window queries, H2O state, workspace).\n")
     return runs
 
 
@@ -164,12 +176,14 @@ def prefill_section(files, md, plot_dir):
     rows, pts = [], {}
     for d in sorted(files, key=lambda d: (d["mode"], d["tokens"])):
         label = d["mode"] + (f" ({d['policy']}, {d['budget']}+{d['block']})" if d["mode"] == "budgeted" else "")
+        session = d.get("session_bytes", {}).get("total")
         rows.append([label, d["tokens"], fmt(d["seconds"]), fmt(d["tok_per_s"]), d["n_ctx"],
-                     fmt(d["kv_alloc_bytes"] / MIB), fmt(d["peak_rss_bytes"] / MIB),
+                     fmt(d["kv_alloc_bytes"] / MIB), "-" if session is None else fmt(session / MIB),
+                     "-" if session is None else fmt(session / d["kv_alloc_bytes"], 2), fmt(d["peak_rss_bytes"] / MIB),
                      fmt((d["peak_rss_bytes"] - d["rss_after_model_bytes"]) / MIB), fmt(d["load_average_start"], 2)])
         pts.setdefault(d["mode"], []).append((d["tokens"], d["peak_rss_bytes"] / MIB, d["kv_alloc_bytes"] / MIB))
-    md.append(table(["prefill", "tokens", "s", "tok/s", "cells", "KV MiB", "peak RSS MiB", "RSS above the model MiB",
-                     "load"], rows))
+    md.append(table(["prefill", "tokens", "s", "tok/s", "cells", "KV MiB", "session MiB", "session / KV",
+                     "peak RSS MiB", "RSS above the model MiB", "load"], rows))
     growth = []
     for mode in ("budgeted", "plain"):
         p = sorted(pts.get(mode, []))
@@ -178,7 +192,7 @@ def prefill_section(files, md, plot_dir):
                           f"(KV {p[-1][2] / p[0][2]:.2f}x)")
     if growth:
         text = "; ".join(growth)
-        md.append("\n" + text[0].upper() + text[1:] + ".\n")
+        md.append("\n" + text[0].upper() + text[1:] + f"{commits(*files)}.\n")
     series = []
     for mode, p in pts.items():
         p = sorted(p)

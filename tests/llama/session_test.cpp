@@ -379,3 +379,52 @@ TEST_CASE("llama session: more than one thread runs on a pool the session keeps,
   CHECK_THROWS_WITH_AS(lc::session(model.get(), {.executor = {.threads = 3, .pool = &small}}),
                        doctest::Contains("executor.threads = 3"), infkv::invalid_argument);
 }
+
+TEST_CASE("llama session: key copies in the cache's own type, allocated once; memory() counts what is held") {
+  auto model = tiny_model(2);  // 2 layers, 2 KV heads, head_dim 16, 4 query heads
+  const std::int64_t n_ctx = 256, layers = 2, row = 2 * 16;
+  SUBCASE("an f16 cache: f16 keys, half of llama.cpp's K and V") {
+    lc::session s(model.get(), lc::session_options::for_policy(infkv::snapkv{.window = 8}));
+    auto ctx = bound_context(model.get(), s, {.type_k = GGML_TYPE_F16});
+    CHECK(s.key_type() == infkv::dtype::f16);
+    REQUIRE(s.decode(random_tokens(100, 40)) == 0);  // of its 100 queries only the last 8 are kept
+    const auto m = s.memory();
+    CHECK(m.kv == n_ctx * layers * row * 2 * 2);
+    CHECK(m.keys == n_ctx * layers * row * 2);  // room for every cell, once
+    CHECK(m.keys * 2 == m.kv);
+    CHECK(m.values == 0);
+    CHECK(m.h2o == 0);
+    CHECK(m.queries <= layers * (8 + 8) * 4 * 16 * 4 + layers * 16 * 4);  // window, kept rows of the batch, a row
+    CHECK(s.inputs(1).queries.n_slots == 8);
+    for (int round = 0; round < 3; ++round) {
+      s.evict(infkv::snapkv{.window = 8}, {.capacity = 60, .sinks = 2});
+      REQUIRE(s.decode(random_tokens(50, 41 + unsigned(round))) == 0);
+      CHECK(s.memory().keys == m.keys);  // the storage never grows or moves
+    }
+    CHECK(s.memory().workspace > 0);
+  }
+  SUBCASE("an f32 cache keeps f32 keys; a session can ask for f16 ones") {
+    lc::session f32(model.get());
+    auto c32 = bound_context(model.get(), f32);
+    CHECK(f32.key_type() == infkv::dtype::f32);
+    lc::session f16(model.get(), {.key_type = infkv::dtype::f16, .values = true});
+    auto c16 = bound_context(model.get(), f16);
+    CHECK(f16.key_type() == infkv::dtype::f16);
+    REQUIRE(f32.decode(random_tokens(30, 42)) == 0);
+    REQUIRE(f16.decode(random_tokens(30, 42)) == 0);
+    CHECK(f32.memory().keys == n_ctx * layers * row * 4);
+    CHECK(f16.memory().keys == n_ctx * layers * row * 2);
+    CHECK(f16.memory().values == f16.memory().keys);
+    // The same keys, rounded to f16 (what the copy from the graph's f32 rows gives).
+    const auto a = f32.inputs(1).keys, b = f16.inputs(1).keys;
+    float worst = 0;
+    for (std::int64_t j = 0; j < 30; ++j)
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 16; ++e) {
+          const float x = static_cast<const float*>(a.row(j, h))[e];
+          const float y = infkv::f16_to_f32(static_cast<const std::uint16_t*>(b.row(j, h))[e]);
+          worst = std::max(worst, std::fabs(x - y) / std::max(std::fabs(x), 1e-3f));
+        }
+    CHECK(worst <= 1.f / 1024);
+  }
+}

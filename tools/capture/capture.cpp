@@ -76,7 +76,9 @@ struct output_capture {
     const std::int32_t l = infkv::llama_cpp::layer_of(ggml_get_name(t), "kqv_out");
     const auto it = std::find(self.layers.begin(), self.layers.end(), l);
     if (l < 0 || it == self.layers.end()) return ask ? false : true;
-    if (!ask) infkv::llama_cpp::append_rows(t, self.rows[std::size_t(it - self.layers.begin())], self.scratch);
+    if (!ask)
+      infkv::llama_cpp::append_rows(infkv::llama_cpp::rows_of(t, l, infkv::llama_cpp::node_kind::value, self.scratch),
+                                    self.rows[std::size_t(it - self.layers.begin())]);
     return true;
   }
 };

@@ -222,7 +222,7 @@ int run_prefill(const options& o, const llama_model* m) {
   const std::int64_t rss_model = status_bytes("VmRSS");
   auto j = head(o, m, "prefill");
   j["tokens"] = o.tokens, j["mode"] = o.mode, j["rss_after_model_bytes"] = rss_model;
-  std::int64_t cells = 0, peak_slots = 0, state = 0;
+  std::int64_t cells = 0, peak_slots = 0, state = 0, session_bytes = 0;
   double secs = 0;
   if (o.mode == "plain") {
     constexpr std::int64_t n_batch = 512;
@@ -263,16 +263,23 @@ int run_prefill(const options& o, const llama_model* m) {
     cells = llama_n_ctx(ctx.get()), peak_slots = res.peak;
     state = std::int64_t(llama_state_seq_get_size(ctx.get(), 0));
     j["time"] = stream::to_json(session.stats());
-    j["host_bytes"] = sh.key_copy_bytes(session.size()) * (session.options().values ? 2 : 1);
+    const auto mem = session.memory();
+    session_bytes = mem.total();
+    j["session_bytes"] = {
+        {"keys", mem.keys},     {"values", mem.values},       {"queries", mem.queries},
+        {"h2o", mem.h2o},       {"workspace", mem.workspace}, {"tokens", mem.tokens},
+        {"total", mem.total()}, {"llama_kv", mem.kv},         {"key_type", to_string(session.key_type())}};
+    j["host_bytes"] = mem.total();
   }
   j["seconds"] = secs, j["tok_per_s"] = double(o.tokens) / secs;
   j["kv_alloc_bytes"] = sh.kv_bytes(cells), j["n_ctx"] = cells, j["peak_slots"] = peak_slots;
   j["kv_state_bytes"] = state, j["peak_rss_bytes"] = status_bytes("VmHWM");
   fmt::print(
-      "prefill {} tokens, {}{}: {:.1f} s ({:.0f} tok/s), {} cells, KV {:.1f} MiB, peak RSS {:.1f} MiB (model loaded: "
-      "{:.1f} MiB)\n",
+      "prefill {} tokens, {}{}: {:.1f} s ({:.0f} tok/s), {} cells, KV {:.1f} MiB, infkv session {:.1f} MiB, peak RSS "
+      "{:.1f} MiB (model loaded: {:.1f} MiB)\n",
       o.tokens, o.mode, o.mode == "plain" ? "" : " (" + o.policy + ")", secs, double(o.tokens) / secs, cells,
-      double(sh.kv_bytes(cells)) / 1048576.0, double(status_bytes("VmHWM")) / 1048576.0, double(rss_model) / 1048576.0);
+      double(sh.kv_bytes(cells)) / 1048576.0, double(session_bytes) / 1048576.0,
+      double(status_bytes("VmHWM")) / 1048576.0, double(rss_model) / 1048576.0);
   write_json(o, j);
   return 0;
 }

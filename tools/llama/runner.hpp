@@ -38,6 +38,7 @@ struct settings : infkv_tools::policy_knobs {
   bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
   std::int64_t ask_room = 0;    ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
+  std::optional<infkv::dtype> key_type{};            ///< the session's key copies (unset: the cache's own)
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
@@ -204,7 +205,7 @@ class runner {
 /// (session_options::for_policy), f16 key copies, the run's reduction, positions and threads.
 inline infkv::llama_cpp::session_options session_options_for(kind k, const settings& s) {
   const infkv::llama_cpp::session_options base{
-      .key_type = infkv::dtype::f16,
+      .key_type = s.key_type,
       .reduce = s.reduce,
       .positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact,
       .executor = {s.threads}};
@@ -270,14 +271,8 @@ class session_runner final : public runner {
   std::int64_t next_pos() const override { return session_.next_pos(); }
   infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
 
-  /// Keys (f16; values too where the policy reads them) of every layer plus the window queries
-  /// (f32), as the session holds them.
-  std::int64_t host_bytes() const override {
-    const std::int64_t keys = shape_.key_copy_bytes(session_.size()) * (session_.options().values ? 2 : 1);
-    const std::int64_t queries = std::min<std::int64_t>(session_.options().window, session_.size()) * shape_.layers *
-                                 shape_.heads * shape_.head_dim * 4;
-    return keys + queries;
-  }
+  /// What the session holds beside llama.cpp's cache (session::memory()).
+  std::int64_t host_bytes() const override { return session_.memory().total(); }
 
  private:
   kind kind_;

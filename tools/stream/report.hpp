@@ -92,7 +92,8 @@ inline nlohmann::json to_json(const run_summary& s) {
 inline const char* memory_note =
     "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim * 2 bytes (f16 cache); "
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
-    "host_bytes: computed, the session's f16 key (and value) copies and f32 window queries; rss_bytes: "
+    "host_bytes: measured, session::memory().total(): the session's key (and value) copies in the cache's type, "
+    "window and staged queries, H2O state, workspace and bookkeeping; rss_bytes: "
     "/proc/self/statm";
 
 inline nlohmann::json stream_json(const nlohmann::json& head, const std::vector<stream_run>& runs, const settings& s) {

@@ -47,6 +47,7 @@ struct options {
   bool retrieval() const { return !passkey.empty() || !needle.empty(); }
   std::string mode() const { return !passkey.empty() ? "--passkey" : "--needle"; }
   std::uint64_t seed = 1;
+  std::string key_type;  ///< --key-type (empty: the cache's own)
   bool list = false;
 };
 
@@ -92,6 +93,8 @@ void add_options(CLI::App& app, options& o) {
       ->check(infkv_tools::writable_file());
   app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)")
       ->check(infkv_tools::writable_file());
+  app.add_option("--key-type", o.key_type, "type of the session's host key copies (default: the cache's own, f16)")
+      ->check(CLI::IsMember({"f32", "f16"}));
   app.add_flag("--keep-positions", o.s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");
@@ -198,6 +201,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"reduce", infkv::to_string(o.s.reduce)},
             {"threads", o.s.threads},
             {"keep_positions", o.s.keep_positions},
+            {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
@@ -362,6 +366,7 @@ int main(int argc, char** argv) {
   o.s.threads = int(std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
+  if (!o.key_type.empty()) o.s.key_type = o.key_type == "f32" ? infkv::dtype::f32 : infkv::dtype::f16;
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;

@@ -1,7 +1,8 @@
 // infkv llama.cpp adapter: observing the compute graph through `cb_eval`. The observer asks for
 // the post-RoPE query and key nodes of every layer (`Qcur-<layer>` and `Kcur-<layer>` whose op is
 // GGML_OP_ROPE; several nodes share each name) and copies their rows out as f32, token-major,
-// across however many micro-batches llama_decode splits a batch into. Works with flash attention
+// across however many micro-batches llama_decode splits a batch into, or hands each node to its
+// owner, which copies what it keeps straight from the graph. Works with flash attention
 // on and off (those nodes exist either way). On request it also copies the values (`Vcur-<layer>`,
 // the node reshaped or viewed to [head_dim, heads, tokens]). Public llama.h / ggml API only.
 #pragma once
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,14 +48,46 @@ struct node_rope {
   bool freq_factors = false;  ///< per-dimension frequency factors (Llama 3's rope_freqs)
 };
 
-/// Post-RoPE Q and K rows of one layer seen during one decode: f32, [n_tokens][heads][head_dim].
+/// What one observed node is.
+enum class node_kind : std::uint8_t { query = 1, key = 2, value = 3 };
+
+/// The rows of one observed node, readable on the host: [n_tokens][heads][head_dim] at
+/// `base + i * nb2 + h * nb1 + e * nb0`, f32 or f16 (as llama.cpp computed them).
+struct node_rows {
+  std::int32_t layer = 0;
+  node_kind kind = node_kind::query;
+  const char* base = nullptr;
+  dtype type = dtype::f32;
+  std::int64_t head_dim = 0, heads = 0, n_tokens = 0;
+  std::int64_t nb0 = 0, nb1 = 0, nb2 = 0;
+
+  /// Row (token i, head h) as `t` (f32, f16 or bf16) into `out` (head_dim elements); `tmp`
+  /// holds head_dim floats when the conversion goes through f32.
+  void row_to(std::int64_t i, std::int64_t h, dtype t, void* out, float* tmp) const {
+    const char* row = base + i * nb2 + h * nb1;
+    const bool packed = nb0 == std::int64_t(size_of(type));
+    if (packed && t == type) {
+      std::memcpy(out, row, std::size_t(head_dim) * size_of(type));
+      return;
+    }
+    float* f = t == dtype::f32 ? static_cast<float*>(out) : tmp;
+    if (packed)
+      to_f32(type, row, f, head_dim);
+    else
+      for (std::int64_t e = 0; e < head_dim; ++e) to_f32(type, row + e * nb0, f + e, 1);
+    if (t != dtype::f32) from_f32(t, f, out, head_dim);
+  }
+};
+
+/// Post-RoPE Q and K rows of one layer seen during one decode: f32, [n_tokens][heads][head_dim]
+/// (kept only by an observer without a handler), and what was seen of each node.
 struct layer_rows {
   std::int32_t n_head = 0;
   std::int32_t n_head_kv = 0;
   std::int32_t head_dim = 0;
-  std::int64_t n_q = 0;  ///< query rows (tokens) captured
-  std::int64_t n_k = 0;  ///< key rows (tokens) captured
-  std::int64_t n_v = 0;  ///< value rows (tokens) captured (graph_observer with values)
+  std::int64_t n_q = 0;  ///< query rows (tokens) seen
+  std::int64_t n_k = 0;  ///< key rows (tokens) seen
+  std::int64_t n_v = 0;  ///< value rows (tokens) seen (graph_observer with values)
   std::vector<float> q;
   std::vector<float> k;
   std::vector<float> v;  ///< [n_v][n_head_kv][head_dim] when values are captured
@@ -85,8 +119,9 @@ inline std::int32_t layer_of(const char* name, std::string_view prefix) {
   return layer;
 }
 
-/// Appends the rows of a [head_dim, heads, n_tokens] f32 or f16 tensor to `out` as f32.
-inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vector<char>& scratch) {
+/// The rows of a [head_dim, heads, n_tokens] f32 or f16 node, on the host (`scratch` holds a copy
+/// when the node lives in device memory).
+inline node_rows rows_of(const ggml_tensor* t, std::int32_t layer, node_kind kind, std::vector<char>& scratch) {
   if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)
     infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ",
                                        ggml_type_name(t->type), ": only f32 and f16 query/key nodes can be observed");
@@ -102,21 +137,26 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
     base = scratch.data();
   }
   if (base == nullptr) infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
-  const std::int64_t d = t->ne[0], heads = t->ne[1], n = t->ne[2];
+  return {layer,
+          kind,
+          base,
+          t->type == GGML_TYPE_F32 ? dtype::f32 : dtype::f16,
+          t->ne[0],
+          t->ne[1],
+          t->ne[2],
+          std::int64_t(t->nb[0]),
+          std::int64_t(t->nb[1]),
+          std::int64_t(t->nb[2])};
+}
+
+/// Appends every row of `r` to `out` as f32.
+inline void append_rows(const node_rows& r, std::vector<float>& out) {
   const std::size_t at = out.size();
-  out.resize(at + std::size_t(d * heads * n));
+  out.resize(at + std::size_t(r.head_dim * r.heads * r.n_tokens));
   float* dst = out.data() + at;
-  const infkv::dtype type = t->type == GGML_TYPE_F32 ? infkv::dtype::f32 : infkv::dtype::f16;
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t h = 0; h < heads; ++h) {
-      const char* row = base + i * std::int64_t(t->nb[2]) + h * std::int64_t(t->nb[1]);
-      float* o = dst + (i * heads + h) * d;
-      if (t->nb[0] == ggml_type_size(t->type)) {
-        to_f32(type, row, o, d);
-      } else {
-        for (std::int64_t e = 0; e < d; ++e) to_f32(type, row + e * std::int64_t(t->nb[0]), o + e, 1);
-      }
-    }
+  for (std::int64_t i = 0; i < r.n_tokens; ++i)
+    for (std::int64_t h = 0; h < r.heads; ++h)
+      r.row_to(i, h, dtype::f32, dst + (i * r.heads + h) * r.head_dim, nullptr);
 }
 
 /// Collects post-RoPE Q and K of every layer while active. Install it into the context
@@ -124,9 +164,14 @@ inline void append_rows(const ggml_tensor* t, std::vector<float>& out, std::vect
 /// Not copyable or movable: the context holds its address.
 class graph_observer {
  public:
-  /// Observes `n_layers` layers; `values`: also copy the value rows (`Vcur-<layer>`).
-  explicit graph_observer(std::int32_t n_layers, bool values = false)
-      : layers_(std::size_t(n_layers > 0 ? n_layers : 0)), values_(values) {
+  /// Hands each observed node's rows to its owner, from inside llama_decode.
+  using handler = std::function<void(const node_rows&)>;
+
+  /// Observes `n_layers` layers; `values`: also the value rows (`Vcur-<layer>`). Without a
+  /// handler every row is copied out as f32 (layers()); with one, each node goes to it (and
+  /// layers() records only what was seen: counts, heads, RoPE).
+  explicit graph_observer(std::int32_t n_layers, bool values = false, handler to = {})
+      : layers_(std::size_t(n_layers > 0 ? n_layers : 0)), values_(values), to_(std::move(to)) {
     INFKV_REQUIRE(n_layers > 0, "n_layers", n_layers, "must be > 0");
   }
   graph_observer(const graph_observer&) = delete;
@@ -205,16 +250,17 @@ class graph_observer {
     const auto d = std::int32_t(t->ne[0]), heads = std::int32_t(t->ne[1]);
     if (l.head_dim == 0) l.head_dim = d;
     INFKV_REQUIRE(d == l.head_dim, "head_dim", d, "of ", ggml_get_name(t), " differs from the layer's ", l.head_dim);
-    if (kind == 3) {  // values: as many heads as the keys (checked by the caller once both are seen)
-      append_rows(t, l.v, scratch_);
-      l.n_v += t->ne[2];
-      return;
+    if (kind != 3) {  // values have as many heads as the keys (checked by the caller once both are seen)
+      std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
+      if (h == 0) h = heads;
+      INFKV_REQUIRE(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
     }
-    std::int32_t& h = kind == 1 ? l.n_head : l.n_head_kv;
-    if (h == 0) h = heads;
-    INFKV_REQUIRE(heads == h, "heads", heads, "of ", ggml_get_name(t), " changed from ", h);
-    append_rows(t, kind == 1 ? l.q : l.k, scratch_);
-    (kind == 1 ? l.n_q : l.n_k) += t->ne[2];
+    const node_rows rows = rows_of(t, layer, node_kind(kind), scratch_);
+    if (to_)
+      to_(rows);
+    else
+      append_rows(rows, kind == 1 ? l.q : kind == 2 ? l.k : l.v);
+    (kind == 1 ? l.n_q : kind == 2 ? l.n_k : l.n_v) += t->ne[2];
     if (kind == 2) l.rope = rope_of(t);
   }
 
@@ -227,6 +273,7 @@ class graph_observer {
   bool next_wants_ = false;
   bool active_ = false;
   bool values_ = false;
+  handler to_;
 };
 
 }  // namespace infkv::llama_cpp

@@ -1,8 +1,8 @@
 // infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
 // post-RoPE Q and K (and V on request) through `cb_eval`, keeps its own position <-> slot
 // bookkeeping (llama.h has no public cell -> position map) and a host copy of each layer's keys
-// (values) and recent queries, so
-// that every infkv policy can score; it evicts by removing position runs with
+// (values) in the cache's own type and of its recent queries, copied straight from the graph,
+// so that every infkv policy can score (memory() says what that holds); it evicts by removing position runs with
 // llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add (llama.cpp
 // re-rotates its K; the session re-rotates its own copy). Per-token granularity: head and layer
 // scores are combined by the chosen reduction.
@@ -47,10 +47,12 @@ struct memory_calls {
 
 /// Session configuration.
 struct session_options {
-  llama_seq_id seq = 0;         ///< the sequence the session owns
-  std::int64_t window = 32;     ///< recent queries kept per layer
-  dtype key_type = dtype::f32;  ///< host copy of the keys (and values): f32 or f16
-  bool values = false;          ///< also copy the values (value-norm policies)
+  llama_seq_id seq = 0;      ///< the sequence the session owns
+  std::int64_t window = 32;  ///< recent queries kept per layer
+  /// Type of the host copy of the keys (and values): f32 or f16. Unset: the cache's own (f16 for
+  /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones).
+  std::optional<dtype> key_type{};
+  bool values = false;  ///< also copy the values (value-norm policies)
   /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
   /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
   /// then cost the decode nothing. Evicting with a policy that reads them raises.
@@ -101,6 +103,21 @@ struct session_stats {
   double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
 };
 
+/// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
+/// V for comparison.
+struct session_memory {
+  std::int64_t keys = 0;       ///< host copies of the cached keys, every layer (in the key type)
+  std::int64_t values = 0;     ///< host copies of the values (policies that weight by value norms)
+  std::int64_t queries = 0;    ///< window queries, and the queries kept of the last decode
+  std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
+  std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
+  std::int64_t tokens = 0;     ///< the position bookkeeping
+  /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
+  /// types (computed; 0 before the first decode shows the heads).
+  std::int64_t kv = 0;
+  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens; }
+};
+
 /// What one eviction did.
 struct eviction_result {
   std::int64_t evicted = 0;           ///< slots removed
@@ -115,10 +132,12 @@ struct eviction_result {
 class session {
  public:
   explicit session(const llama_model* model, session_options opt = {})
-      : model_(model), opt_(opt), observer_(checked_layers(model), opt.values) {
+      : model_(model), opt_(opt), observer_(checked_layers(model), opt.values, [this](const node_rows& r) {
+          layers_[std::size_t(r.layer)].take(r);
+        }) {
     INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
-    INFKV_REQUIRE(opt_.key_type != dtype::bf16, "session_options.key_type", to_string(opt_.key_type),
-                  "must be f32 or f16");
+    INFKV_REQUIRE(!opt_.key_type || *opt_.key_type != dtype::bf16, "session_options.key_type", "bf16",
+                  "must be f32 or f16 (keys are re-rotated in place: bf16 would lose precision at every shift)");
     INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
     if (opt_.track_h2o) opt_.track_h2o->validate();
     INFKV_REQUIRE(opt_.capture || (!opt_.values && !opt_.track_h2o), "session_options.capture", "false",
@@ -130,7 +149,7 @@ class session {
       opt_.executor.pool = pool_.get();
     }
     cpu::workers(opt_.executor, 1);  // checks the executor
-    layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type));
+    layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
     n_swa_ = llama_model_n_swa(model);
@@ -144,6 +163,10 @@ class session {
   /// sliding layers' cache is as large as the others'. Call before creating the context from `p`.
   void attach(llama_context_params& p) {
     if (opt_.capture) observer_.install(p);
+    key_type_ =
+        opt_.key_type.value_or(p.type_k == GGML_TYPE_F32 || p.type_k == GGML_TYPE_BF16 ? dtype::f32 : dtype::f16);
+    layers_.assign(layers_.size(), layer_cache(key_type_));
+    type_k_ = p.type_k, type_v_ = p.type_v;
     rope_ = model_rope(model_, p.rope_freq_base, p.rope_freq_scale);
     layer_rope_.assign(layers_.size(), rope_);
     if (n_swa_ > 0) p.swa_full = true;
@@ -173,11 +196,28 @@ class session {
   position_mode mode() const { return shift_ ? position_mode::compact : position_mode::keep; }
   /// The model's RoPE (from its metadata).
   const rope_info& rope() const { return rope_; }
+  /// The type of the host key (and value) copies: session_options::key_type, or the cache's own
+  /// (known once attached).
+  dtype key_type() const { return key_type_; }
   /// The RoPE layer `layer` applies: read from its key node after the first decode (layers may
   /// differ, e.g. Gemma 3's sliding layers), the model's before.
   const rope_info& layer_rope(std::int32_t layer) const {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     return layer_rope_[std::size_t(layer)];
+  }
+  /// The bytes the session holds now (capacity of its buffers) and llama.cpp's K and V bytes.
+  session_memory memory() const {
+    session_memory m;
+    for (const auto& l : layers_) {
+      m.keys += l.key_bytes(), m.values += l.value_bytes(), m.queries += l.query_bytes() + l.staged_bytes();
+      if (ctx_ != nullptr)
+        m.kv += std::int64_t(llama_n_ctx(ctx_)) * std::int64_t(ggml_row_size(type_k_, l.n_head_kv() * l.head_dim()) +
+                                                               ggml_row_size(type_v_, l.n_head_kv() * l.head_dim()));
+    }
+    for (const auto& h : h2o_) m.h2o += h.bytes();
+    m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
+    m.tokens = std::int64_t(tokens_.capacity() * sizeof(token));
+    return m;
   }
   /// Where the time went since bind (or the last reset_stats()).
   const session_stats& stats() const { return stats_; }
@@ -249,6 +289,9 @@ class session {
       INFKV_REQUIRE(batch.n_seq_id[i] == 1 && batch.seq_id[i][0] == opt_.seq,
                     "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
                     "every entry must belong to the session's sequence ", opt_.seq, " only");
+    const std::int64_t n = batch.n_tokens;
+    if (opt_.capture)
+      for (auto& l : layers_) l.begin(n, opt_.track_h2o ? n : opt_.window, llama_n_ctx(ctx_));
     observer_.begin();
     std::int32_t rc = 0;
     {
@@ -257,13 +300,11 @@ class session {
     }
     observer_.end();
     stats_.capture += observer_.seconds();
-    const std::int64_t n = batch.n_tokens;
     std::string why = observer_.error();
     if (rc == 0 && why.empty() && opt_.capture)
       for (std::int32_t l = 0; l < n_layers(); ++l) {
         const auto& r = observer_.layers()[std::size_t(l)];
-        if (r.n_q != n || r.n_k != n ||
-            (opt_.values && (r.n_v != n || r.n_head_kv * r.head_dim * n != std::int64_t(r.v.size()))))
+        if (r.n_q != n || r.n_k != n || (opt_.values && r.n_v != n))
           why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
                 std::to_string(r.n_k) + " key rows" +
                 (opt_.values ? " (" + std::to_string(r.n_v) + " value rows)" : std::string()) + " for " +
@@ -280,8 +321,8 @@ class session {
     if (opt_.capture) {
       const stopwatch w{stats_.append};
       for (std::int32_t l = 0; l < n_layers(); ++l) {
+        layers_[std::size_t(l)].commit(pos, opt_.window);
         const auto& rows = observer_.layers()[std::size_t(l)];
-        layers_[std::size_t(l)].append(rows, pos, opt_.window);
         if (rows.rope.seen && !layer_rope_seen_) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
       }
       layer_rope_seen_ = true;  // a layer's RoPE does not change between decodes
@@ -290,7 +331,7 @@ class session {
     ++stats_.decodes, stats_.decoded_tokens += n;
     if (opt_.track_h2o) {
       const stopwatch w{stats_.h2o};
-      observe_h2o(observer_.layers(), pos);
+      observe_h2o(pos);
     }
     verify();
     return 0;
@@ -447,15 +488,15 @@ class session {
                                          "sequence and start a new session");
   }
 
-  void observe_h2o(const std::vector<layer_rows>& rows, std::span<const std::int64_t> pos) {
+  void observe_h2o(std::span<const std::int64_t> pos) {
     if (h2o_.empty())
-      for (std::int32_t l = 0; l < n_layers(); ++l) h2o_.emplace_back(*opt_.track_h2o, rows[std::size_t(l)].n_head_kv);
+      for (std::int32_t l = 0; l < n_layers(); ++l)
+        h2o_.emplace_back(*opt_.track_h2o, layers_[std::size_t(l)].n_head_kv());
     for (std::int32_t l = 0; l < n_layers(); ++l) {
-      const auto& r = rows[std::size_t(l)];
       auto& st = h2o_[std::size_t(l)];
       st.append(size() - st.n_slots());
       auto in = inputs(l);
-      in.queries = nhd(r.q.data(), dtype::f32, r.n_q, r.n_head, r.head_dim);
+      in.queries = layers_[std::size_t(l)].batch_queries();  // every query of the batch
       in.query_pos = pos;
       cpu::observe(st, in, opt_.executor);
     }
@@ -520,7 +561,9 @@ class session {
   llama_memory_t mem_ = nullptr;
   bool attached_ = false;
   bool shift_ = false;
-  bool layer_rope_seen_ = false;  // layer_rope_ read from the graph (at the first decode)
+  bool layer_rope_seen_ = false;                               // layer_rope_ read from the graph (at the first decode)
+  dtype key_type_ = dtype::f16;                                // the host copies' type (attach)
+  ggml_type type_k_ = GGML_TYPE_F16, type_v_ = GGML_TYPE_F16;  // llama.cpp's cache types (attach)
   session_stats stats_;
   std::vector<token> tokens_;
   std::vector<layer_cache> layers_;

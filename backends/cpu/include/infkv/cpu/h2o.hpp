@@ -90,6 +90,10 @@ class h2o_state {
 
   /// Current scores [Hkv][n_slots].
   const score_matrix& scores() const { return score_; }
+  /// Bytes of the state: accumulated mass, lifetimes and scores per (head, slot).
+  std::int64_t bytes() const {
+    return std::int64_t((acc_.capacity() + life_.capacity() + score_.data.capacity()) * sizeof(float));
+  }
 
  private:
   void resize(std::int64_t n) {

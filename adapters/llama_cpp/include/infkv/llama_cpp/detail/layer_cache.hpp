@@ -1,6 +1,10 @@
 // infkv llama.cpp adapter: the host-side copy one layer keeps so that any policy can score:
-// post-RoPE keys of the cached tokens (f32 or f16, in the session's slot order), their values
-// when the session captures them, and the last `window` post-RoPE queries with their positions.
+// post-RoPE keys of the cached tokens (in the session's key type: the cache's own f16 by default,
+// in the session's slot order), their values when the policy reads them, and the last `window`
+// post-RoPE queries (f32, as the graph computes them) with their positions. Rows are copied
+// straight from the graph's nodes during llama_decode into their place after the cached slots,
+// and join the cache only when the decode succeeds; of each batch only the queries that can still
+// be in the window are kept (all of them while H2O observes the batch).
 #pragma once
 
 #include <algorithm>
@@ -33,52 +37,83 @@ class layer_cache {
   std::int64_t n_queries() const { return std::int64_t(query_pos_.size()); }
   std::span<const std::int64_t> query_pos() const { return query_pos_; }
 
-  /// Cached keys [n_slots][n_head_kv][head_dim] (empty view before the first append).
-  tensor_view keys() {
-    return keys_.empty() ? tensor_view{} : nhd(keys_.data(), type_, n_slots_, n_head_kv_, head_dim_);
-  }
+  /// Cached keys [n_slots][n_head_kv][head_dim] (empty view before the first decode).
+  tensor_view keys() { return rows_view(keys_); }
   /// Cached values [n_slots][n_head_kv][head_dim] (empty view unless values are captured).
-  tensor_view values() {
-    return values_.empty() ? tensor_view{} : nhd(values_.data(), type_, n_slots_, n_head_kv_, head_dim_);
-  }
+  tensor_view values() { return rows_view(values_); }
   /// Window queries [n_queries][n_head][head_dim], f32.
   tensor_view queries() {
     return queries_.empty() ? tensor_view{} : nhd(queries_.data(), dtype::f32, n_queries(), n_head_, head_dim_);
   }
+  /// The queries kept of the last decode [kept][n_head][head_dim], f32 (all of the batch when
+  /// begin() was asked for them).
+  const_tensor_view batch_queries() const { return nhd(staged_.data(), dtype::f32, staged_rows_, n_head_, head_dim_); }
 
-  /// Appends the rows of one decode: keys (and values, when captured) of `rows.n_k` new slots
-  /// and queries at `pos` (one per token); the oldest queries beyond `window` leave.
-  void append(const layer_rows& rows, std::span<const std::int64_t> pos, std::int64_t window) {
-    if (n_head_ == 0) n_head_ = rows.n_head, n_head_kv_ = rows.n_head_kv, head_dim_ = rows.head_dim;
-    const std::size_t k_row = std::size_t(n_head_kv_) * std::size_t(head_dim_);
-    const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
-    const std::size_t at = keys_.size();
-    keys_.resize(at + std::size_t(rows.n_k) * k_row * size_of(type_));
-    from_f32(type_, rows.k.data(), keys_.data() + at, rows.n_k * std::int64_t(k_row));
-    if (rows.n_v > 0) {
-      values_.resize(at + std::size_t(rows.n_v) * k_row * size_of(type_));
-      from_f32(type_, rows.v.data(), values_.data() + at, rows.n_v * std::int64_t(k_row));
+  /// Before a decode of `n` tokens: their rows will land after the cached slots, and the last
+  /// `keep_queries` of their queries are kept. `cells`: the most slots the cache can hold (the
+  /// context's cells): key and value storage is allocated once for them.
+  void begin(std::int64_t n, std::int64_t keep_queries, std::int64_t cells) {
+    batch_ = n, keep_q_ = std::min(keep_queries, n), cells_ = cells;
+    seen_q_ = seen_k_ = seen_v_ = 0;
+    staged_rows_ = keep_q_;
+  }
+
+  /// One node's rows of the current decode (from inside llama_decode), each converted once into
+  /// its place: keys and values after the cached slots, the kept queries into the staging rows.
+  void take(const node_rows& r) {
+    std::int64_t& seen = r.kind == node_kind::query ? seen_q_ : r.kind == node_kind::key ? seen_k_ : seen_v_;
+    INFKV_REQUIRE(seen + r.n_tokens <= batch_, "node rows", seen + r.n_tokens, "exceed the batch's ", batch_,
+                  " tokens");
+    if (head_dim_ == 0) head_dim_ = std::int32_t(r.head_dim);
+    INFKV_REQUIRE(r.head_dim == head_dim_, "head_dim", r.head_dim, "changed from ", head_dim_);
+    tmp_.resize(std::size_t(head_dim_));
+    if (r.kind == node_kind::query) {
+      if (n_head_ == 0) n_head_ = std::int32_t(r.heads);
+      const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
+      staged_.resize(std::size_t(keep_q_) * q_row);
+      for (std::int64_t i = 0; i < r.n_tokens; ++i) {
+        const std::int64_t at = seen + i - (batch_ - keep_q_);  // the row among the kept ones
+        if (at < 0) continue;
+        for (std::int64_t h = 0; h < n_head_; ++h)
+          r.row_to(i, h, dtype::f32, staged_.data() + std::size_t(at) * q_row + std::size_t(h * head_dim_), nullptr);
+      }
+    } else {
+      if (n_head_kv_ == 0) n_head_kv_ = std::int32_t(r.heads);
+      INFKV_REQUIRE(r.heads == n_head_kv_, "heads", r.heads, "of a ", r.kind == node_kind::key ? "key" : "value",
+                    " node differ from the layer's ", n_head_kv_, " KV heads");
+      auto& rows = r.kind == node_kind::key ? keys_ : values_;
+      const std::size_t row = row_bytes();
+      fit(rows, std::size_t(n_slots_ + batch_) * row, std::size_t(cells_) * row);
+      for (std::int64_t i = 0; i < r.n_tokens; ++i)
+        for (std::int64_t h = 0; h < n_head_kv_; ++h)
+          r.row_to(i, h, type_, rows.data() + std::size_t(n_slots_ + seen + i) * row + std::size_t(h) * head_bytes(),
+                   tmp_.data());
     }
-    n_slots_ += rows.n_k;
-    const std::int64_t take = std::min<std::int64_t>(rows.n_q, window);
-    const std::int64_t skip = rows.n_q - take;
-    queries_.insert(queries_.end(), rows.q.begin() + std::ptrdiff_t(std::size_t(skip) * q_row), rows.q.end());
-    query_pos_.insert(query_pos_.end(), pos.begin() + skip, pos.end());
+    seen += r.n_tokens;
+  }
+
+  /// After a successful decode: its keys (and values) join the cached slots, its kept queries at
+  /// `pos` (one per token of the batch) the window, whose oldest beyond `window` leave.
+  void commit(std::span<const std::int64_t> pos, std::int64_t window) {
+    n_slots_ += batch_;
+    const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
+    const std::int64_t take = std::min(keep_q_, window);
+    const auto from = staged_.begin() + std::ptrdiff_t(std::size_t(keep_q_ - take) * q_row);
+    queries_.insert(queries_.end(), from, from + std::ptrdiff_t(std::size_t(take) * q_row));
+    query_pos_.insert(query_pos_.end(), pos.end() - take, pos.end());
     const std::int64_t drop = std::max<std::int64_t>(0, n_queries() - window);
     queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row));
     query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
   }
 
   /// Keeps the slots of `keep` (one unit), compacted to the front as `cpu::compact` does;
-  /// `tokens` are the slots' metadata before the eviction (left unchanged).
+  /// `tokens` are the slots' metadata before the eviction (left unchanged). The storage keeps its
+  /// size: the next block lands in it.
   void evict(const keep_set& keep, std::span<const token> tokens) {
     if (n_slots_ == 0) return;
     kv_view kv{keys(), values()};
     std::vector<token> scratch(tokens.begin(), tokens.end());
-    const std::int64_t m = cpu::compact(kv, scratch, keep);
-    keys_.resize(std::size_t(m) * std::size_t(n_head_kv_) * std::size_t(head_dim_) * size_of(type_));
-    if (!values_.empty()) values_.resize(keys_.size());
-    n_slots_ = m;
+    n_slots_ = cpu::compact(kv, scratch, keep);
   }
 
   /// Drops the window queries whose position no longer holds a cached token, then moves the
@@ -87,19 +122,19 @@ class layer_cache {
   void remap_queries(std::span<const std::pair<std::int64_t, std::int64_t>> moved, const cpu::rope* r,
                      const cpu::executor& ex) {
     const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
-    std::vector<float> q;
     std::vector<std::int64_t> pos, delta;
+    std::size_t kept = 0;
     for (std::size_t i = 0; i < query_pos_.size(); ++i) {
       const auto it = std::lower_bound(
           moved.begin(), moved.end(),
           std::pair<std::int64_t, std::int64_t>{query_pos_[i], std::numeric_limits<std::int64_t>::min()});
       if (it == moved.end() || it->first != query_pos_[i]) continue;
-      q.insert(q.end(), queries_.begin() + std::ptrdiff_t(i * q_row),
-               queries_.begin() + std::ptrdiff_t((i + 1) * q_row));
+      std::copy_n(queries_.begin() + std::ptrdiff_t(i * q_row), q_row, queries_.begin() + std::ptrdiff_t(kept * q_row));
+      ++kept;
       pos.push_back(query_pos_[i] + it->second);
       delta.push_back(it->second);
     }
-    queries_ = std::move(q), query_pos_ = std::move(pos);
+    queries_.resize(kept * q_row), query_pos_ = std::move(pos);
     if (r != nullptr && !queries_.empty()) cpu::rerotate(queries(), delta, *r, ex);
   }
 
@@ -108,13 +143,35 @@ class layer_cache {
     if (n_slots_ > 0) cpu::rerotate(keys(), delta, r, ex);
   }
 
+  /// Bytes this layer holds: key and value storage, window queries, the last batch's kept queries.
+  std::int64_t key_bytes() const { return std::int64_t(keys_.capacity()); }
+  std::int64_t value_bytes() const { return std::int64_t(values_.capacity()); }
+  std::int64_t query_bytes() const { return std::int64_t(queries_.capacity() * sizeof(float)); }
+  std::int64_t staged_bytes() const { return std::int64_t(staged_.capacity() * sizeof(float) + tmp_.capacity() * 4); }
+
  private:
-  dtype type_ = dtype::f32;
+  std::size_t head_bytes() const { return std::size_t(head_dim_) * size_of(type_); }
+  std::size_t row_bytes() const { return std::size_t(n_head_kv_) * head_bytes(); }
+  tensor_view rows_view(std::vector<unsigned char>& rows) {
+    return rows.empty() || n_slots_ == 0 ? tensor_view{} : nhd(rows.data(), type_, n_slots_, n_head_kv_, head_dim_);
+  }
+  /// Grows `rows` to at least `bytes`; the first allocation takes `room` (the context's cells),
+  /// so that a cache growing a token at a time never reallocates, and holds no more than the
+  /// context can.
+  static void fit(std::vector<unsigned char>& rows, std::size_t bytes, std::size_t room) {
+    if (rows.size() >= bytes) return;
+    if (rows.capacity() < bytes) rows.reserve(std::max(bytes, rows.capacity() == 0 ? room : 2 * rows.capacity()));
+    rows.resize(bytes);
+  }
+
+  dtype type_ = dtype::f16;
   std::int32_t n_head_ = 0, n_head_kv_ = 0, head_dim_ = 0;
   std::int64_t n_slots_ = 0;
-  std::vector<unsigned char> keys_, values_;
+  std::vector<unsigned char> keys_, values_;  // rows [0, n_slots_) cached; beyond: the decode landing
   std::vector<float> queries_;
   std::vector<std::int64_t> query_pos_;
+  std::int64_t batch_ = 0, keep_q_ = 0, seen_q_ = 0, seen_k_ = 0, seen_v_ = 0, staged_rows_ = 0, cells_ = 0;
+  std::vector<float> staged_, tmp_;
 };
 
 }  // namespace infkv::llama_cpp
