@@ -59,6 +59,8 @@ engine() {
     step "prefill_budgeted_$n" "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens $n \
       --mode budgeted --policy snapkv --block 512 --threads "$threads" --json "$out/prefill_budgeted_$n.json.tmp"
   done
+  step prefill_budgeted_b128_2048 "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens 2048 \
+    --mode budgeted --policy snapkv --block 128 --threads "$threads" --json "$out/prefill_budgeted_b128_2048.json.tmp"
 }
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!

@@ -98,12 +98,13 @@ class layer_cache {
     n_slots_ += batch_;
     const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
     const std::int64_t take = std::min(keep_q_, window);
+    const std::int64_t drop = std::max<std::int64_t>(0, n_queries() + take - window);  // first: no growth past window
+    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row));
+    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
+    queries_.reserve(std::size_t(window) * q_row);
     const auto from = staged_.begin() + std::ptrdiff_t(std::size_t(keep_q_ - take) * q_row);
     queries_.insert(queries_.end(), from, from + std::ptrdiff_t(std::size_t(take) * q_row));
     query_pos_.insert(query_pos_.end(), pos.end() - take, pos.end());
-    const std::int64_t drop = std::max<std::int64_t>(0, n_queries() - window);
-    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row));
-    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
   }
 
   /// Keeps the slots of `keep` (one unit), compacted to the front as `cpu::compact` does;
