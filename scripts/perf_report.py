@@ -181,14 +181,14 @@ def prefill_section(files, md, plot_dir):
                      fmt(d["kv_alloc_bytes"] / MIB), "-" if session is None else fmt(session / MIB),
                      "-" if session is None else fmt(session / d["kv_alloc_bytes"], 2), fmt(d["peak_rss_bytes"] / MIB),
                      fmt((d["peak_rss_bytes"] - d["rss_after_model_bytes"]) / MIB), fmt(d["load_average_start"], 2)])
-        pts.setdefault(d["mode"], []).append((d["tokens"], d["peak_rss_bytes"] / MIB, d["kv_alloc_bytes"] / MIB))
+        pts.setdefault(label, []).append((d["tokens"], d["peak_rss_bytes"] / MIB, d["kv_alloc_bytes"] / MIB))
     md.append(table(["prefill", "tokens", "s", "tok/s", "cells", "KV MiB", "session MiB", "session / KV",
                      "peak RSS MiB", "RSS above the model MiB", "load"], rows))
     growth = []
-    for mode in ("budgeted", "plain"):
-        p = sorted(pts.get(mode, []))
+    for label, p in sorted(pts.items()):
+        p = sorted(p)
         if len(p) >= 2:
-            growth.append(f"{mode} peak RSS from {p[0][0]} to {p[-1][0]} tokens: {p[-1][1] / p[0][1]:.3f}x "
+            growth.append(f"{label} peak RSS from {p[0][0]} to {p[-1][0]} tokens: {p[-1][1] / p[0][1]:.3f}x "
                           f"(KV {p[-1][2] / p[0][2]:.2f}x)")
     if growth:
         text = "; ".join(growth)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Adds a "provenance" record to a JSON result: the commit of the tree it was made from, whether
-that tree had uncommitted changes, the command, and the time. Usage: provenance.py FILE COMMAND"""
+that tree's code had uncommitted changes, the command, and the time. Usage: provenance.py FILE COMMAND"""
 import datetime
 import json
 import subprocess
@@ -17,7 +17,8 @@ def main():
         data = json.load(f)
     data["provenance"] = {
         "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # uncommitted changes to the code (results and docs being regenerated do not count)
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!docs")),
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
