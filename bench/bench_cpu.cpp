@@ -59,6 +59,28 @@ void add_byte_counters(benchmark::State& state, const loop_clock& clock, double 
   state.counters["frac_memcpy"] = total / secs / infkv_bench::memcpy_bandwidth();
 }
 
+/// Times Expected Attention's finished scores (value norms off, one thread) on random f16 keys and
+/// f32 queries at the positions a prompt's last m tokens have.
+void expected_scores(benchmark::State& state, std::int64_t n, std::int64_t m, std::int32_t d, std::int32_t hkv,
+                     std::int32_t group, int threads = 1) {
+  const auto keys = random_nhd(dtype::f16, n, hkv, d, 12);
+  const auto queries = random_nhd(dtype::f32, m, hkv * group, d, 13);
+  const auto tokens = text_tokens(n);
+  std::vector<std::int64_t> qpos(static_cast<std::size_t>(m));
+  for (std::int64_t i = 0; i < m; ++i) qpos[std::size_t(i)] = n - m + i;
+  const layer_inputs<> in{.keys = keys.view, .queries = queries.view, .query_pos = qpos, .tokens = tokens};
+  const expected_attention ea{.window = m, .value_norm = false};
+  const cpu::backend be{.ex = {threads}};
+  const plan pl = make_plan(be, ea, budget{.ratio = 1.0}, shape_of(in));
+  cpu::workspace ws(pl.workspace_bytes);
+  const loop_clock clock;
+  for (auto _ : state) benchmark::DoNotOptimize(run_scores(pl, be, in, ws.span()).data);
+  const bool matrix = covariance_as_matrix(m, d, n);
+  const double hq = double(hkv) * group, nd = double(n) * d;
+  add_flop_counters(state, clock, 2.0 * hq * (matrix ? double(m) * d * d + nd * d + nd : nd * double(m) + nd), threads);
+  state.SetLabel(matrix ? "matrix" : "projections");
+}
+
 /// SnapKV-style window scoring of a small GQA layer (Hkv 4, G 4, window 32, the last 32 tokens
 /// as queries). flop/s counts the logits GEMM only: 2 * Hq * w * n * d per call.
 void BM_window_attention(benchmark::State& state) {
@@ -259,6 +281,36 @@ void BM_pipeline_run_snapkv(benchmark::State& state) {
   state.SetItemsProcessed(std::int64_t(state.iterations()) * n);
 }
 BENCHMARK(BM_pipeline_run_snapkv)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+/// Expected Attention scoring of one layer (Hkv 4, G 4, f16 keys, value norms off), its
+/// statistics from the last m queries, in the covariance form the backend picks for the shapes
+/// (covariance_as_matrix): flop/s counts that form's multiply-adds, 2 Hq (n m d + n d) for the
+/// projections, 2 Hq (m d^2 + n d^2 + n d) for the matrix.
+void BM_expected_attention(benchmark::State& state) {
+  const std::int64_t n = state.range(0), m = state.range(1);
+  const auto d = std::int32_t(state.range(2));
+  constexpr std::int32_t hkv = 4, group = 4;
+  expected_scores(state, n, m, d, hkv, group);
+}
+BENCHMARK(BM_expected_attention)
+    ->ArgNames({"n", "m", "d"})
+    ->ArgsProduct({{2048, 16384}, {64, 1024, 8192}, {64, 128}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+/// The same on the shapes of SmolLM2-135M's layers with kvpress's statistics (every query of a
+/// 1501-token prompt after its 4 sinks: m = 1497; 3 KV heads x 3, d = 64): one layer of the
+/// comparison with kvpress's ExpectedAttentionPress.score() (scripts/kvpress_expected.py), on 1 or 2
+/// threads.
+void BM_expected_attention_smollm2(benchmark::State& state) {
+  expected_scores(state, 1501, 1497, 64, 3, 3, int(state.range(0)));
+}
+BENCHMARK(BM_expected_attention_smollm2)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 /// What starting a parallel loop of 2 workers costs: threads spawned for the loop (pool 0)
 /// against a persistent pool lent through the executor (pool 1). The jobs do nothing.

@@ -47,17 +47,34 @@ enum class score_source : std::uint8_t {
   expected_attention,  ///< attention future queries are expected to give, from the window's statistics
 };
 
+/// How Expected Attention computes its covariance term k' Sigma' k (the same number either way, to
+/// rounding): as a d x d matrix per query head (m d^2 to form it, n d^2 to apply it), or as m
+/// squared projections per key (n m d).
+enum class covariance_form : std::uint8_t {
+  cheaper,      ///< whichever costs less for the shapes (covariance_as_matrix)
+  matrix,       ///< always the matrix
+  projections,  ///< always the projections
+};
+
+/// True when the matrix form costs less for m window queries, head_dim d and n keys.
+constexpr bool covariance_as_matrix(std::int64_t m, std::int64_t d, std::int64_t n) { return d * (m + n) < n * m; }
+
 /// Expected Attention's parameters (Devoto et al., arXiv 2510.00636; kvpress's ExpectedAttentionPress):
 /// the window queries are turned back to before RoPE, their mean mu and covariance Sigma per query
 /// head model the next queries, RoPE is averaged over the next `future` positions (R = mean of
 /// the rotations), and key j scores softmax_j(s mu'.k_j + s^2 k_j' Sigma' k_j / 2), mu' = R mu,
 /// Sigma' = R Sigma R', s the attention scale; the mean over each KV head's query group.
 struct expectation {
-  rope rotary{};              ///< the model's RoPE (captured queries are post-RoPE)
-  bool rotated = true;        ///< false: the model has no RoPE (queries taken as they are)
-  std::int64_t future = 512;  ///< future positions the rotation is averaged over
-  std::int64_t sinks = 4;     ///< first slots in time order left out of the softmax; they score 1
-  bool covariance = true;     ///< false: the mean term only
+  rope rotary{};                                    ///< the model's RoPE (captured queries are post-RoPE)
+  bool rotated = true;                              ///< false: the model has no RoPE (queries taken as they are)
+  std::int64_t future = 512;                        ///< future positions the rotation is averaged over
+  std::int64_t sinks = 4;                           ///< first slots in time order left out of the softmax; they score 1
+  bool covariance = true;                           ///< false: the mean term only
+  covariance_form form = covariance_form::cheaper;  ///< how the covariance term is computed
+  /// True when the covariance term is computed as a matrix for these shapes.
+  constexpr bool matrix(std::int64_t m, std::int64_t d, std::int64_t n) const {
+    return form == covariance_form::matrix || (form == covariance_form::cheaper && covariance_as_matrix(m, d, n));
+  }
   static constexpr std::int64_t max_future = std::int64_t(1) << 20;  ///< one cos/sin pair per position and pair
 
   void validate(std::string_view policy) const {

@@ -43,7 +43,54 @@ struct values {
   }
 };
 
+/// cpu::select for a policy given as a spec (the covariance form is chosen in the spec).
+keep_set select_spec(const policy_spec& spec, const budget& b, const layer_inputs<>& in) {
+  const cpu::backend be{};
+  const plan pl = make_plan(be, spec, b, shape_of(in), {.g = granularity::per_head});
+  plan_buffers buf(pl);
+  run(pl, be, in, buf.ws.span(), buf.out);
+  return keep_set::from_view(buf.out);
+}
+
+/// cpu::layer_scores for a policy given as a spec.
+score_matrix scores_spec(const policy_spec& spec, const layer_inputs<>& in) {
+  const cpu::backend be{};
+  const plan pl = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(in));
+  cpu::workspace ws(pl.workspace_bytes);
+  const score_view s = run_scores(pl, be, in, ws.span());
+  score_matrix out(s.rows, s.cols);
+  for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r).begin());
+  return out;
+}
+
 }  // namespace
+
+TEST_CASE("expected attention: both covariance forms within 5e-6 of float64 (row-max relative) up to 8K queries") {
+  std::uint64_t seed = 300;
+  for (const std::int64_t m : {16, 64, 2048, 8192})
+    for (const std::int32_t d : {64, 128}) {
+      if (m == 8192 && d == 128) continue;  // the float64 reference alone would take seconds
+      CAPTURE(m);
+      CAPTURE(d);
+      const problem p = make_problem(seed++, 257, 1, 2, d, m);
+      const layer ly(p);
+      const expected_attention ea{.window = m, .rotary = rope{}, .sinks = 0, .value_norm = false};
+      const ref_matrix want = ref_expected(p, ea);
+      const budget b{.capacity = 64};
+      std::vector<keep_set> keeps;
+      for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
+        policy_spec spec = ea.spec();
+        spec.expect.form = form;
+        check_close(scores_spec(spec, ly.in()), want, 0.0, 5e-6,
+                    form == covariance_form::matrix ? "matrix form" : "projections form");
+        keeps.push_back(select_spec(spec, b, ly.in()));
+      }
+      CHECK(keeps[0] == keeps[1]);
+      CHECK(ea.spec().expect.matrix(m, d, 257) == covariance_as_matrix(m, d, 257));
+    }
+  CHECK_FALSE(covariance_as_matrix(16, 64, 4096));  // short windows: projections
+  CHECK(covariance_as_matrix(2048, 64, 4096));      // long ones (kvpress's whole-prefill statistics): the matrix
+}
 
 TEST_CASE("expected attention and value-weighted inf_mllm match their float64 references (values of another width)") {
   std::uint64_t seed = 40;
@@ -175,31 +222,40 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
   qpos[2] = std::numeric_limits<std::int64_t>::min();
   CHECK_ERROR(cpu::select(expected_attention{}, b, in), "query_pos[2] = -9223372036854775808");
   // Found by a float64 reference of kvpress's press: finite keys or queries near 1e19 (representable
-  // in bf16) overflow the covariance term in f32; the error named "scores[0, 4] = nan" instead of
-  // the input. Now the key (slot and head) and the queries' largest element are named.
+  // in bf16) overflowed the covariance term in f32; the error named "scores[0, 4] = nan" instead of
+  // the input. The logits are now computed in double (1e19 keys score), and logits beyond f32 raise
+  // naming the key (slot and head) and the queries' largest element.
   in.query_pos = p.qpos;
-  std::vector<float> big_k = p.k;
-  const auto slot4 =
+  const auto slot =
       std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 20; }) -
                    p.tokens.begin());  // a slot that is not a sink
-  for (std::int32_t e = 0; e < p.d; ++e) big_k[std::size_t((slot4 * p.hkv + 1) * p.d + e)] = 1e19f;
-  const stored big_keys = store(big_k, p.n, p.hkv, p.d, p.type, layout::nhd);
-  in.keys = big_keys.tensor;
-  const std::string at =
-      "keys[slot " + std::to_string(slot4) + ", head 1]: expected_attention's logit under the window";
-  CHECK_ERROR(cpu::select(expected_attention{}, b, in), at.c_str());
-  const std::string why = "overflows f32 (largest |element|: keys 1e+19 at slot " + std::to_string(slot4);
-  CHECK_ERROR(cpu::select(expected_attention{}, b, in), why.c_str());
-  CHECK_NOTHROW(cpu::select(expected_attention{.covariance = false}, b, in));  // |s mu'.k| stays finite
+  const auto with_key = [&](float value) {
+    std::vector<float> k = p.k;
+    for (std::int32_t e = 0; e < p.d; ++e) k[std::size_t((slot * p.hkv + 1) * p.d + e)] = value;
+    return store(k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  };
+  for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
+    CAPTURE(int(form));
+    policy_spec ea = expected_attention{}.spec();
+    ea.expect.form = form;
+    const stored finite_key = with_key(1e19f);
+    in.keys = finite_key.tensor;
+    CHECK_NOTHROW(select_spec(ea, b, in));
+    const stored big_key = with_key(1e30f);
+    in.keys = big_key.tensor;
+    const std::string at =
+        "keys[slot " + std::to_string(slot) + ", head 1]: expected_attention's logit under the window";
+    CHECK_ERROR(select_spec(ea, b, in), at.c_str());
+    const std::string why = "overflows f32 (largest |element|: keys 1e+30 at slot " + std::to_string(slot);
+    CHECK_ERROR(select_spec(ea, b, in), why.c_str());
+  }
   in.keys = ly.keys.tensor;
   std::vector<float> big_q = p.q;
-  for (const std::int64_t i : {1, 2})  // their sum overflows
+  for (const std::int64_t i : {1, 2})
     for (std::int32_t e = 0; e < p.d; ++e) big_q[std::size_t((i * p.hq + 3) * p.d + e)] = 3e38f;
   const stored big_queries = store(big_q, p.nq, p.hq, p.d, p.type, layout::nhd);
   in.queries = big_queries.tensor;
-  CHECK_ERROR(cpu::select(expected_attention{}, b, in),
-              "queries[slot 1, head 3] (largest |element| 3e+38): the mean "
-              "and covariance of expected_attention's window overflow f32");
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries 3e+38 at queries[slot 1, head 3]");
   in.queries = ly.queries.tensor;
   // A one-row score (all heads together) has no KV head to take value norms from.
   const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};

@@ -82,6 +82,24 @@ TEST_CASE("cuda steps (host): finished scores of every policy match the CPU back
       }
 }
 
+TEST_CASE("cuda steps (host): Expected Attention's two covariance forms match the CPU's, long windows too") {
+  const cpu::backend cpu_be{};
+  const host_cuda_backend gpu_be{host_launcher{.block = 37}};
+  int i = 0;
+  for (const std::int64_t m : {5, 90})
+    for (const dtype t : {dtype::f32, dtype::f16}) {
+      const problem p = make_problem(700 + std::uint64_t(i++), 130, 2, 2, 16, m, t);
+      const layer ly(p);
+      for (const auto form : {covariance_form::cheaper, covariance_form::projections, covariance_form::matrix}) {
+        policy_spec spec = expected_attention{.window = m, .rotary = rope{.theta = 500.0}, .sinks = 3}.spec();
+        spec.expect.form = form;
+        spec.value_norm = false;
+        check_close(finished(gpu_be, spec, ly.in()), as_ref(finished(cpu_be, spec, ly.in())), 2e-5, 2e-6,
+                    "m=" + std::to_string(m) + " " + to_string(t) + " form " + std::to_string(int(form)));
+      }
+    }
+}
+
 TEST_CASE("cuda steps (host): value-weighted scores (Expected Attention, inf_mllm) match the CPU's") {
   const cpu::backend cpu_be{};
   int i = 0;

@@ -5,8 +5,10 @@
 // use_vnorm, on by default there and here). Query-agnostic about the next question: nothing of it
 // needs to have been asked yet. Inputs: keys, window queries (post-RoPE; turned back with the
 // model's RoPE), values for the value norm. Granularity: per KV head.
-// Cost per call and layer: O(Hq * n * (window + 1) * d): the covariance term k' Sigma' k is a sum
-// of squared projections on the window's centred queries, never a d x d product per key.
+// Cost per call and layer: O(Hq * min(n * window * d, (window + n) * d^2)): the covariance term
+// k' Sigma' k as squared projections on the window's centred queries for short windows, as a
+// d x d matrix per query head for long ones (kvpress's whole-prefill statistics), whichever costs
+// less (covariance_as_matrix).
 #pragma once
 
 #include <optional>

@@ -127,7 +127,10 @@ struct backend {
         break;
       }
       case score_source::expected_attention:
-        source = detail::expected_layout{workers, group, m, shape.head_dim, n}.bytes();
+        source =
+            detail::expected_layout{
+                workers, group, m, shape.head_dim, n, spec.expect.covariance, spec.expect.matrix(m, shape.head_dim, n)}
+                .bytes();
         break;
       case score_source::recency:
       case score_source::accumulated: break;

@@ -3,10 +3,15 @@
 //
 // Expected Attention per KV head h, for each query head of its group: the m window queries are
 // turned back to before RoPE (rotation by -pos), mu = their mean, c_i = q_i - mu; with R the mean
-// rotation over the next `future` positions, mu' = R mu and c'_i = R c_i, so that
-// k' (R Sigma R') k = (1/m) sum_i (c'_i . k)^2 with Sigma the window's covariance (divided by m,
-// as kvpress). z_j = s mu'.k_j + s^2/(2m) sum_i (c'_i . k_j)^2, a softmax over the keys (the first
-// `sinks` in time order left out, scored 1, above every probability), the mean over the group.
+// rotation over the next `future` positions, mu' = R mu and c'_i = R c_i, the covariance term is
+// k' (R Sigma R') k with Sigma the window's covariance (divided by m, as kvpress), and
+// z_j = s mu'.k_j + s^2/2 k_j' Sigma' k_j; a softmax over the keys (the first `sinks` in time
+// order left out, scored 1, above every probability), the mean over the group.
+// The covariance term is computed in whichever of two forms costs less for the shapes
+// (covariance_as_matrix): Sigma' = (1/m) sum_i c'_i c'_i' as a d x d matrix, formed by GEMMs over
+// blocks of queries and applied to a tile of keys at a time by GEMM (O(m d^2 + n d^2)), or the sum
+// of squared projections (1/m) sum_i (c'_i . k_j)^2 (O(n m d)), for short windows. Sums over the
+// queries (the mean, the matrix) and over the projections accumulate in double, the logits too.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -33,16 +39,36 @@ namespace infkv::cpu {
 namespace detail {
 
 /// Expected Attention's scratch: shared by the workers, each window query's cos and sin per
-/// rotary pair, then the mean rotation's ((m + 1) rows of d floats); per worker, mu' and the m
-/// centred queries of each of the G query heads, a key row, the G rows of logits.
+/// rotary pair, then the mean rotation's ((m + 1) rows of d floats); per worker, the G rows of
+/// logits (double), the mean before and after the rotation (double), a query row, mu' of each
+/// query head, and
+/// for the covariance term either the m centred queries of each query head (projections) or the
+/// matrix form's pieces: the double accumulator, each query head's scaled Sigma' as GEMM tiles, a
+/// block of centred queries (rows and transposed), the block's GEMM output, a key tile and its
+/// output.
 struct expected_layout {
   std::int64_t workers, group, m, d, n;
+  bool covariance = true, matrix = false;
   struct worker_pieces {
-    float *stats, *k, *z;
+    double *z, *mu, *mur, *acc;
+    float *x, *mup, *c, *sk, *ct, *cb, *sout, *keys, *tout;
   };
+  std::int64_t chunks() const { return (d + key_tile - 1) / key_tile; }
+  std::int64_t d_pad() const { return (d + kernel_rows - 1) / kernel_rows * kernel_rows; }
   float* shared(infkv::detail::carver& c) const { return c.take<float>((m + 1) * d); }
   worker_pieces worker(infkv::detail::carver& c) const {
-    return {c.take<float>(group * (m + 1) * d), c.take<float>(d), c.take<float>(group * n)};
+    worker_pieces w{};
+    w.z = c.take<double>(group * n), w.mu = c.take<double>(d), w.mur = c.take<double>(d), w.x = c.take<float>(d);
+    w.mup = c.take<float>(group * d);
+    if (covariance && !matrix) w.c = c.take<float>(group * m * d);
+    if (covariance && matrix) {
+      w.acc = c.take<double>(d * d);
+      w.sk = c.take<float>(group * chunks() * d * key_tile);
+      w.ct = c.take<float>(d_pad() * key_tile), w.cb = c.take<float>(key_tile * d);
+      w.sout = c.take<float>(d_pad() * key_tile);
+      w.keys = c.take<float>(key_tile * d), w.tout = c.take<float>(key_tile * key_tile);
+    }
+    return w;
   }
   std::size_t worker_bytes() const {
     return infkv::detail::bytes_of([&](infkv::detail::carver& c) { worker(c); });
@@ -54,8 +80,9 @@ struct expected_layout {
 };
 
 /// Rotates pair (a, b) of x by (c, s): x_a c - x_b s, x_a s + x_b c.
-inline void turn(float* x, std::int32_t a, std::int32_t b, float c, float s) {
-  const float xa = x[a], xb = x[b];
+template <class T>
+void turn(T* x, std::int32_t a, std::int32_t b, T c, T s) {
+  const T xa = x[a], xb = x[b];
   x[a] = xa * c - xb * s;
   x[b] = xa * s + xb * c;
 }
@@ -99,9 +126,10 @@ void on_logit_overflow(const const_tensor_view& q, std::int64_t first_query, con
 
 /// Expected Attention scores [Hkv][n_slots] of `in` (every query of `in` is a window query; see
 /// the file comment) into `out`; `order` is the slots' time order. `scratch`:
-/// detail::expected_layout{workers(ex, Hkv), G, n_q, d, n}.bytes() bytes, 64-byte aligned. Non-finite keys or queries,
-/// and keys or queries so large that a logit overflows f32, raise naming slot and head (queries counted from
-/// `first_query`, for a window cut from a longer query view).
+/// detail::expected_layout{workers(ex, Hkv), G, n_q, d, n, e.covariance, e.matrix(n_q, d, n)}.bytes()
+/// bytes, 64-byte aligned. Non-finite keys or queries, and keys or queries so large that a logit
+/// overflows f32, raise naming slot and head (queries counted from `first_query`, for a window cut
+/// from a longer query view).
 template <row_source R>
 void expected_attention_into(const layer_inputs<R>& in, const expectation& e, const std::int64_t* order, score_view out,
                              std::byte* scratch, const executor& ex = {}, std::int64_t first_query = 0) {
@@ -113,10 +141,10 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
                 "; out.cols = ", out.cols);
   const rope& rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins
   const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
-  const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
-  const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
+  const double scale = in.scale > 0.f ? in.scale : 1.0 / std::sqrt(double(d));
+  const double cov_coef = scale * scale / (2.0 * double(m));
   const std::int64_t sinks = std::min(e.sinks, n);
-  const detail::expected_layout lay{workers(ex, keys.n_heads), group, m, d, n};
+  const detail::expected_layout lay{workers(ex, keys.n_heads), group, m, d, n, e.covariance, e.matrix(m, d, n)};
   infkv::detail::carver shared{scratch};
   // Rotation tables: query i's cos / sin per pair, then the mean over the future positions.
   float* table = lay.shared(shared);
@@ -137,71 +165,143 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
     for (std::int64_t t = t0; t < t0 + e.future; ++t) c += std::cos(double(t) * w), s += std::sin(double(t) * w);
     table[m * d + k] = float(c / double(e.future)), table[m * d + half + k] = float(s / double(e.future));
   }
+  // Turns x (a query turned back, or the mean) by the table's row `row` (the mean rotation: m).
+  const auto rotate = [&](auto* x, std::int64_t row, bool back) {
+    using T = std::remove_reference_t<decltype(*x)>;
+    for (std::int32_t p = 0; p < half; ++p) {
+      std::int32_t a = 0, b = 0;
+      rope_pair(rot.style, p, dims, a, b);
+      const T sn = table[row * d + half + p];
+      detail::turn(x, a, b, T(table[row * d + p]), back ? -sn : sn);
+    }
+  };
   std::byte* workers_base = scratch + shared.size();
   const std::size_t per_worker = lay.worker_bytes();
   parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
     infkv::detail::carver mine{workers_base + std::size_t(w) * per_worker};
-    const auto pieces = lay.worker(mine);
-    float *const stats = pieces.stats, *const k = pieces.k, *const z = pieces.z;  // stats per query head: mu', c'_1..m
+    const auto pc = lay.worker(mine);
+    // Query i of query head qh, turned back to before RoPE, into pc.x.
+    const auto query = [&](std::int64_t i, std::int32_t qh) {
+      to_f32(q.type, q.row(i, qh), pc.x, d);
+      if (!detail::all_finite(pc.x, d)) [[unlikely]]
+        detail::fail_query_not_finite(q, first_query, i, qh);
+      rotate(pc.x, i, true);
+    };
+    // Query i's centred row under the mean rotation, c'_i = R (x_i - mu), into `c`.
+    const auto centred = [&](std::int64_t i, std::int32_t qh, float* c) {
+      query(i, qh);
+      for (std::int64_t el = 0; el < d; ++el) c[el] = float(double(pc.x[el]) - pc.mu[el]);
+      rotate(c, m, false);
+    };
+    const std::int64_t chunks = lay.chunks(), d_pad = lay.d_pad();
     for (std::int64_t g = 0; g < group; ++g) {
       const auto qh = std::int32_t(h * group + g);
-      float* mu = stats + g * (m + 1) * d;
-      float* c = mu + d;
-      std::fill(mu, mu + d, 0.f);
+      std::fill(pc.mu, pc.mu + d, 0.0);
       for (std::int64_t i = 0; i < m; ++i) {
-        float* x = c + i * d;
-        to_f32(q.type, q.row(i, qh), x, d);
-        if (!detail::all_finite(x, d)) [[unlikely]]
-          detail::fail_query_not_finite(q, first_query, i, qh);
-        for (std::int32_t p = 0; p < half; ++p) {  // rotate back by -pos_i
-          std::int32_t a = 0, b = 0;
-          rope_pair(rot.style, p, dims, a, b);
-          detail::turn(x, a, b, table[i * d + p], -table[i * d + half + p]);
-        }
-        for (std::int64_t el = 0; el < d; ++el) mu[el] += x[el];
+        query(i, qh);
+        for (std::int64_t el = 0; el < d; ++el) pc.mu[el] += pc.x[el];
       }
-      for (std::int64_t el = 0; el < d; ++el) mu[el] /= float(m);
-      for (std::int64_t i = e.covariance ? 0 : m; i <= m; ++i) {  // c'_i = R (x_i - mu), then mu' = R mu
-        float* x = i == m ? mu : c + i * d;
-        if (i < m)
-          for (std::int64_t el = 0; el < d; ++el) x[el] -= mu[el];
-        for (std::int32_t p = 0; p < half; ++p) {
-          std::int32_t a = 0, b = 0;
-          rope_pair(rot.style, p, dims, a, b);
-          detail::turn(x, a, b, table[m * d + p], table[m * d + half + p]);
+      for (std::int64_t el = 0; el < d; ++el) pc.mu[el] /= double(m);
+      std::copy(pc.mu, pc.mu + d, pc.mur);  // mu' = R mu, turned in double
+      rotate(pc.mur, m, false);
+      for (std::int64_t el = 0; el < d; ++el) pc.mup[g * d + el] = float(pc.mur[el]);
+      if (!e.covariance) continue;
+      if (!lay.matrix) {
+        for (std::int64_t i = 0; i < m; ++i) centred(i, qh, pc.c + (g * m + i) * d);
+        continue;
+      }
+      // Sigma' accumulated in double over blocks of up to key_tile queries, each block's
+      // C' C'^T by GEMM: "rows" are the d columns of C' (ct, d_pad x B), the "key tile" C' itself.
+      std::fill(pc.acc, pc.acc + d * d, 0.0);
+      for (std::int64_t i0 = 0; i0 < m; i0 += key_tile) {
+        const std::int64_t bn = std::min(key_tile, m - i0);
+        for (std::int64_t i = 0; i < bn; ++i) {
+          centred(i0 + i, qh, pc.cb + i * d);
+          for (std::int64_t el = 0; el < d; ++el) pc.ct[el * bn + i] = pc.cb[i * d + el];
+        }
+        std::fill(pc.ct + d * bn, pc.ct + d_pad * bn, 0.f);
+        for (std::int64_t cc = 0; cc < chunks; ++cc) {
+          const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
+          float* kt = pc.tout;  // C' columns [c0, c0 + cw) as a key tile
+          for (std::int64_t i = 0; i < bn; ++i) std::copy_n(pc.cb + i * d + c0, cw, kt + i * key_tile);
+          detail::tile_logits(pc.ct, d_pad, bn, kt, cw, 1.f, pc.sout);
+          for (std::int64_t a = 0; a < d; ++a)
+            for (std::int64_t b = 0; b < cw; ++b) pc.acc[a * d + c0 + b] += pc.sout[a * key_tile + b];
+        }
+      }
+      for (std::int64_t cc = 0; cc < chunks; ++cc) {  // s^2 / (2m) Sigma' as key tiles, column chunk cc
+        const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
+        float* sk = pc.sk + (g * chunks + cc) * d * key_tile;
+        for (std::int64_t a = 0; a < d; ++a) {
+          for (std::int64_t b = 0; b < cw; ++b) sk[a * key_tile + b] = float(pc.acc[a * d + c0 + b] * cov_coef);
+          std::fill(sk + a * key_tile + cw, sk + (a + 1) * key_tile, 0.f);
         }
       }
     }
-    for (std::int64_t j = 0; j < n; ++j) {
-      to_f32(keys.type, keys.row(j, std::int32_t(h)), k, d);
-      if (!detail::all_finite(k, d)) [[unlikely]]
-        detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
-      for (std::int64_t g = 0; g < group; ++g) {
-        const float* mu = stats + g * (m + 1) * d;
-        float quad = 0.f;
-        if (e.covariance)
-          for (std::int64_t i = 1; i <= m; ++i) {
-            const float proj = detail::dot_of(mu + i * d, k, d);
-            quad = detail::fmadd(proj, proj, quad);
+    // The logits of every key under each query head of the group.
+    float* krow = pc.x;
+    const auto logit = [&](std::int64_t j, std::int64_t g, double quad) {
+      const double zj = pc.z[g * n + j] = scale * double(detail::dot_of(pc.mup + g * d, krow, d)) + quad;
+      if (!std::isfinite(float(zj))) [[unlikely]] {  // logits must fit f32, as on every backend
+        const float* st = lay.matrix ? pc.sk + g * chunks * d * key_tile : pc.c ? pc.c + g * m * d : pc.mup + g * d;
+        const std::size_t count = lay.matrix ? std::size_t(chunks * d * key_tile)
+                                  : pc.c     ? std::size_t(m * d)
+                                             : std::size_t(d);
+        detail::on_logit_overflow(q, first_query, keys, std::int32_t(h * group + g), j, order, sinks, {st, count});
+      }
+    };
+    if (lay.matrix) {
+      for (std::int64_t j0 = 0; j0 < n; j0 += key_tile) {  // k' Sigma' k for a tile of keys: T = K Sigma' by GEMM
+        const std::int64_t tn = std::min(key_tile, n - j0), rows = (tn + kernel_rows - 1) / kernel_rows * kernel_rows;
+        for (std::int64_t r = 0; r < tn; ++r) {
+          float* kr = pc.keys + r * d;
+          to_f32(keys.type, keys.row(j0 + r, std::int32_t(h)), kr, d);
+          if (!detail::all_finite(kr, d)) [[unlikely]]
+            detail::fail_not_finite(keys, "keys", j0 + r, 1, std::int32_t(h));
+        }
+        std::fill(pc.keys + tn * d, pc.keys + rows * d, 0.f);
+        for (std::int64_t g = 0; g < group; ++g) {
+          double quad[key_tile] = {};
+          for (std::int64_t cc = 0; cc < chunks; ++cc) {
+            const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
+            detail::tile_logits(pc.keys, rows, d, pc.sk + (g * chunks + cc) * d * key_tile, cw, 1.f, pc.tout);
+            for (std::int64_t r = 0; r < tn; ++r)
+              quad[r] += double(detail::dot_of(pc.tout + r * key_tile, pc.keys + r * d + c0, cw));
           }
-        const float zj = z[g * n + j] = scale * detail::dot_of(mu, k, d) + cov_coef * quad;
-        if (!std::isfinite(zj)) [[unlikely]]
-          detail::on_logit_overflow(q, first_query, keys, std::int32_t(h * group + g), j, order, sinks,
-                                    {mu, std::size_t((e.covariance ? m + 1 : 1) * d)});
+          for (std::int64_t r = 0; r < tn; ++r) {
+            std::copy_n(pc.keys + r * d, d, krow);
+            logit(j0 + r, g, quad[r]);
+          }
+        }
+      }
+    } else {
+      for (std::int64_t j = 0; j < n; ++j) {
+        to_f32(keys.type, keys.row(j, std::int32_t(h)), krow, d);
+        if (!detail::all_finite(krow, d)) [[unlikely]]
+          detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
+        for (std::int64_t g = 0; g < group; ++g) {
+          double quad = 0.0;
+          if (e.covariance)
+            for (std::int64_t i = 0; i < m; ++i) {
+              const double proj = detail::dot_of(pc.c + (g * m + i) * d, krow, d);
+              quad += proj * proj;
+            }
+          logit(j, g, quad * cov_coef);
+        }
       }
     }
     float* row = out.row(h);
     std::fill(row, row + n, 0.f);
     for (std::int64_t g = 0; g < group; ++g) {
-      float* zg = z + g * n;
-      for (std::int64_t r = 0; r < sinks; ++r) zg[order[r]] = -std::numeric_limits<float>::infinity();
+      double* zg = pc.z + g * n;
+      for (std::int64_t r = 0; r < sinks; ++r) zg[order[r]] = -std::numeric_limits<double>::infinity();
       if (sinks == n) break;
-      float mx = -std::numeric_limits<float>::infinity();
+      double mx = -std::numeric_limits<double>::infinity();
       for (std::int64_t j = 0; j < n; ++j) mx = std::max(mx, zg[j]);
       double sum = 0;
-      for (std::int64_t j = 0; j < n; ++j) sum += std::exp(double(zg[j]) - double(mx));
+      for (std::int64_t j = 0; j < n; ++j) sum += std::exp(zg[j] - mx);
       const double inv = 1.0 / (sum * double(group));
-      for (std::int64_t j = 0; j < n; ++j) row[j] += float(std::exp(double(zg[j]) - double(mx)) * inv);
+      for (std::int64_t j = 0; j < n; ++j) row[j] += float(std::exp(zg[j] - mx) * inv);
     }
     for (std::int64_t r = 0; r < sinks; ++r) row[order[r]] = 1.f;
   });

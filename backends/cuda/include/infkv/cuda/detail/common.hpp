@@ -207,21 +207,25 @@ struct bias_scratch {
   }
 };
 /// Expected Attention: rotation tables (each window query's, then the mean one), each query
-/// head's mean before the mean rotation, mu' and the centred queries, the logits, per (query
-/// head, chunk) maxima and sums, per query head the maximum and the normaliser's inverse.
+/// head's mean before the mean rotation (double), mu' and the centred queries, the covariance
+/// matrices when the matrix form is used (double, d x d per query head), the logits (double), per
+/// (query head, chunk) maxima and sums, per query head the maximum and the normaliser's inverse.
 struct expected_scratch {
-  float *table, *mu, *stats, *z, *pmax;
-  double* psum;
-  float *rmax, *rinv;
-  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n) {
+  float* table;
+  double* mu;
+  float* stats;
+  double *sigma, *z, *pmax, *psum, *rmax, *rinv;
+  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n,
+                                bool matrix) {
     return {c.take<float>((m + 1) * d),
-            c.take<float>(hq * d),
+            c.take<double>(hq * d),
             c.take<float>(hq * (m + 1) * d),
-            c.take<float>(hq * n),
-            c.take<float>(hq * chunks(n)),
+            c.take<double>(matrix ? hq * d * d : 0),
+            c.take<double>(hq * n),
             c.take<double>(hq * chunks(n)),
-            c.take<float>(hq),
-            c.take<float>(hq)};
+            c.take<double>(hq * chunks(n)),
+            c.take<double>(hq),
+            c.take<double>(hq)};
   }
 };
 /// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie

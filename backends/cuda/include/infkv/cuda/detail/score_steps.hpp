@@ -158,9 +158,11 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
 }
 
 /// Expected Attention (cpu::expected_attention_into's semantics) over every query of `in`: the
-/// rotation tables, each query head's mean before RoPE, mu' and the centred queries under the
-/// mean rotation, the logits, the sinks left out, a chunked softmax per query head, the group
-/// mean. `offset` is where the step's scratch starts.
+/// rotation tables, each query head's mean before RoPE (double), mu' and the centred queries
+/// under the mean rotation, the covariance term as the same form the CPU chooses (a d x d matrix
+/// per query head, or squared projections; sums in double), the logits (double), the sinks left
+/// out, a chunked softmax per query head, the group mean. `offset` is where the step's scratch
+/// starts.
 template <class L, row_source R>
 void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const expectation& e,
                               const std::int64_t* order, score_view out, std::span<std::byte> scratch,
@@ -172,15 +174,15 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
   const rope rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins (read on the host)
   const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
-  const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
-  const float cov_coef = e.covariance ? scale * scale / (2.f * float(m)) : 0.f;
-  const bool cov = e.covariance;
+  const double scale = in.scale > 0.f ? in.scale : 1.0 / sqrt(double(d));
+  const double cov_coef = e.covariance ? scale * scale / (2.0 * double(m)) : 0.0;
+  const bool cov = e.covariance, matrix = cov && e.matrix(m, d, n);
   const std::int64_t* qpos = in.query_pos.data();
   status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), offset};
-  const auto w = detail::expected_scratch::carve(c, hq, m, d, n);
-  float *table = w.table, *mu = w.mu, *stats = w.stats, *z = w.z, *pmax = w.pmax, *rmax = w.rmax, *rinv = w.rinv;
-  double* psum = w.psum;
+  const auto w = detail::expected_scratch::carve(c, hq, m, d, n, matrix);
+  float *table = w.table, *stats = w.stats;
+  double *mu = w.mu, *sigma = w.sigma, *z = w.z, *pmax = w.pmax, *psum = w.psum, *rmax = w.rmax, *rinv = w.rinv;
   // Element el of query i of head qh turned back to before RoPE.
   const auto pre = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t qh, std::int64_t el) {
     const void* row = q.row(i, std::int32_t(qh));
@@ -211,45 +213,65 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   });
   launch.for_each(hq * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t qh = x / d, el = x % d;
-    float s = 0.f;
+    double s = 0.0;
     for (std::int64_t i = 0; i < m; ++i) {
       const float v = detail::load(q.type, q.row(i, std::int32_t(qh)), el);
       if (!detail::finite(v)) detail::record(st, encode(fault::query_not_finite, qh, el, i));
       s += pre(i, qh, el);
     }
-    mu[x] = s / float(m);
+    mu[x] = s / double(m);
   });
   // Row 0 of each query head: mu'; row i: c'_i (centred query i - 1 under the mean rotation).
   launch.for_each(hq * (cov ? m + 1 : 1) * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t rows = cov ? m + 1 : 1, qh = x / (rows * d), r = (x / d) % rows, el = x % d;
-    const auto centred = [&](std::int64_t k) { return r == 0 ? mu[qh * d + k] : pre(r - 1, qh, k) - mu[qh * d + k]; };
+    const auto centred = [&](std::int64_t k) {
+      return r == 0 ? mu[qh * d + k] : double(pre(r - 1, qh, k)) - mu[qh * d + k];
+    };
     const std::int32_t p = rope_pair_of(rot.style, el, dims);
-    float v = centred(el);
+    double v = centred(el);
     if (p >= 0) {
       std::int32_t a = 0, b = 0;
       rope_pair(rot.style, p, dims, a, b);
-      const float xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
+      const double xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
       v = el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
     }
-    stats[(qh * (m + 1) + r) * d + el] = v;
+    stats[(qh * (m + 1) + r) * d + el] = float(v);
   });
+  if (matrix)  // Sigma' (times s^2 / 2m) per query head
+    launch.for_each(hq * d * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t qh = x / (d * d), a = (x / d) % d, b = x % d;
+      const float* s0 = stats + qh * (m + 1) * d;
+      double s = 0.0;
+      for (std::int64_t i = 1; i <= m; ++i) s += double(s0[i * d + a]) * double(s0[i * d + b]);
+      sigma[x] = s * cov_coef;
+    });
   launch.for_each(hq * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t qh = x / n, j = x % n;
     const auto h = std::int32_t(qh / group);
     const void* kr = keys.row(j, h);
     const float* s0 = stats + qh * (m + 1) * d;
-    float lin = 0.f, quad = 0.f;
+    double lin = 0.0, quad = 0.0;
     for (std::int64_t el = 0; el < d; ++el) {
       const float k = detail::load(keys.type, kr, el);
       if (!detail::finite(k)) detail::record(st, encode(fault::key_not_finite, h, el, j));
-      lin += s0[el] * k;
+      lin += double(s0[el]) * k;
     }
-    for (std::int64_t i = 1; cov && i <= m; ++i) {
-      const float proj = detail::dot(dtype::f32, s0 + i * d, keys.type, kr, d);
-      quad += proj * proj;
+    if (matrix) {
+      const double* sg = sigma + qh * d * d;
+      for (std::int64_t a = 0; a < d; ++a) {
+        double t = 0.0;
+        for (std::int64_t b = 0; b < d; ++b) t += sg[a * d + b] * detail::load(keys.type, kr, b);
+        quad += t * detail::load(keys.type, kr, a);
+      }
+    } else {
+      for (std::int64_t i = 1; cov && i <= m; ++i) {
+        const double proj = detail::dot(dtype::f32, s0 + i * d, keys.type, kr, d);
+        quad += proj * proj;
+      }
+      quad *= cov_coef;
     }
-    const float zx = z[x] = scale * lin + cov_coef * quad;
-    if (!detail::finite(zx)) {  // sinks are left out of the softmax: their logits do not matter
+    const double zx = z[x] = scale * lin + quad;
+    if (!detail::finite(float(zx))) {  // sinks are left out of the softmax: their logits do not matter
       bool sink = false;
       for (std::int64_t r = 0; r < sinks; ++r) sink = sink || order[r] == j;
       if (!sink) detail::record(st, encode(fault::logit_overflow, h, qh, j));
@@ -258,14 +280,14 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   launch.for_each(sinks * hq, [=] INFKV_HOST_DEVICE(std::int64_t x) { z[(x % hq) * n + order[x / hq]] = -INFINITY; });
   launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t qh = x / nc, cc = x % nc;
-    float mx = -INFINITY;
+    double mx = -INFINITY;
     for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
-      mx = fmaxf(mx, z[qh * n + j]);
+      mx = fmax(mx, z[qh * n + j]);
     pmax[x] = mx;
   });
   launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
-    float mx = -INFINITY;
-    for (std::int64_t cc = 0; cc < nc; ++cc) mx = fmaxf(mx, pmax[qh * nc + cc]);
+    double mx = -INFINITY;
+    for (std::int64_t cc = 0; cc < nc; ++cc) mx = fmax(mx, pmax[qh * nc + cc]);
     rmax[qh] = mx;
   });
   launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
@@ -273,13 +295,13 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
     double s = 0;
     if (rmax[qh] != -INFINITY)
       for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
-        s += exp(double(z[qh * n + j]) - double(rmax[qh]));
+        s += exp(z[qh * n + j] - rmax[qh]);
     psum[x] = s;
   });
   launch.for_each(hq, [=] INFKV_HOST_DEVICE(std::int64_t qh) {
     double s = 0;
     for (std::int64_t cc = 0; cc < nc; ++cc) s += psum[qh * nc + cc];
-    rinv[qh] = s > 0 ? float(1.0 / s) : 0.f;
+    rinv[qh] = s > 0 ? 1.0 / s : 0.0;
   });
   launch.for_each(keys.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t h = x / n, j = x % n;
@@ -287,12 +309,12 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
       out(h, j) = 1.f;
       return;
     }
-    float s = 0.f;
+    double s = 0.0;
     for (std::int64_t g = 0; g < group; ++g) {
       const std::int64_t qh = h * group + g;
-      s += float(exp(double(z[qh * n + j]) - double(rmax[qh]))) * rinv[qh];
+      s += exp(z[qh * n + j] - rmax[qh]) * rinv[qh];
     }
-    out(h, j) = s / float(group);
+    out(h, j) = float(s / double(group));
   });
 }
 

@@ -49,7 +49,9 @@ struct basic_backend {
       });
     if (spec.source == score_source::expected_attention)
       consider([&](detail::carver& c) {
-        detail::expected_scratch::carve(c, shape.q_heads, std::min(spec.queries, shape.n_queries), shape.head_dim, n);
+        const std::int64_t m = std::min(spec.queries, shape.n_queries);
+        detail::expected_scratch::carve(c, shape.q_heads, m, shape.head_dim, n,
+                                        spec.expect.covariance && spec.expect.matrix(m, shape.head_dim, n));
       });
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });

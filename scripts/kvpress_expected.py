@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Times kvpress's ExpectedAttentionPress.score() in kvpress's own pipeline: SmolLM2-135M in
+transformers (f32, CPU, loaded from the GGUF that scripts/model.sh unpacks), the first TOKENS
+tokens of a text, the press's default statistics (every query of the prompt after its n_sink
+sinks), every layer's score() call timed. Prints one JSON record (per-layer times, their total,
+the shapes). Run with the Python environment of scripts/python_env.sh:
+  $(scripts/python_env.sh)/bin/python scripts/kvpress_expected.py --model M --text T --threads 1"""
+import argparse
+import json
+import os
+import platform
+import time
+
+import kvpress
+import torch
+import transformers
+from kvpress import ExpectedAttentionPress
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF file (scripts/model.sh)")
+    ap.add_argument("--text", required=True, help="text file (scripts/kjv.sh)")
+    ap.add_argument("--tokens", type=int, default=1501)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5, help="forward passes; the median per layer is reported")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    folder, name = os.path.split(os.path.abspath(a.model))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ids = tok(open(a.text, encoding="utf-8").read()[: 40 * a.tokens], return_tensors="pt").input_ids[:, : a.tokens]
+    if ids.shape[1] < a.tokens:
+        raise SystemExit(f"--text has {ids.shape[1]} tokens, fewer than --tokens {a.tokens}")
+    press = ExpectedAttentionPress(compression_ratio=0.5)
+    score = press.score
+    calls = []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = score(*args, **kwargs)
+        calls.append(time.perf_counter() - t0)
+        return out
+
+    press.score = timed
+    runs = []
+    with torch.no_grad():
+        for _ in range(a.repeats):
+            calls.clear()
+            with press(model):
+                model(ids)
+            runs.append(list(calls))
+    per_layer = [sorted(r[i] for r in runs)[len(runs) // 2] for i in range(len(runs[0]))]
+    cfg = model.config
+    print(json.dumps({
+        "program": "scripts/kvpress_expected.py", "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "model": os.path.basename(a.model), "tokens": a.tokens, "threads": a.threads, "repeats": a.repeats,
+        "layers": len(per_layer), "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.hidden_size // cfg.num_attention_heads, "n_sink": press.n_sink,
+        "score_seconds_per_layer_median": per_layer, "score_seconds_total": sum(per_layer)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
