@@ -77,7 +77,8 @@ void expected_scores(benchmark::State& state, std::int64_t n, std::int64_t m, st
   for (auto _ : state) benchmark::DoNotOptimize(run_scores(pl, be, in, ws.span()).data);
   const bool matrix = covariance_as_matrix(m, d, n);
   const double hq = double(hkv) * group, nd = double(n) * d;
-  add_flop_counters(state, clock, 2.0 * hq * (matrix ? double(m) * d * d + nd * d + nd : nd * double(m) + nd), threads);
+  const double fma = matrix ? double(m) * d * (d + 1) / 2 + nd * (d + 1) + nd : nd * double(m + 1) + double(n) * m;
+  add_flop_counters(state, clock, 2.0 * hq * fma, threads);
   state.SetLabel(matrix ? "matrix" : "projections");
 }
 
@@ -284,8 +285,10 @@ BENCHMARK(BM_pipeline_run_snapkv)->ArgName("n")->Arg(4096)->Arg(16384)->UseRealT
 
 /// Expected Attention scoring of one layer (Hkv 4, G 4, f16 keys, value norms off), its
 /// statistics from the last m queries, in the covariance form the backend picks for the shapes
-/// (covariance_as_matrix): flop/s counts that form's multiply-adds, 2 Hq (n m d + n d) for the
-/// projections, 2 Hq (m d^2 + n d^2 + n d) for the matrix.
+/// (covariance_as_matrix): flop/s counts that form's multiply-adds, 2 Hq (n (m + 1) d + n m) for
+/// the projections (mu' and the m centred queries against every key, the squares), 2 Hq
+/// (m d (d + 1) / 2 + n (d + 1) d + n d) for the matrix (the covariance's upper triangle, mu' and
+/// Sigma' against every key, k' (Sigma' k)).
 void BM_expected_attention(benchmark::State& state) {
   const std::int64_t n = state.range(0), m = state.range(1);
   const auto d = std::int32_t(state.range(2));
@@ -298,17 +301,16 @@ BENCHMARK(BM_expected_attention)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
-/// The same on the shapes of SmolLM2-135M's layers with kvpress's statistics (every query of a
-/// 1501-token prompt after its 4 sinks: m = 1497; 3 KV heads x 3, d = 64): one layer of the
-/// comparison with kvpress's ExpectedAttentionPress.score() (scripts/kvpress_expected.py), on 1 or 2
-/// threads.
+/// The same on the shapes of SmolLM2-135M's layers (3 KV heads x 3, d = 64, a 1501-token prompt)
+/// with kvpress's statistics (every query after its 4 sinks: m = 1497) and with the last 64
+/// queries: one layer of the comparison with kvpress's ExpectedAttentionPress.score()
+/// (scripts/kvpress_expected.py), on 1 or 2 threads.
 void BM_expected_attention_smollm2(benchmark::State& state) {
-  expected_scores(state, 1501, 1497, 64, 3, 3, int(state.range(0)));
+  expected_scores(state, 1501, state.range(0), 64, 3, 3, int(state.range(1)));
 }
 BENCHMARK(BM_expected_attention_smollm2)
-    ->ArgName("threads")
-    ->Arg(1)
-    ->Arg(2)
+    ->ArgNames({"m", "threads"})
+    ->ArgsProduct({{64, 1497}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

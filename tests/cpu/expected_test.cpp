@@ -255,7 +255,8 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
     for (std::int32_t e = 0; e < p.d; ++e) big_q[std::size_t((i * p.hq + 3) * p.d + e)] = 3e38f;
   const stored big_queries = store(big_q, p.nq, p.hq, p.d, p.type, layout::nhd);
   in.queries = big_queries.tensor;
-  CHECK_ERROR(cpu::select(expected_attention{}, b, in), "queries 3e+38 at queries[slot 1, head 3]");
+  CHECK_ERROR(cpu::select(expected_attention{}, b, in),
+              "queries[slot 1, head 3] (largest |element| 3e+38): the mean and covariance");
   in.queries = ly.queries.tensor;
   // A one-row score (all heads together) has no KV head to take value norms from.
   const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};

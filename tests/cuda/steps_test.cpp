@@ -331,7 +331,7 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     const auto slot =
         std::int64_t(std::find_if(p.tokens.begin(), p.tokens.end(), [](const token& t) { return t.pos == 40; }) -
                      p.tokens.begin());  // not a sink
-    for (std::int32_t e = 0; e < 8; ++e) p.k[std::size_t((slot * 2 + 1) * 8 + e)] = 1e19f;
+    for (std::int32_t e = 0; e < 8; ++e) p.k[std::size_t((slot * 2 + 1) * 8 + e)] = 1e30f;
     const layer big(p);
     const layer_inputs<> in = big.in();
     cuda::status st;

@@ -9,9 +9,11 @@
 // order left out, scored 1, above every probability), the mean over the group.
 // The covariance term is computed in whichever of two forms costs less for the shapes
 // (covariance_as_matrix): Sigma' = (1/m) sum_i c'_i c'_i' as a d x d matrix, formed by GEMMs over
-// blocks of queries and applied to a tile of keys at a time by GEMM (O(m d^2 + n d^2)), or the sum
-// of squared projections (1/m) sum_i (c'_i . k_j)^2 (O(n m d)), for short windows. Sums over the
-// queries (the mean, the matrix) and over the projections accumulate in double, the logits too.
+// blocks of queries (O(m d^2 + n d^2)), or the sum of squared projections (1/m) sum_i (c'_i . k_j)^2
+// (O(n m d)), for short windows. Either way the keys are scored a transposed tile at a time by one
+// GEMM per query head, whose rows are mu' and Sigma' (matrix) or mu' and the c'_i (projections).
+// Sums over the queries (the mean, the matrix), over the projections' squares and k' (Sigma' k)
+// accumulate in double, the logits too.
 #pragma once
 
 #include <algorithm>
@@ -40,33 +42,35 @@ namespace detail {
 
 /// Expected Attention's scratch: shared by the workers, each window query's cos and sin per
 /// rotary pair, then the mean rotation's ((m + 1) rows of d floats); per worker, the G rows of
-/// logits (double), the mean before and after the rotation (double), a query row, mu' of each
-/// query head, and
-/// for the covariance term either the m centred queries of each query head (projections) or the
-/// matrix form's pieces: the double accumulator, each query head's scaled Sigma' as GEMM tiles, a
-/// block of centred queries (rows and transposed), the block's GEMM output, a key tile and its
-/// output.
+/// logits (double), each query head's mean and one mean after the rotation (double), a query row, each query
+/// head's GEMM rows (`rows()` of d floats: mu', then the s^2 / (2m) scaled rows of Sigma' or the
+/// centred queries c'_i, zero-padded), a transposed key tile (or, for the matrix, a block of
+/// centred queries) with 8 rows of conversion scratch, a tile of GEMM output, and for the matrix
+/// form its double accumulator, the group's queries turned back, and a block of centred queries
+/// transposed (and as rows where d exceeds a tile).
 struct expected_layout {
   std::int64_t workers, group, m, d, n;
   bool covariance = true, matrix = false;
   struct worker_pieces {
     double *z, *mu, *mur, *acc;
-    float *x, *mup, *c, *sk, *ct, *cb, *sout, *keys, *tout;
+    float *x, *a, *kt, *rows8, *tout, *xs, *ct, *cb;
   };
-  std::int64_t chunks() const { return (d + key_tile - 1) / key_tile; }
+  std::int64_t rows() const {
+    const std::int64_t r = 1 + (!covariance ? 0 : matrix ? d : m);
+    return (r + kernel_rows - 1) / kernel_rows * kernel_rows;
+  }
   std::int64_t d_pad() const { return (d + kernel_rows - 1) / kernel_rows * kernel_rows; }
   float* shared(infkv::detail::carver& c) const { return c.take<float>((m + 1) * d); }
   worker_pieces worker(infkv::detail::carver& c) const {
     worker_pieces w{};
-    w.z = c.take<double>(group * n), w.mu = c.take<double>(d), w.mur = c.take<double>(d), w.x = c.take<float>(d);
-    w.mup = c.take<float>(group * d);
-    if (covariance && !matrix) w.c = c.take<float>(group * m * d);
+    w.z = c.take<double>(group * n), w.mu = c.take<double>(group * d), w.mur = c.take<double>(d),
+    w.x = c.take<float>(d);
+    w.a = c.take<float>(group * rows() * d);
+    w.kt = c.take<float>(std::max(d_pad(), key_tile) * key_tile), w.rows8 = c.take<float>(8 * d),
+    w.tout = c.take<float>(key_tile * key_tile);
     if (covariance && matrix) {
-      w.acc = c.take<double>(d * d);
-      w.sk = c.take<float>(group * chunks() * d * key_tile);
-      w.ct = c.take<float>(d_pad() * key_tile), w.cb = c.take<float>(key_tile * d);
-      w.sout = c.take<float>(d_pad() * key_tile);
-      w.keys = c.take<float>(key_tile * d), w.tout = c.take<float>(key_tile * key_tile);
+      w.acc = c.take<double>(d * d), w.xs = c.take<float>(group * m * d), w.ct = c.take<float>(d_pad() * key_tile);
+      if (d > key_tile) w.cb = c.take<float>(key_tile * d);
     }
     return w;
   }
@@ -79,12 +83,22 @@ struct expected_layout {
   }
 };
 
-/// Rotates pair (a, b) of x by (c, s): x_a c - x_b s, x_a s + x_b c.
-template <class T>
-void turn(T* x, std::int32_t a, std::int32_t b, T c, T s) {
-  const T xa = x[a], xb = x[b];
-  x[a] = xa * c - xb * s;
-  x[b] = xa * s + xb * c;
+/// dst[e * ldd + i] = src[i * lds + e] for i < rows, e < d (8 x 8 blocks in registers under AVX2).
+inline void transpose_rows(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t d, float* dst,
+                           std::int64_t ldd) {
+  std::int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= rows; i += 8) {
+    const float* r[8];
+    for (int k = 0; k < 8; ++k) r[k] = src + (i + k) * lds;
+    std::int64_t e = 0;
+    for (; e + 8 <= d; e += 8) transpose8(r, e, dst + e * ldd + i, ldd);
+    for (; e < d; ++e)
+      for (int k = 0; k < 8; ++k) dst[e * ldd + i + k] = r[k][e];
+  }
+#endif
+  for (; i < rows; ++i)
+    for (std::int64_t e = 0; e < d; ++e) dst[e * ldd + i] = src[i * lds + e];
 }
 
 /// The largest |element| of rows [0, rows) of `head` in `t`, and the row holding it.
@@ -133,6 +147,7 @@ void on_logit_overflow(const const_tensor_view& q, std::int64_t first_query, con
 template <row_source R>
 void expected_attention_into(const layer_inputs<R>& in, const expectation& e, const std::int64_t* order, score_view out,
                              std::byte* scratch, const executor& ex = {}, std::int64_t first_query = 0) {
+  using detail::kernel_rows, detail::kernel_keys, detail::key_tile;
   detail::check_attention_inputs(in);
   const R& keys = in.keys;
   const const_tensor_view& q = in.queries;
@@ -157,136 +172,156 @@ void expected_attention_into(const layer_inputs<R>& in, const expectation& e, co
   }
   for (std::int32_t k = 0; k < half; ++k) {
     const double w = rope_frequency(rot, k, dims);
-    for (std::int64_t i = 0; i < m; ++i) {
-      const double a = double(in.query_pos[std::size_t(i)]) * w;
-      table[i * d + k] = float(std::cos(a)), table[i * d + half + k] = float(std::sin(a));
-    }
+    // Each position's angle from sincos, or, after the position before it, by turning the
+    // previous (cos, sin) by w in double (error ~1e-16 a step), anew every 256 positions.
+    const double cw = std::cos(w), sw = std::sin(w);
     double c = 0, s = 0;
-    for (std::int64_t t = t0; t < t0 + e.future; ++t) c += std::cos(double(t) * w), s += std::sin(double(t) * w);
-    table[m * d + k] = float(c / double(e.future)), table[m * d + half + k] = float(s / double(e.future));
+    for (std::int64_t i = 0; i < m; ++i) {
+      const std::int64_t p = in.query_pos[std::size_t(i)];
+      if (i % 256 != 0 && p == in.query_pos[std::size_t(i - 1)] + 1) {
+        const double cn = c * cw - s * sw;
+        s = s * cw + c * sw, c = cn;
+      } else {
+        c = std::cos(double(p) * w), s = std::sin(double(p) * w);
+      }
+      table[i * d + k] = float(c), table[i * d + half + k] = float(s);
+    }
+    double mc = 0, ms = 0;  // the mean over the future positions, turned the same way
+    for (std::int64_t t = 0; t < e.future; ++t) {
+      if (t % 256 != 0) {
+        const double cn = c * cw - s * sw;
+        s = s * cw + c * sw, c = cn;
+      } else {
+        c = std::cos(double(t0 + t) * w), s = std::sin(double(t0 + t) * w);
+      }
+      mc += c, ms += s;
+    }
+    table[m * d + k] = float(mc / double(e.future)), table[m * d + half + k] = float(ms / double(e.future));
   }
   // Turns x (a query turned back, or the mean) by the table's row `row` (the mean rotation: m).
   const auto rotate = [&](auto* x, std::int64_t row, bool back) {
     using T = std::remove_reference_t<decltype(*x)>;
-    for (std::int32_t p = 0; p < half; ++p) {
-      std::int32_t a = 0, b = 0;
-      rope_pair(rot.style, p, dims, a, b);
-      const T sn = table[row * d + half + p];
-      detail::turn(x, a, b, T(table[row * d + p]), back ? -sn : sn);
-    }
+    const float *cs = table + row * d, *sn = cs + half;
+    const T sign = back ? T(-1) : T(1);
+    const auto turn = [&](T* xa, T* xb, std::int32_t p) {  // (a, b) -> (a c - b s, a s + b c)
+      const T c = cs[p], s = sign * T(sn[p]), u = *xa, v = *xb;
+      *xa = u * c - v * s, *xb = u * s + v * c;
+    };
+    if (rot.style == rope_style::neox)  // pairs (p, p + half): two contiguous halves
+      for (std::int32_t p = 0; p < half; ++p) turn(x + p, x + half + p, p);
+    else
+      for (std::int32_t p = 0; p < half; ++p) turn(x + 2 * p, x + 2 * p + 1, p);
   };
   std::byte* workers_base = scratch + shared.size();
   const std::size_t per_worker = lay.worker_bytes();
   parallel_for_workers(ex, keys.n_heads, [&](std::int64_t w, std::int64_t h) {
     infkv::detail::carver mine{workers_base + std::size_t(w) * per_worker};
     const auto pc = lay.worker(mine);
-    // Query i of query head qh, turned back to before RoPE, into pc.x.
-    const auto query = [&](std::int64_t i, std::int32_t qh) {
-      to_f32(q.type, q.row(i, qh), pc.x, d);
-      if (!detail::all_finite(pc.x, d)) [[unlikely]]
-        detail::fail_query_not_finite(q, first_query, i, qh);
-      rotate(pc.x, i, true);
+    const std::int64_t rows = lay.rows(), d_pad = lay.d_pad();
+    // The group's window queries turned back to before RoPE, a row of the group at a time (its
+    // heads are adjacent in nhd), kept for the covariance (as the projections' rows 1 .. m, or in
+    // xs), and each query head's mean.
+    const auto turned = [&](std::int64_t g, std::int64_t i) {
+      return !e.covariance ? pc.x : lay.matrix ? pc.xs + (g * m + i) * d : pc.a + (g * rows + 1 + i) * d;
     };
-    // Query i's centred row under the mean rotation, c'_i = R (x_i - mu), into `c`.
-    const auto centred = [&](std::int64_t i, std::int32_t qh, float* c) {
-      query(i, qh);
-      for (std::int64_t el = 0; el < d; ++el) c[el] = float(double(pc.x[el]) - pc.mu[el]);
-      rotate(c, m, false);
-    };
-    const std::int64_t chunks = lay.chunks(), d_pad = lay.d_pad();
-    for (std::int64_t g = 0; g < group; ++g) {
-      const auto qh = std::int32_t(h * group + g);
-      std::fill(pc.mu, pc.mu + d, 0.0);
-      for (std::int64_t i = 0; i < m; ++i) {
-        query(i, qh);
-        for (std::int64_t el = 0; el < d; ++el) pc.mu[el] += pc.x[el];
+    std::fill(pc.a, pc.a + group * rows * d, 0.f);
+    std::fill(pc.mu, pc.mu + group * d, 0.0);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t g = 0; g < group; ++g) {
+        const auto qh = std::int32_t(h * group + g);
+        float* x = turned(g, i);
+        to_f32(q.type, q.row(i, qh), x, d);
+        if (!detail::all_finite(x, d)) [[unlikely]]
+          detail::fail_query_not_finite(q, first_query, i, qh);
+        rotate(x, i, true);
+        for (std::int64_t el = 0; el < d; ++el) pc.mu[g * d + el] += x[el];
       }
-      for (std::int64_t el = 0; el < d; ++el) pc.mu[el] /= double(m);
-      std::copy(pc.mu, pc.mu + d, pc.mur);  // mu' = R mu, turned in double
+    for (std::int64_t g = 0; g < group; ++g) {
+      float* a = pc.a + g * rows * d;  // this query head's GEMM rows
+      double* mu = pc.mu + g * d;
+      for (std::int64_t el = 0; el < d; ++el) mu[el] /= double(m);
+      std::copy(mu, mu + d, pc.mur);  // mu' = R mu, turned in double
       rotate(pc.mur, m, false);
-      for (std::int64_t el = 0; el < d; ++el) pc.mup[g * d + el] = float(pc.mur[el]);
+      for (std::int64_t el = 0; el < d; ++el) a[el] = float(pc.mur[el]);
       if (!e.covariance) continue;
-      if (!lay.matrix) {
-        for (std::int64_t i = 0; i < m; ++i) centred(i, qh, pc.c + (g * m + i) * d);
+      if (!lay.matrix) {  // rows 1 .. m: c'_i = R (x_i - mu)
+        for (std::int64_t i = 0; i < m; ++i) {
+          float* c = turned(g, i);
+          for (std::int64_t el = 0; el < d; ++el) c[el] = float(double(c[el]) - mu[el]);
+          rotate(c, m, false);
+        }
         continue;
       }
-      // Sigma' accumulated in double over blocks of up to key_tile queries, each block's
-      // C' C'^T by GEMM: "rows" are the d columns of C' (ct, d_pad x B), the "key tile" C' itself.
+      // Sigma = (1/m) sum_i c_i c_i', c_i = x_i - mu, accumulated in double over blocks of up to
+      // key_tile queries, each block's C' C by GEMM (its upper triangle): the rows are the d
+      // columns of C (ct, d_pad x B), the transposed "key tile" C itself (in kt when d fits one
+      // tile, else a chunk of key_tile columns at a time through cb). Then Sigma' = R Sigma R'.
+      const bool one_chunk = d <= key_tile;
       std::fill(pc.acc, pc.acc + d * d, 0.0);
       for (std::int64_t i0 = 0; i0 < m; i0 += key_tile) {
         const std::int64_t bn = std::min(key_tile, m - i0);
+        float* const cr = one_chunk ? pc.kt : pc.cb;
+        const std::int64_t ldc = one_chunk ? key_tile : d;
         for (std::int64_t i = 0; i < bn; ++i) {
-          centred(i0 + i, qh, pc.cb + i * d);
-          for (std::int64_t el = 0; el < d; ++el) pc.ct[el * bn + i] = pc.cb[i * d + el];
+          const float* x = turned(g, i0 + i);
+          for (std::int64_t el = 0; el < d; ++el) cr[i * ldc + el] = float(double(x[el]) - mu[el]);
         }
+        detail::transpose_rows(cr, ldc, bn, d, pc.ct, bn);
         std::fill(pc.ct + d * bn, pc.ct + d_pad * bn, 0.f);
-        for (std::int64_t cc = 0; cc < chunks; ++cc) {
-          const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
-          float* kt = pc.tout;  // C' columns [c0, c0 + cw) as a key tile
-          for (std::int64_t i = 0; i < bn; ++i) std::copy_n(pc.cb + i * d + c0, cw, kt + i * key_tile);
-          detail::tile_logits(pc.ct, d_pad, bn, kt, cw, 1.f, pc.sout);
-          for (std::int64_t a = 0; a < d; ++a)
-            for (std::int64_t b = 0; b < cw; ++b) pc.acc[a * d + c0 + b] += pc.sout[a * key_tile + b];
+        for (std::int64_t c0 = 0; c0 < d; c0 += key_tile) {
+          const std::int64_t cw = std::min(key_tile, d - c0);
+          if (!one_chunk)
+            for (std::int64_t i = 0; i < bn; ++i) std::copy_n(pc.cb + i * d + c0, cw, pc.kt + i * key_tile);
+          for (std::int64_t s0 = 0; s0 < cw; s0 += kernel_keys)  // register blocks that reach column >= row
+            for (std::int64_t r0 = 0; r0 < d_pad && r0 < c0 + s0 + kernel_keys; r0 += kernel_rows)
+              detail::dot_block(pc.ct + r0 * bn, bn, pc.kt + s0, 1.f, pc.tout + r0 * key_tile + s0, key_tile);
+          for (std::int64_t r = 0; r < d; ++r)
+            for (std::int64_t b = std::max<std::int64_t>(0, r - c0); b < cw; ++b)
+              pc.acc[r * d + c0 + b] += pc.tout[r * key_tile + b];
         }
       }
-      for (std::int64_t cc = 0; cc < chunks; ++cc) {  // s^2 / (2m) Sigma' as key tiles, column chunk cc
-        const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
-        float* sk = pc.sk + (g * chunks + cc) * d * key_tile;
-        for (std::int64_t a = 0; a < d; ++a) {
-          for (std::int64_t b = 0; b < cw; ++b) sk[a * key_tile + b] = float(pc.acc[a * d + c0 + b] * cov_coef);
-          std::fill(sk + a * key_tile + cw, sk + (a + 1) * key_tile, 0.f);
-        }
-      }
+      for (std::int64_t r = 0; r < d; ++r)  // the lower triangle mirrors the upper
+        for (std::int64_t b = 0; b < r; ++b) pc.acc[r * d + b] = pc.acc[b * d + r];
+      // R Sigma R': every row turned (Sigma R'), transposed (R Sigma), every row turned again.
+      for (std::int64_t r = 0; r < d; ++r) rotate(pc.acc + r * d, m, false);
+      for (std::int64_t r = 0; r < d; ++r)
+        for (std::int64_t b = r + 1; b < d; ++b) std::swap(pc.acc[r * d + b], pc.acc[b * d + r]);
+      for (std::int64_t r = 0; r < d; ++r) rotate(pc.acc + r * d, m, false);
+      for (std::int64_t r = 0; r < d; ++r)  // rows 1 .. d: s^2 / (2m) Sigma'
+        for (std::int64_t b = 0; b < d; ++b) a[(1 + r) * d + b] = float(pc.acc[r * d + b] * cov_coef);
     }
-    // The logits of every key under each query head of the group.
-    float* krow = pc.x;
-    const auto logit = [&](std::int64_t j, std::int64_t g, double quad) {
-      const double zj = pc.z[g * n + j] = scale * double(detail::dot_of(pc.mup + g * d, krow, d)) + quad;
-      if (!std::isfinite(float(zj))) [[unlikely]] {  // logits must fit f32, as on every backend
-        const float* st = lay.matrix ? pc.sk + g * chunks * d * key_tile : pc.c ? pc.c + g * m * d : pc.mup + g * d;
-        const std::size_t count = lay.matrix ? std::size_t(chunks * d * key_tile)
-                                  : pc.c     ? std::size_t(m * d)
-                                             : std::size_t(d);
-        detail::on_logit_overflow(q, first_query, keys, std::int32_t(h * group + g), j, order, sinks, {st, count});
-      }
-    };
-    if (lay.matrix) {
-      for (std::int64_t j0 = 0; j0 < n; j0 += key_tile) {  // k' Sigma' k for a tile of keys: T = K Sigma' by GEMM
-        const std::int64_t tn = std::min(key_tile, n - j0), rows = (tn + kernel_rows - 1) / kernel_rows * kernel_rows;
-        for (std::int64_t r = 0; r < tn; ++r) {
-          float* kr = pc.keys + r * d;
-          to_f32(keys.type, keys.row(j0 + r, std::int32_t(h)), kr, d);
-          if (!detail::all_finite(kr, d)) [[unlikely]]
-            detail::fail_not_finite(keys, "keys", j0 + r, 1, std::int32_t(h));
-        }
-        std::fill(pc.keys + tn * d, pc.keys + rows * d, 0.f);
-        for (std::int64_t g = 0; g < group; ++g) {
-          double quad[key_tile] = {};
-          for (std::int64_t cc = 0; cc < chunks; ++cc) {
-            const std::int64_t c0 = cc * key_tile, cw = std::min(key_tile, d - c0);
-            detail::tile_logits(pc.keys, rows, d, pc.sk + (g * chunks + cc) * d * key_tile, cw, 1.f, pc.tout);
-            for (std::int64_t r = 0; r < tn; ++r)
-              quad[r] += double(detail::dot_of(pc.tout + r * key_tile, pc.keys + r * d + c0, cw));
-          }
-          for (std::int64_t r = 0; r < tn; ++r) {
-            std::copy_n(pc.keys + r * d, d, krow);
-            logit(j0 + r, g, quad[r]);
-          }
-        }
-      }
-    } else {
-      for (std::int64_t j = 0; j < n; ++j) {
-        to_f32(keys.type, keys.row(j, std::int32_t(h)), krow, d);
-        if (!detail::all_finite(krow, d)) [[unlikely]]
-          detail::fail_not_finite(keys, "keys", j, 1, std::int32_t(h));
-        for (std::int64_t g = 0; g < group; ++g) {
-          double quad = 0.0;
-          if (e.covariance)
-            for (std::int64_t i = 0; i < m; ++i) {
-              const double proj = detail::dot_of(pc.c + (g * m + i) * d, krow, d);
-              quad += proj * proj;
+    // A transposed tile of keys against each query head's rows, by GEMM in blocks of key_tile
+    // rows: row 0 gives mu'.k_j; the matrix form's rows 1 .. d give Sigma' k_j (then k_j' Sigma'
+    // k_j), the projections' rows c'_i . k_j (then their squares).
+    for (std::int64_t j0 = 0; j0 < n; j0 += key_tile) {
+      const std::int64_t tn = std::min(key_tile, n - j0);
+      detail::load_key_tile(keys, std::int32_t(h), j0, tn, pc.kt, pc.rows8);
+      for (std::int64_t g = 0; g < group; ++g) {
+        const float* a = pc.a + g * rows * d;
+        double mean[key_tile], quad[key_tile] = {};
+        for (std::int64_t r0 = 0; r0 < rows; r0 += key_tile) {
+          const std::int64_t br = std::min(key_tile, rows - r0);
+          detail::tile_logits(a + r0 * d, br, d, pc.kt, tn, 1.f, pc.tout);
+          if (r0 == 0)
+            for (std::int64_t j = 0; j < tn; ++j) mean[j] = pc.tout[j];
+          for (std::int64_t r = r0 == 0 ? 1 : 0; r < br; ++r) {  // zero-padded rows add nothing
+            const float* o = pc.tout + r * key_tile;
+            if (lay.matrix) {
+              const std::int64_t el = r0 + r - 1;  // k_j[el] (Sigma' k_j)[el]
+              if (el >= d) break;
+              const float* k = pc.kt + el * key_tile;
+              for (std::int64_t j = 0; j < tn; ++j) quad[j] += double(k[j]) * double(o[j]);
+            } else {
+              for (std::int64_t j = 0; j < tn; ++j) quad[j] += double(o[j]) * double(o[j]);
             }
-          logit(j, g, quad * cov_coef);
+          }
+        }
+        const double qc = lay.matrix ? 1.0 : cov_coef;
+        for (std::int64_t j = 0; j < tn; ++j) {
+          const double zj = pc.z[g * n + j0 + j] = scale * mean[j] + qc * quad[j];
+          if (!std::isfinite(float(zj))) [[unlikely]]  // logits must fit f32, as on every backend
+            detail::on_logit_overflow(q, first_query, keys, std::int32_t(h * group + g), j0 + j, order, sinks,
+                                      {a, std::size_t(rows * d)});
         }
       }
     }
