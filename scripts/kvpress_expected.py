@@ -2,8 +2,8 @@
 """Times kvpress's ExpectedAttentionPress.score() in kvpress's own pipeline: SmolLM2-135M in
 transformers (f32, CPU, loaded from the GGUF that scripts/model.sh unpacks), the first TOKENS
 tokens of a text, the press's default statistics (every query of the prompt after its n_sink
-sinks), every layer's score() call timed. Prints one JSON record (per-layer times, their total,
-the shapes). Run with the Python environment of scripts/python_env.sh:
+sinks), every layer's score() call timed, and apart the pre-RoPE query projection score() does
+inside. Prints one JSON record (per-layer medians, their totals, the shapes). Run with the Python environment of scripts/python_env.sh:
   $(scripts/python_env.sh)/bin/python scripts/kvpress_expected.py --model M --text T --threads 1"""
 import argparse
 import json
@@ -44,14 +44,31 @@ def main():
         return out
 
     press.score = timed
-    runs = []
+    # kvpress computes the pre-RoPE queries inside score() (q_proj on the hidden states, a GEMM
+    # that infkv's caller has already done): timed apart, so both totals are reported.
+    from kvpress.presses import expected_attention_press as eap
+    project = eap.get_prerope_query_states
+    projections = []
+
+    def timed_project(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = project(*args, **kwargs)
+        projections.append(time.perf_counter() - t0)
+        return out
+
+    eap.get_prerope_query_states = timed_project
+    runs, proj_runs = [], []
     with torch.no_grad():
         for _ in range(a.repeats):
-            calls.clear()
+            calls.clear(), projections.clear()
             with press(model):
                 model(ids)
-            runs.append(list(calls))
-    per_layer = [sorted(r[i] for r in runs)[len(runs) // 2] for i in range(len(runs[0]))]
+            runs.append(list(calls)), proj_runs.append(list(projections))
+
+    def median_per_layer(rs):
+        return [sorted(r[i] for r in rs)[len(rs) // 2] for i in range(len(rs[0]))]
+
+    per_layer, proj_per_layer = median_per_layer(runs), median_per_layer(proj_runs)
     cfg = model.config
     print(json.dumps({
         "program": "scripts/kvpress_expected.py", "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
@@ -59,7 +76,10 @@ def main():
         "model": os.path.basename(a.model), "tokens": a.tokens, "threads": a.threads, "repeats": a.repeats,
         "layers": len(per_layer), "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.hidden_size // cfg.num_attention_heads, "n_sink": press.n_sink,
-        "score_seconds_per_layer_median": per_layer, "score_seconds_total": sum(per_layer)}, indent=1))
+        "score_seconds_per_layer_median": per_layer, "score_seconds_total": sum(per_layer),
+        "query_projection_seconds_per_layer_median": proj_per_layer,
+        "query_projection_seconds_total": sum(proj_per_layer),
+        "score_without_projection_seconds_total": sum(per_layer) - sum(proj_per_layer)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -252,6 +252,63 @@ def kernel_section(kdir, md):
         md.append("")
 
 
+def expected_section(edir, md):
+    """Expected Attention scoring per shape (infkv_bench JSON, medians of interleaved repetitions,
+    with their cv and the FMA ceiling of the same run) and, per layer of SmolLM2-135M, against
+    kvpress's ExpectedAttentionPress.score() (scripts/kvpress_expected.py JSON, 1 and 2 threads)."""
+    path = os.path.join(edir, "expected.json")
+    if not os.path.exists(path):
+        md.append(f"(no expected.json in {edir})\n")
+        return
+    d = load(path)
+    agg = {}
+    for b in d["benchmarks"]:
+        if b.get("run_type") == "aggregate":
+            agg.setdefault(b["run_name"].replace("/real_time", ""), {})[b["aggregate_name"]] = b
+    ctx = d.get("context", {})
+    peak = agg.get("BM_peak_fma", {}).get("median")
+    md.append(f"Commit {ctx.get('commit', '?')}; {ctx.get('protocol', '')}; load average {', '.join(f'{x:.2f}' for x in ctx.get('load_avg', []))}. "
+              + (f"FMA ceiling of the run (`BM_peak_fma`, one thread): {fmt(peak['flop/s'] / 1e9, 1)} Gflop/s.\n" if peak else "\n"))
+    rows = []
+    for name, a in agg.items():
+        if not name.startswith("BM_expected_attention/"):
+            continue
+        m, cv = a["median"], a.get("cv")
+        args = dict(kv.split(":") for kv in name.split("/")[1:])
+        rows.append([args["n"], args["m"], args["d"], m.get("label", ""), f"{fmt(m['real_time'], 2)} {m['time_unit']}",
+                     f"{cv['real_time'] * 100:.0f}%" if cv else "", fmt(m["flop/s"] / 1e9, 1), fmt(m["frac_peak"], 2)])
+    rows.sort(key=lambda r: (int(r[2]), int(r[0]), int(r[1])))
+    md.append("Hkv 4 x G 4, f16 keys, value norms off, one thread:\n")
+    md.append(table(["n slots", "m queries", "d", "form", "time", "cv", "Gflop/s", "frac peak"], rows))
+    md.append("")
+    ours = {}
+    for name, a in agg.items():
+        if name.startswith("BM_expected_attention_smollm2/"):
+            args = dict(kv.split(":") for kv in name.split("/")[1:])
+            ours[(int(args["m"]), int(args["threads"]))] = a["median"]["real_time"]  # ms
+    kv_rows = []
+    for t in (1, 2):
+        kp = os.path.join(edir, f"kvpress_t{t}.json")
+        if not os.path.exists(kp) or (1497, t) not in ours:
+            continue
+        k = load(kp)
+        per = lambda key: k[key] / k["layers"] * 1e3
+        full, short = ours[(1497, t)], ours.get((64, t))
+        kv_rows.append([str(t), fmt(per("score_seconds_total"), 1), fmt(per("query_projection_seconds_total"), 1),
+                        fmt(per("score_without_projection_seconds_total"), 1), fmt(full, 2),
+                        fmt(short, 2) if short else "", fmt(per("score_without_projection_seconds_total") / full, 1),
+                        fmt(full / short, 2) if short else ""])
+    if kv_rows:
+        k = load(os.path.join(edir, "kvpress_t1.json"))
+        md.append(f"Per layer of {k['model']} ({k['tokens']} tokens, {k['heads']} query heads, {k['kv_heads']} KV heads, "
+                  f"d {k['head_dim']}; kvpress {k['kvpress']}, torch {k['torch']}, f32; medians of {k['repeats']} forward "
+                  "passes): kvpress's `score()`, the pre-RoPE query projection it does inside, the rest; infkv's scoring "
+                  "with the same statistics (m = 1497) and with the last 64 queries, in ms:\n")
+        md.append(table(["threads", "kvpress score()", "its q projection", "kvpress without it", "infkv m=1497",
+                         "infkv m=64", "kvpress (w/o proj.) / infkv", "infkv m=1497 / m=64"], kv_rows))
+        md.append("")
+
+
 def main():
     engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/perf")
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "docs/performance.md")
@@ -289,6 +346,8 @@ def main():
     if pre:
         section("4. Prefill peak memory: budgeted block-wise against plain", prefill_section, pre, md, plot_dir)
     section("5. The kernels as consumers build them", kernel_section, engine, md)
+    section("6. Expected Attention against kvpress", expected_section,
+            os.path.join(os.path.dirname(engine.rstrip("/")), "expected"), md)
     with open(out, "w") as f:
         f.write("\n".join(md).rstrip() + "\n")
     print(f"wrote {out}")
