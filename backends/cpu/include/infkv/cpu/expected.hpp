@@ -42,12 +42,12 @@ namespace detail {
 
 /// Expected Attention's scratch: shared by the workers, each window query's cos and sin per
 /// rotary pair, then the mean rotation's ((m + 1) rows of d floats); per worker, the G rows of
-/// logits (double), each query head's mean and one mean after the rotation (double), a query row, each query
-/// head's GEMM rows (`rows()` of d floats: mu', then the s^2 / (2m) scaled rows of Sigma' or the
-/// centred queries c'_i, zero-padded), a transposed key tile (or, for the matrix, a block of
-/// centred queries) with 8 rows of conversion scratch, a tile of GEMM output, and for the matrix
-/// form its double accumulator, the group's queries turned back, and a block of centred queries
-/// transposed (and as rows where d exceeds a tile).
+/// logits (double), each query head's mean and one mean after the rotation (double), a query
+/// row, each query head's GEMM rows (`rows()` of d floats: mu', then the s^2 / (2m) scaled rows of
+/// Sigma' or the centred queries c'_i, zero-padded), a transposed key tile (or, for the matrix, a
+/// block of centred queries) with 8 rows of conversion scratch, a tile of GEMM output (d_pad rows
+/// for the covariance's), and for the matrix form its double accumulator, the group's queries
+/// turned back, and a block of centred queries transposed (and as rows where d exceeds a tile).
 struct expected_layout {
   std::int64_t workers, group, m, d, n;
   bool covariance = true, matrix = false;
@@ -67,7 +67,7 @@ struct expected_layout {
     w.x = c.take<float>(d);
     w.a = c.take<float>(group * rows() * d);
     w.kt = c.take<float>(std::max(d_pad(), key_tile) * key_tile), w.rows8 = c.take<float>(8 * d),
-    w.tout = c.take<float>(key_tile * key_tile);
+    w.tout = c.take<float>(std::max(d_pad(), key_tile) * key_tile);
     if (covariance && matrix) {
       w.acc = c.take<double>(d * d), w.xs = c.take<float>(group * m * d), w.ct = c.take<float>(d_pad() * key_tile);
       if (d > key_tile) w.cb = c.take<float>(key_tile * d);
