@@ -6,12 +6,12 @@ sinks), every layer's score() call timed, and apart the pre-RoPE query projectio
 inside. Prints one JSON record (per-layer medians, their totals, the shapes). Run with the Python environment of scripts/python_env.sh:
   $(scripts/python_env.sh)/bin/python scripts/kvpress_expected.py --model M --text T --threads 1"""
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
 import time
 
-import kvpress
 import torch
 import transformers
 from kvpress import ExpectedAttentionPress
@@ -34,29 +34,21 @@ def main():
     if ids.shape[1] < a.tokens:
         raise SystemExit(f"--text has {ids.shape[1]} tokens, fewer than --tokens {a.tokens}")
     press = ExpectedAttentionPress(compression_ratio=0.5)
-    score = press.score
-    calls = []
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = score(*args, **kwargs)
-        calls.append(time.perf_counter() - t0)
-        return out
-
-    press.score = timed
     # kvpress computes the pre-RoPE queries inside score() (q_proj on the hidden states, a GEMM
     # that infkv's caller has already done): timed apart, so both totals are reported.
     from kvpress.presses import expected_attention_press as eap
-    project = eap.get_prerope_query_states
-    projections = []
+    calls, projections = [], []
 
-    def timed_project(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = project(*args, **kwargs)
-        projections.append(time.perf_counter() - t0)
-        return out
+    def timed(fn, sink):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sink.append(time.perf_counter() - t0)
+            return out
+        return wrapper
 
-    eap.get_prerope_query_states = timed_project
+    press.score = timed(press.score, calls)
+    eap.get_prerope_query_states = timed(eap.get_prerope_query_states, projections)
     runs, proj_runs = [], []
     with torch.no_grad():
         for _ in range(a.repeats):
@@ -71,7 +63,7 @@ def main():
     per_layer, proj_per_layer = median_per_layer(runs), median_per_layer(proj_runs)
     cfg = model.config
     print(json.dumps({
-        "program": "scripts/kvpress_expected.py", "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+        "program": "scripts/kvpress_expected.py", "kvpress": importlib.metadata.version("kvpress"),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "model": os.path.basename(a.model), "tokens": a.tokens, "threads": a.threads, "repeats": a.repeats,
         "layers": len(per_layer), "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
