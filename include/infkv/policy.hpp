@@ -71,9 +71,10 @@ struct expectation {
   std::int64_t sinks = 4;                           ///< first slots in time order left out of the softmax; they score 1
   bool covariance = true;                           ///< false: the mean term only
   covariance_form form = covariance_form::cheaper;  ///< how the covariance term is computed
-  /// True when the covariance term is computed as a matrix for these shapes.
+  /// True when there is a covariance term and it is computed as a matrix for these shapes.
   constexpr bool matrix(std::int64_t m, std::int64_t d, std::int64_t n) const {
-    return form == covariance_form::matrix || (form == covariance_form::cheaper && covariance_as_matrix(m, d, n));
+    return covariance &&
+           (form == covariance_form::matrix || (form == covariance_form::cheaper && covariance_as_matrix(m, d, n)));
   }
   static constexpr std::int64_t max_future = std::int64_t(1) << 20;  ///< one cos/sin pair per position and pair
 

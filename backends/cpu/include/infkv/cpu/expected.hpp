@@ -50,7 +50,7 @@ namespace detail {
 /// turned back, and a block of centred queries transposed (and as rows where d exceeds a tile).
 struct expected_layout {
   std::int64_t workers, group, m, d, n;
-  bool covariance = true, matrix = false;
+  bool covariance = true, matrix = false;  // matrix: the covariance term as a matrix
   struct worker_pieces {
     double *z, *mu, *mur, *acc;
     float *x, *a, *kt, *rows8, *tout, *xs, *ct, *cb;
@@ -68,7 +68,7 @@ struct expected_layout {
     w.a = c.take<float>(group * rows() * d);
     w.kt = c.take<float>(std::max(d_pad(), key_tile) * key_tile), w.rows8 = c.take<float>(8 * d),
     w.tout = c.take<float>(std::max(d_pad(), key_tile) * key_tile);
-    if (covariance && matrix) {
+    if (matrix) {
       w.acc = c.take<double>(d * d), w.xs = c.take<float>(group * m * d), w.ct = c.take<float>(d_pad() * key_tile);
       if (d > key_tile) w.cb = c.take<float>(key_tile * d);
     }

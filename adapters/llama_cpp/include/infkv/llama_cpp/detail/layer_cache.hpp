@@ -47,7 +47,7 @@ class layer_cache {
   }
   /// The queries kept of the last decode [kept][n_head][head_dim], f32 (all of the batch when
   /// begin() was asked for them).
-  const_tensor_view batch_queries() const { return nhd(staged_.data(), dtype::f32, staged_rows_, n_head_, head_dim_); }
+  const_tensor_view batch_queries() const { return nhd(staged_.data(), dtype::f32, keep_q_, n_head_, head_dim_); }
 
   /// Before a decode of `n` tokens: their rows will land after the cached slots, and the last
   /// `keep_queries` of their queries are kept. `cells`: the most slots the cache can hold (the
@@ -55,7 +55,6 @@ class layer_cache {
   void begin(std::int64_t n, std::int64_t keep_queries, std::int64_t cells) {
     batch_ = n, keep_q_ = std::min(keep_queries, n), cells_ = cells;
     seen_q_ = seen_k_ = seen_v_ = 0;
-    staged_rows_ = keep_q_;
   }
 
   /// One node's rows of the current decode (from inside llama_decode), each converted once into
@@ -148,7 +147,9 @@ class layer_cache {
   std::int64_t key_bytes() const { return std::int64_t(keys_.capacity()); }
   std::int64_t value_bytes() const { return std::int64_t(values_.capacity()); }
   std::int64_t query_bytes() const { return std::int64_t(queries_.capacity() * sizeof(float)); }
-  std::int64_t staged_bytes() const { return std::int64_t(staged_.capacity() * sizeof(float) + tmp_.capacity() * 4); }
+  std::int64_t staged_bytes() const {
+    return std::int64_t(staged_.capacity() * sizeof(float) + tmp_.capacity() * sizeof(float));
+  }
 
  private:
   std::size_t head_bytes() const { return std::size_t(head_dim_) * size_of(type_); }
@@ -171,7 +172,7 @@ class layer_cache {
   std::vector<unsigned char> keys_, values_;  // rows [0, n_slots_) cached; beyond: the decode landing
   std::vector<float> queries_;
   std::vector<std::int64_t> query_pos_;
-  std::int64_t batch_ = 0, keep_q_ = 0, seen_q_ = 0, seen_k_ = 0, seen_v_ = 0, staged_rows_ = 0, cells_ = 0;
+  std::int64_t batch_ = 0, keep_q_ = 0, seen_q_ = 0, seen_k_ = 0, seen_v_ = 0, cells_ = 0;
   std::vector<float> staged_, tmp_;
 };
 

@@ -176,7 +176,7 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
   const double scale = in.scale > 0.f ? in.scale : 1.0 / sqrt(double(d));
   const double cov_coef = e.covariance ? scale * scale / (2.0 * double(m)) : 0.0;
-  const bool cov = e.covariance, matrix = cov && e.matrix(m, d, n);
+  const bool cov = e.covariance, matrix = e.matrix(m, d, n);
   const std::int64_t* qpos = in.query_pos.data();
   status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), offset};

@@ -51,7 +51,7 @@ struct basic_backend {
       consider([&](detail::carver& c) {
         const std::int64_t m = std::min(spec.queries, shape.n_queries);
         detail::expected_scratch::carve(c, shape.q_heads, m, shape.head_dim, n,
-                                        spec.expect.covariance && spec.expect.matrix(m, shape.head_dim, n));
+                                        spec.expect.matrix(m, shape.head_dim, n));
       });
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
