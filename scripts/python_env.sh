@@ -3,7 +3,7 @@
 # the clone, keyed by the pinned versions: torch from PyPI is the CUDA build, about 6 GB installed,
 # and runs on the CPU without a GPU), and prints its path. Idempotent.
 set -euo pipefail
-versions="torch==2.15.0 transformers==5.2.0 kvpress==0.5.5 gguf==0.19.0 sentencepiece==0.2.3"
+versions="torch==2.15.0 transformers==5.2.0 kvpress==0.5.5 gguf==0.19.0 sentencepiece==0.2.3 nanobind==3.1.0 scikit-build-core==1.1.2 pytest==9.2.0"
 key=$(echo "$versions" | sha1sum | cut -c1-12)
 root=${INFKV_CACHE:-$HOME/.cache/infkv}
 env=$root/python-$key

@@ -1,0 +1,257 @@
+"""infkv's policies as kvpress presses, and budgeted block-wise prefill in transformers.
+
+`InfkvPress(policy, compression_ratio=...)` is a kvpress `ScorerPress`: it goes wherever kvpress
+takes a press (its pipeline, `with press(model):`, inside `DecodingPress`). It scores and selects
+with infkv (the policy's sinks and window protected, its granularity, ties broken as infkv breaks
+them: infkv's keep set is applied, not a top-k of scores) and keeps the kept slots in slot order.
+The window queries are recomputed from the layer's hidden states (as kvpress's SnapKV does) and
+turned with the model's RoPE at the slots' own positions, which the press tracks per layer.
+
+`prefill_blockwise(model, input_ids, policy, capacity, ...)` prefills in blocks (aligned with the
+caller's segments when given) and evicts every layer to `capacity` right after each block's
+attention, so peak KV memory stays at capacity + one block in one layer; kvpress's presses
+compress only after a whole prefill.
+
+CPU tensors only: the module runs infkv's CPU backend (a CUDA tensor raises ValueError).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from kvpress.presses.base_press import is_prefilling
+from kvpress.presses.scorer_press import ScorerPress
+from kvpress.utils import compute_n_kept, extract_keys_and_values, get_prerope_query_states
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import rotate_half
+
+import infkv
+
+
+def model_rope(model_or_module) -> infkv.rope:
+    """infkv's RoPE parameters for a transformers model's rotary embedding (rotate-half, i.e. NeoX
+    pairing); raises ValueError when its frequencies are not theta^(-2i/d) (scaled RoPE variants)."""
+    rot = getattr(model_or_module, "rotary_emb", None)
+    if rot is None and hasattr(model_or_module, "model"):
+        lm = model_or_module.model
+        rot = getattr(getattr(lm, "language_model", lm), "rotary_emb", None)
+    if rot is None:
+        raise ValueError("infkv: model.rotary_emb = None: the model has no rotary embedding to read RoPE from")
+    inv = rot.inv_freq.detach().double().cpu()
+    half = inv.numel()
+    if half < 2 or float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
+        raise ValueError(f"infkv: model.rotary_emb = {type(rot).__name__}: scaled RoPE is not supported")
+    dims = 2 * half
+    theta = float(inv[1] ** (-dims / 2.0))
+    expect = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / dims)
+    if not torch.allclose(inv, expect, rtol=1e-6, atol=0):
+        raise ValueError(f"infkv: model.rotary_emb.inv_freq: not theta^(-2i/d) for any theta (scaled RoPE, "
+                         f"{type(rot).__name__}); infkv.rope cannot express it")
+    return infkv.rope(theta=theta, dims=dims, style=infkv.rope_style.neox)
+
+
+def _queries(module, hidden_states: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE queries of the last rows of `hidden_states` at positions `pos`: (batch, heads, w, d)."""
+    w = pos.numel()
+    q = get_prerope_query_states(module, hidden_states[:, -w:])
+    cos, sin = module.rotary_emb(q, pos.to(q.device).unsqueeze(0))
+    return q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+
+
+@dataclass
+class InfkvPress(ScorerPress):
+    """A kvpress press that keeps what an infkv policy keeps.
+
+    policy: an infkv policy (`infkv.snapkv(window=64)`, `infkv.inf_mllm(...)`, ...).
+    compression_ratio: share of the slots evicted (kvpress's meaning: keeps int(n * (1 - ratio)),
+        at least 1).
+    sinks, recent: the budget's protected first / last slots (the policy may widen them).
+    granularity: infkv.granularity (None: the policy's natural one; per_token is per_layer here,
+        a press sees one layer at a time).
+    threads: CPU threads infkv scores with.
+    """
+
+    policy: Any = None
+    compression_ratio: float = 0.0
+    sinks: int = 0
+    recent: int = 0
+    granularity: Optional[infkv.granularity] = None
+    threads: int = 1
+    positions: dict = field(default_factory=dict, repr=False)  # layer -> (cached slots' positions, next position)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.policy is None:
+            raise ValueError("infkv: InfkvPress.policy = None: give an infkv policy (infkv.snapkv(), ...)")
+        self.needs = infkv.capture_needs_of(self.policy)  # checks the policy
+        infkv.budget(ratio=1.0, sinks=self.sinks, recent=self.recent)  # checks sinks and recent
+
+    def post_init_from_model(self, model):
+        if isinstance(self.policy, infkv.expected_attention) and self.policy.rotary is not None:
+            self.policy.rotary = model_rope(model)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        raise NotImplementedError("InfkvPress keeps infkv's keep set (compress); use infkv.run_scores for scores")
+
+    def slot_positions(self, module, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Positions of the layer's cached slots. The slots stay in time order (this press keeps slot
+        order, the cache appends), so the slots added since the last call take the positions after
+        the newest one seen; a new prefill starts again from 0."""
+        n, layer = keys.shape[2], module.layer_idx
+        prev, nxt = self.positions.get(layer, (None, 0))
+        q_len = kwargs["hidden_states"].shape[1] if "hidden_states" in kwargs else 0
+        if prev is None or (q_len and is_prefilling(kwargs["cache_position"], q_len)):
+            prev, nxt = torch.empty(0, dtype=torch.int64), 0
+        if prev.numel() >= n:  # the caller cut the cache back (kvpress drops an answer)
+            return prev[:n]
+        return torch.cat([prev, torch.arange(nxt, nxt + n - prev.numel(), dtype=torch.int64)])
+
+    def remember(self, layer: int, pos: torch.Tensor, all_pos: torch.Tensor):
+        """Stores the kept slots' positions and the position after the newest slot seen."""
+        _, nxt = self.positions.get(layer, (None, 0))
+        newest = int(all_pos[-1]) + 1 if all_pos.numel() else 0
+        self.positions[layer] = (pos, newest if all_pos.numel() else nxt)
+
+    def keep_sets(self, module, hidden_states, keys, values, pos: torch.Tensor, capacity: int) -> list:
+        """infkv's KeepSet of every batch row for `capacity` slots per unit."""
+        b, h, n, d = keys.shape
+        toks = infkv.tokens(pos)
+        bud = infkv.budget(capacity=capacity, sinks=self.sinks, recent=self.recent)
+        w = min(self.needs.queries, hidden_states.shape[1], n)
+        queries = _queries(module, hidden_states, pos[n - w:]) if w else None
+        out = []
+        for i in range(b):
+            layer = infkv.Layer(
+                toks,
+                keys=keys[i].detach() if self.needs.keys else None,
+                values=values[i].detach() if self.needs.values else None,
+                queries=queries[i].detach().contiguous() if w else None,
+                query_pos=pos[n - w:].numpy() if w else None,
+                scale=float(getattr(module, "scaling", 1.0 / math.sqrt(d))),
+                layout="hnd",
+            )
+            g = self.granularity
+            if g == infkv.granularity.per_token:
+                g = infkv.granularity.per_layer
+            out.append(infkv.select(self.policy, bud, layer, granularity=g, threads=self.threads))
+        return out
+
+    def evict(self, module, hidden_states, keys, values, kwargs, capacity: int):
+        """Keys, values and positions after keeping `capacity` slots per unit."""
+        pos = self.slot_positions(module, keys, kwargs)
+        if capacity >= keys.shape[2]:
+            self.remember(module.layer_idx, pos, pos)
+            return keys, values
+        kept_k, kept_v = [], []
+        for i, ks in enumerate(self.keep_sets(module, hidden_states, keys, values, pos, capacity)):
+            idx = torch.stack([torch.from_numpy(ks.unit(u if ks.n_units > 1 else 0)) for u in range(keys.shape[1])])
+            idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, keys.shape[3])
+            kept_k.append(keys[i].gather(1, idx))
+            kept_v.append(values[i].gather(1, idx))
+            if i == 0:  # one position list per layer: kept positions of unit 0 (equal counts in every unit)
+                self.remember(module.layer_idx, pos[torch.from_numpy(ks.unit(0))], pos)
+        return torch.stack(kept_k).contiguous(), torch.stack(kept_v).contiguous()
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            pos = self.slot_positions(module, keys, kwargs)
+            self.remember(module.layer_idx, pos, pos)
+            return keys, values
+        return self.evict(module, hidden_states, keys, values, kwargs,
+                          compute_n_kept(keys.shape[2], self.compression_ratio))
+
+
+def _language_model(model):
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
+@contextlib.contextmanager
+def _hooks(model, hook):
+    lm = _language_model(model)
+    handles = []
+    try:
+        for layer in lm.layers:
+            layer.self_attn.rotary_emb = lm.rotary_emb
+            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _cache_bytes(cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4)
+
+
+@dataclass
+class PrefillStats:
+    blocks: int = 0
+    tokens: int = 0
+    peak_kv_bytes: int = 0  # largest sum over layers of the cached K and V, measured after every layer
+    final_kv_bytes: int = 0
+    kept: list = field(default_factory=list)  # cached slots per layer at the end
+
+
+def block_bounds(n: int, block: int, segments: Optional[Iterable[int]] = None) -> list:
+    """(start, end) of each block: `block` tokens each, or, with `segments` (one id per token,
+    non-decreasing), whole segments grouped up to `block` tokens (a segment longer than `block` is
+    its own block)."""
+    if block < 1:
+        raise ValueError(f"infkv: block = {block}: must be >= 1")
+    if segments is None:
+        return [(s, min(n, s + block)) for s in range(0, n, block)]
+    seg = list(segments)
+    if len(seg) != n:
+        raise ValueError(f"infkv: segments has {len(seg)} entries: must have one per token ({n})")
+    starts = [0] + [i for i in range(1, n) if seg[i] != seg[i - 1]]
+    if any(seg[i] < seg[i - 1] for i in range(1, n)):
+        raise ValueError("infkv: segments: must be non-decreasing")
+    bounds, begin = [], 0
+    for s, e in zip(starts, starts[1:] + [n]):
+        if s > begin and e - begin > block:
+            bounds.append((begin, s))
+            begin = s
+    if begin < n:
+        bounds.append((begin, n))
+    return bounds
+
+
+@torch.no_grad()
+def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, block: int = 512, *, sinks: int = 0,
+                      recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None):
+    """Prefills `input_ids` (1 x n) block by block into `cache` (a new DynamicCache by default),
+    evicting every layer to `capacity` slots right after each block's attention with infkv's
+    `policy`. Positions stay the tokens' own (keep mode: position_ids passed, keys not re-rotated).
+    Returns (cache, press, stats): the press holds the kept positions per layer, for decoding on."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"infkv: input_ids.shape = {tuple(input_ids.shape)}: must be (1, n)")
+    if capacity < 1:
+        raise ValueError(f"infkv: capacity = {capacity}: must be >= 1")
+    n = input_ids.shape[1]
+    bounds = block_bounds(n, block, segments)
+    press = InfkvPress(policy=policy, sinks=sinks, recent=recent, threads=threads, granularity=granularity)
+    press.post_init_from_model(model)
+    infkv.protect(policy, infkv.budget(capacity=capacity, sinks=sinks, recent=recent)).validate()
+    cache = DynamicCache() if cache is None else cache
+    stats = PrefillStats()
+
+    def hook(module, args, kwargs, output):
+        layer = cache.layers[module.layer_idx]
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, _cache_bytes(cache))
+        keys, values = extract_keys_and_values(cache, module.layer_idx)
+        layer.keys, layer.values = press.evict(module, kwargs["hidden_states"], keys, values, kwargs, capacity)
+        return output
+
+    with _hooks(model, hook):
+        for s, e in bounds:
+            model.model(input_ids=input_ids[:, s:e].to(model.device), past_key_values=cache,
+                        position_ids=torch.arange(s, e, device=model.device).unsqueeze(0), use_cache=True)
+            stats.blocks += 1
+            stats.tokens += e - s
+    stats.final_kv_bytes = _cache_bytes(cache)
+    stats.kept = [layer.keys.shape[2] for layer in cache.layers]
+    return cache, press, stats
