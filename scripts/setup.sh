@@ -2,7 +2,7 @@
 # Installs what infkv's build, tests, examples and benchmarks need, from Debian's packages.
 # Idempotent: does nothing when everything is already installed.
 set -euo pipefail
-packages=(cmake ninja-build g++ python3 python3-numpy python3-pip doctest-dev libbenchmark-dev libcli11-dev
+packages=(cmake ninja-build g++ python3 python3-dev python3-venv python3-numpy python3-pip doctest-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev libfmt-dev clang clang-format gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do

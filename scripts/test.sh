@@ -2,10 +2,12 @@
 # Runs every test: the C++ formatting check, the Release build (vectorised paths, llama.cpp
 # adapter, tools and a short real-model streaming run included; the CUDA backend compiled for
 # sm_80 and sm_90 when nvcc is installed, its GPU tests reported skipped without a device) and the
-# ASan + UBSan build (portable paths, the CUDA backend's steps run on the host), then every fuzz
-# target briefly (clang, libFuzzer). Installs what it needs first; llama.cpp is built once into
-# ~/.cache/infkv (about 6 minutes on 2 cores), the model and text are fetched once, and all are
-# reused afterwards.
+# ASan + UBSan build (portable paths, the CUDA backend's steps run on the host), every fuzz target
+# briefly (clang, libFuzzer), then the Python package's tests (its parity with kvpress's presses on
+# SmolLM2 included). Installs what it needs first; llama.cpp is built once into ~/.cache/infkv
+# (about 6 minutes on 2 cores) and the Python environment (torch, transformers, kvpress: about
+# 3 GB, downloaded while the C++ builds) is created once there; the model and text are fetched
+# once; all are reused afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -13,6 +15,11 @@ scripts/format.sh --check   # every C++ file follows .clang-format
 jobs=$(nproc)
 nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
 llama_prefix=$(scripts/llama_cpp.sh | tail -n 1)
+# The Python environment downloads while the C++ builds; stopped if this script stops first.
+mkdir -p build
+setsid scripts/python_env.sh > build/python_env.log 2>&1 &
+python_env=$!   # its own process group: pip goes with it
+trap 'kill -- -$python_env 2>/dev/null || true' EXIT
 scripts/model.sh >/dev/null   # the real model and text of the infkv-stream smoke test
 scripts/kjv.sh >/dev/null
 for preset in release sanitize; do
@@ -26,3 +33,6 @@ for preset in release sanitize; do
 done
 echo "== infkv fuzz targets: 20 s each ==" >&2
 scripts/fuzz.sh 20
+echo "== infkv Python package ==" >&2
+wait $python_env || { cat build/python_env.log >&2; exit 1; }
+scripts/python_test.sh

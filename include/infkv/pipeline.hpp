@@ -210,11 +210,18 @@ inline std::span<std::byte> scratch(const plan& p, std::span<std::byte> ws) {
   return ws.subspan(p.backend, ws.size() - p.backend);
 }
 
-inline void check_workspace(const plan& p, std::span<std::byte> ws) {
+/// Checks the workspace against the plan, and the backend's scratch need against what the plan
+/// set aside: a plan made with another backend (a CPU backend with fewer threads) would overrun it.
+template <class B>
+void check_workspace(const plan& p, const B& be, std::span<std::byte> ws) {
   INFKV_REQUIRE(ws.size() >= p.workspace_bytes, "workspace.size()", ws.size(), "the plan needs ", p.workspace_bytes,
                 " bytes");
   INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(ws.data()) % 64 == 0, "workspace.data()", "misaligned",
                 "must be 64-byte aligned");
+  const std::size_t need = be.scratch_bytes(p.spec, p.shape, p.opt);
+  INFKV_REQUIRE(need <= p.workspace_bytes - p.backend, "backend", "this backend", "needs ", need,
+                " bytes of scratch, the plan set aside ", p.workspace_bytes - p.backend,
+                ": make the plan with the backend that runs it (the same thread count)");
 }
 
 /// The time order of the tokens shared by every layer (written once).
@@ -262,7 +269,7 @@ score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, c
 /// backend), valid until the workspace is used again. Allocates nothing.
 template <class B, row_source R>
 score_view run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std::span<std::byte> ws) {
-  detail::check_workspace(p, ws);
+  detail::check_workspace(p, be, ws);
   const auto order = detail::order_of(p, be, std::span<const layer_inputs<R>>(&in, 1), ws);
   return finish_layer(p, be, in, order, ws);
 }
@@ -273,7 +280,7 @@ score_view run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std
 /// nothing.
 template <class B, row_source R>
 void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, std::span<std::byte> ws, keep_view out) {
-  detail::check_workspace(p, ws);
+  detail::check_workspace(p, be, ws);
   INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units,
                 "the plan writes ", p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
   const auto order = detail::order_of(p, be, layers, ws);

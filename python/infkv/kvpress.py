@@ -45,10 +45,12 @@ def model_rope(model_or_module) -> infkv.rope:
     if half < 2 or float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
         raise ValueError(f"infkv: model.rotary_emb = {type(rot).__name__}: scaled RoPE is not supported")
     dims = 2 * half
-    theta = float(inv[1] ** (-dims / 2.0))
-    expect = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / dims)
-    if not torch.allclose(inv, expect, rtol=1e-6, atol=0):
-        raise ValueError(f"infkv: model.rotary_emb.inv_freq: not theta^(-2i/d) for any theta (scaled RoPE, "
+    config = getattr(rot, "config", None)
+    params = (getattr(config, "rope_parameters", None) or {}) if config is not None else {}
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or float(inv[1] ** (-dims / 2.0))
+    expect = float(theta) ** (-2.0 * torch.arange(half, dtype=torch.float64) / dims)
+    if not torch.allclose(inv, expect, rtol=1e-5, atol=0):  # inv_freq is float32
+        raise ValueError(f"infkv: model.rotary_emb.inv_freq: not theta^(-2i/d) for theta = {theta} (scaled RoPE, "
                          f"{type(rot).__name__}); infkv.rope cannot express it")
     return infkv.rope(theta=theta, dims=dims, style=infkv.rope_style.neox)
 

@@ -70,15 +70,15 @@ void require_cpu(const A& a, const std::string& name) {
 template <class View, class A>
 View view_of(const A& a, const std::string& name, layout l) {
   INFKV_REQUIRE(a.ndim() == 3, name + ".ndim", a.ndim(), "must be 3 (",
-                l == layout::nhd ? "slots, heads, head_dim" : "heads, slots, head_dim", "; layout = ",
-                l == layout::nhd ? "nhd" : "hnd", ")");
+                l == layout::nhd ? "slots, heads, head_dim" : "heads, slots, head_dim",
+                "; layout = ", l == layout::nhd ? "nhd" : "hnd", ")");
   require_cpu(a, name);
   const infkv::dtype t = element_type(a, name);
   INFKV_REQUIRE(a.stride(2) == 1 || a.shape(2) <= 1, name + ".stride(2)", a.stride(2),
                 "head_dim must be contiguous (stride 1); call .contiguous() first");
   const std::size_t ns = l == layout::nhd ? 0 : 1, nh = 1 - ns;
-  INFKV_REQUIRE(a.shape(nh) <= std::size_t(INT32_MAX) && a.shape(2) <= std::size_t(INT32_MAX), name + ".shape", a.shape(nh),
-                "heads and head_dim must fit in int32");
+  INFKV_REQUIRE(a.shape(nh) <= std::size_t(INT32_MAX) && a.shape(2) <= std::size_t(INT32_MAX), name + ".shape",
+                a.shape(nh), "heads and head_dim must fit in int32");
   View v;
   v.data = const_cast<void*>(static_cast<const void*>(a.data()));
   v.type = t;
@@ -110,10 +110,10 @@ struct tokens {
   std::vector<infkv::token> t;
 };
 
-tokens make_tokens(positions_array pos, std::optional<nb::ndarray<nb::ro, std::int32_t, nb::ndim<1>, nb::c_contig,
-                                                                  nb::device::cpu>>
-                                            segments,
-                   std::optional<nb::ndarray<nb::ro, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> kinds) {
+tokens make_tokens(
+    positions_array pos,
+    std::optional<nb::ndarray<nb::ro, std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> segments,
+    std::optional<nb::ndarray<nb::ro, std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> kinds) {
   const std::size_t n = pos.shape(0);
   if (segments)
     INFKV_REQUIRE(segments->shape(0) == n, "segments.shape[0]", segments->shape(0), "must equal positions.shape[0] (",
@@ -171,15 +171,19 @@ struct layer {
 };
 
 infkv::policy_spec spec_of(const any_policy& p) {
-  return std::visit([](const auto& q) {
-    q.validate();
-    return q.spec();
-  }, p);
+  return std::visit(
+      [](const auto& q) {
+        q.validate();
+        return q.spec();
+      },
+      p);
 }
 
-/// A plan for the CPU backend.
+/// A plan for the CPU backend and the thread count it was sized for (run uses the same).
 struct py_plan {
   infkv::plan p;
+  int threads = 1;
+  infkv::cpu::backend backend() const { return {{.threads = threads}}; }
 };
 
 std::vector<infkv::layer_inputs<>> inputs_of(const std::vector<const layer*>& layers) {
@@ -206,10 +210,10 @@ infkv::layer_shape shape_arg(nb::handle h) {
   infkv::detail::fail_arg("shape", nb::str(nb::handle(h.type())).c_str(), "must be an infkv.LayerShape or infkv.Layer");
 }
 
-infkv::keep_set run(const py_plan& p, nb::handle layers_h, int threads) {
+infkv::keep_set run(const py_plan& p, nb::handle layers_h) {
   const auto layers = layers_of(layers_h);
   const auto in = inputs_of(layers);
-  const infkv::cpu::backend be{{.threads = threads}};
+  const infkv::cpu::backend be = p.backend();
   infkv::cpu::workspace ws(p.p.workspace_bytes);
   std::vector<std::int64_t> offsets(std::size_t(p.p.offsets_size())), slots(std::size_t(p.p.kept_total));
   const infkv::keep_view out{slots.data(), offsets.data(), p.p.units, p.p.shape.n_slots};
@@ -220,9 +224,9 @@ infkv::keep_set run(const py_plan& p, nb::handle layers_h, int threads) {
   return infkv::keep_set::from_view(out);
 }
 
-nb::ndarray<nb::numpy, float> run_scores(const py_plan& p, const layer& l, int threads) {
+nb::ndarray<nb::numpy, float> run_scores(const py_plan& p, const layer& l) {
   const auto in = l.inputs();
-  const infkv::cpu::backend be{{.threads = threads}};
+  const infkv::cpu::backend be = p.backend();
   infkv::cpu::workspace ws(p.p.workspace_bytes);
   std::vector<float> out;
   std::int64_t rows = 0, cols = 0;
@@ -278,21 +282,27 @@ NB_MODULE(_infkv, m) {
       .value("image", infkv::modality::image)
       .value("video", infkv::modality::video)
       .value("audio", infkv::modality::audio);
-  nb::enum_<infkv::decay>(m, "decay").value("linear", infkv::decay::linear).value("exponential", infkv::decay::exponential);
+  nb::enum_<infkv::decay>(m, "decay")
+      .value("linear", infkv::decay::linear)
+      .value("exponential", infkv::decay::exponential);
   nb::enum_<infkv::age_unit>(m, "age_unit")
       .value("positions", infkv::age_unit::positions)
       .value("segments", infkv::age_unit::segments)
       .value("ranks", infkv::age_unit::ranks);
-  nb::enum_<infkv::rope_style>(m, "rope_style").value("normal", infkv::rope_style::normal).value("neox", infkv::rope_style::neox);
+  nb::enum_<infkv::rope_style>(m, "rope_style")
+      .value("normal", infkv::rope_style::normal)
+      .value("neox", infkv::rope_style::neox);
 
-  nb::class_<infkv::budget>(m, "budget", "Slots one decision unit keeps: capacity or ratio, plus protected sinks and recent.")
+  nb::class_<infkv::budget>(m, "budget",
+                            "Slots one decision unit keeps: capacity or ratio, plus protected sinks and recent.")
       .def(nb::init<>())
-      .def("__init__",
-           [](infkv::budget* b, std::int64_t capacity, double ratio, std::int64_t sinks, std::int64_t recent) {
-             new (b) infkv::budget{capacity, ratio, sinks, recent};
-             b->validate();
-           },
-           nb::kw_only(), "capacity"_a = 0, "ratio"_a = 0.0, "sinks"_a = 0, "recent"_a = 0)
+      .def(
+          "__init__",
+          [](infkv::budget* b, std::int64_t capacity, double ratio, std::int64_t sinks, std::int64_t recent) {
+            new (b) infkv::budget{capacity, ratio, sinks, recent};
+            b->validate();
+          },
+          nb::kw_only(), "capacity"_a = 0, "ratio"_a = 0.0, "sinks"_a = 0, "recent"_a = 0)
       .def_rw("capacity", &infkv::budget::capacity)
       .def_rw("ratio", &infkv::budget::ratio)
       .def_rw("sinks", &infkv::budget::sinks)
@@ -302,37 +312,41 @@ NB_MODULE(_infkv, m) {
       .def("__repr__", &repr_budget);
 
   nb::class_<infkv::rope>(m, "rope", "RoPE parameters: pair i turns by freq_scale * theta^(-2i/dims) per position.")
-      .def("__init__",
-           [](infkv::rope* r, double theta, std::int32_t dims, infkv::rope_style style, double freq_scale) {
-             new (r) infkv::rope{theta, dims, style, freq_scale};
-             r->validate();
-           },
-           nb::kw_only(), "theta"_a = 10000.0, "dims"_a = 0, "style"_a = infkv::rope_style::normal, "freq_scale"_a = 1.0)
+      .def(
+          "__init__",
+          [](infkv::rope* r, double theta, std::int32_t dims, infkv::rope_style style, double freq_scale) {
+            new (r) infkv::rope{theta, dims, style, freq_scale};
+            r->validate();
+          },
+          nb::kw_only(), "theta"_a = 10000.0, "dims"_a = 0, "style"_a = infkv::rope_style::normal, "freq_scale"_a = 1.0)
       .def_rw("theta", &infkv::rope::theta)
       .def_rw("dims", &infkv::rope::dims)
       .def_rw("style", &infkv::rope::style)
       .def_rw("freq_scale", &infkv::rope::freq_scale);
 
-  nb::class_<infkv::attention_bias>(m, "attention_bias", "Inf-MLLM's attention bias toward newer tokens (beta = 0: none).")
-      .def("__init__",
-           [](infkv::attention_bias* b, double beta, infkv::decay shape, infkv::age_unit unit, double rate) {
-             new (b) infkv::attention_bias{beta, shape, unit, rate};
-             b->validate();
-           },
-           nb::kw_only(), "beta"_a = 0.0, "shape"_a = infkv::decay::linear, "unit"_a = infkv::age_unit::positions,
-           "rate"_a = 4.0)
+  nb::class_<infkv::attention_bias>(m, "attention_bias",
+                                    "Inf-MLLM's attention bias toward newer tokens (beta = 0: none).")
+      .def(
+          "__init__",
+          [](infkv::attention_bias* b, double beta, infkv::decay shape, infkv::age_unit unit, double rate) {
+            new (b) infkv::attention_bias{beta, shape, unit, rate};
+            b->validate();
+          },
+          nb::kw_only(), "beta"_a = 0.0, "shape"_a = infkv::decay::linear, "unit"_a = infkv::age_unit::positions,
+          "rate"_a = 4.0)
       .def_rw("beta", &infkv::attention_bias::beta)
       .def_rw("shape", &infkv::attention_bias::shape)
       .def_rw("unit", &infkv::attention_bias::unit)
       .def_rw("rate", &infkv::attention_bias::rate);
 
   nb::class_<infkv::adakv>(m, "adakv", "AdaKV: a layer's budget shared between its heads by score.")
-      .def("__init__",
-           [](infkv::adakv* a, double alpha) {
-             new (a) infkv::adakv{alpha};
-             a->validate();
-           },
-           nb::kw_only(), "alpha"_a = 0.2)
+      .def(
+          "__init__",
+          [](infkv::adakv* a, double alpha) {
+            new (a) infkv::adakv{alpha};
+            a->validate();
+          },
+          nb::kw_only(), "alpha"_a = 0.2)
       .def_rw("alpha", &infkv::adakv::alpha);
 
   nb::class_<infkv::capture_needs>(m, "capture_needs", "What a policy reads from an engine, per layer.")
@@ -351,35 +365,38 @@ NB_MODULE(_infkv, m) {
       .def(nb::init<>())
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::tova::name); });
   nb::class_<infkv::snapkv>(m, "snapkv", "SnapKV: window attention, pooled along time; the window kept.")
-      .def("__init__",
-           [](infkv::snapkv* p, std::int64_t window, std::int32_t kernel, infkv::pooling pool) {
-             new (p) infkv::snapkv{window, kernel, pool};
-             p->validate();
-           },
-           nb::kw_only(), "window"_a = 32, "kernel"_a = 5, "pool"_a = infkv::pooling::avg)
+      .def(
+          "__init__",
+          [](infkv::snapkv* p, std::int64_t window, std::int32_t kernel, infkv::pooling pool) {
+            new (p) infkv::snapkv{window, kernel, pool};
+            p->validate();
+          },
+          nb::kw_only(), "window"_a = 32, "kernel"_a = 5, "pool"_a = infkv::pooling::avg)
       .def_rw("window", &infkv::snapkv::window)
       .def_rw("kernel", &infkv::snapkv::kernel)
       .def_rw("pool", &infkv::snapkv::pool)
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::snapkv::name); });
   nb::class_<infkv::keydiff>(m, "keydiff", "KeyDiff: the keys least like the mean unit key.")
-      .def("__init__",
-           [](infkv::keydiff* p, infkv::pooling pool, std::int32_t kernel) {
-             new (p) infkv::keydiff{pool, kernel};
-             p->validate();
-           },
-           nb::kw_only(), "pool"_a = infkv::pooling::none, "kernel"_a = 1)
+      .def(
+          "__init__",
+          [](infkv::keydiff* p, infkv::pooling pool, std::int32_t kernel) {
+            new (p) infkv::keydiff{pool, kernel};
+            p->validate();
+          },
+          nb::kw_only(), "pool"_a = infkv::pooling::none, "kernel"_a = 1)
       .def_rw("pool", &infkv::keydiff::pool)
       .def_rw("kernel", &infkv::keydiff::kernel)
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::keydiff::name); });
   nb::class_<infkv::inf_mllm>(m, "inf_mllm", "Inf-MLLM: recent tokens + attention saddles, with an attention bias.")
-      .def("__init__",
-           [](infkv::inf_mllm* p, std::int64_t window, std::int32_t kernel, infkv::pooling pool,
-              infkv::attention_bias bias, bool value_norm) {
-             new (p) infkv::inf_mllm{window, kernel, pool, bias, value_norm};
-             p->validate();
-           },
-           nb::kw_only(), "window"_a = 32, "kernel"_a = 5, "pool"_a = infkv::pooling::sum,
-           "bias"_a = infkv::attention_bias{}, "value_norm"_a = false)
+      .def(
+          "__init__",
+          [](infkv::inf_mllm* p, std::int64_t window, std::int32_t kernel, infkv::pooling pool,
+             infkv::attention_bias bias, bool value_norm) {
+            new (p) infkv::inf_mllm{window, kernel, pool, bias, value_norm};
+            p->validate();
+          },
+          nb::kw_only(), "window"_a = 32, "kernel"_a = 5, "pool"_a = infkv::pooling::sum,
+          "bias"_a = infkv::attention_bias{}, "value_norm"_a = false)
       .def_rw("window", &infkv::inf_mllm::window)
       .def_rw("kernel", &infkv::inf_mllm::kernel)
       .def_rw("pool", &infkv::inf_mllm::pool)
@@ -388,14 +405,15 @@ NB_MODULE(_infkv, m) {
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::inf_mllm::name); });
   nb::class_<infkv::expected_attention>(m, "expected_attention",
                                         "Expected Attention: the attention future queries are expected to give.")
-      .def("__init__",
-           [](infkv::expected_attention* p, std::int64_t window, std::optional<infkv::rope> rotary, std::int64_t future,
-              std::int64_t sinks, bool covariance, bool value_norm) {
-             new (p) infkv::expected_attention{window, rotary, future, sinks, covariance, value_norm};
-             p->validate();
-           },
-           nb::kw_only(), "window"_a = 64, "rotary"_a.none() = infkv::rope{}, "future"_a = 512, "sinks"_a = 4,
-           "covariance"_a = true, "value_norm"_a = true)
+      .def(
+          "__init__",
+          [](infkv::expected_attention* p, std::int64_t window, std::optional<infkv::rope> rotary, std::int64_t future,
+             std::int64_t sinks, bool covariance, bool value_norm) {
+            new (p) infkv::expected_attention{window, rotary, future, sinks, covariance, value_norm};
+            p->validate();
+          },
+          nb::kw_only(), "window"_a = 64, "rotary"_a.none() = infkv::rope{}, "future"_a = 512, "sinks"_a = 4,
+          "covariance"_a = true, "value_norm"_a = true)
       .def_rw("window", &infkv::expected_attention::window)
       .def_rw("rotary", &infkv::expected_attention::rotary)
       .def_rw("future", &infkv::expected_attention::future)
@@ -404,44 +422,57 @@ NB_MODULE(_infkv, m) {
       .def_rw("value_norm", &infkv::expected_attention::value_norm)
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::expected_attention::name); });
 
-  m.def("capture_needs_of", [](const any_policy& p) { return spec_of(p).needs(); }, "policy"_a,
-        "What an engine must capture, per layer, for `policy` to score.");
-  m.def("protect", [](const any_policy& p, const infkv::budget& b) { return spec_of(p).protect(b); }, "policy"_a,
-        "budget"_a, "The budget `policy` keeps given `budget` (its window widens recent, its sinks the first).");
+  m.def(
+      "capture_needs_of", [](const any_policy& p) { return spec_of(p).needs(); }, "policy"_a,
+      "What an engine must capture, per layer, for `policy` to score.");
+  m.def(
+      "protect", [](const any_policy& p, const infkv::budget& b) { return spec_of(p).protect(b); }, "policy"_a,
+      "budget"_a, "The budget `policy` keeps given `budget` (its window widens recent, its sinks the first).");
 
   nb::class_<tokens>(m, "Tokens", "Positions, segments and modalities of the cached slots, one entry per slot.")
       .def_static("from_arrays", &make_tokens, "positions"_a, "segments"_a.none() = nb::none(),
                   "kinds"_a.none() = nb::none())
       .def("__len__", [](const tokens& t) { return t.t.size(); })
-      .def_prop_ro("positions", [](const tokens& t) {
-        std::vector<std::int64_t> v(t.t.size());
-        for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].pos;
-        return to_numpy(std::move(v));
-      }, nb::rv_policy::move)
-      .def_prop_ro("segments", [](const tokens& t) {
-        std::vector<std::int32_t> v(t.t.size());
-        for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].segment;
-        return to_numpy(std::move(v));
-      }, nb::rv_policy::move)
-      .def_prop_ro("kinds", [](const tokens& t) {
-        std::vector<std::uint8_t> v(t.t.size());
-        for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::uint8_t(t.t[i].kind);
-        return to_numpy(std::move(v));
-      }, nb::rv_policy::move);
-  m.def("text_tokens",
-        [](std::int64_t n, std::int64_t first, std::int32_t segment) {
-          INFKV_REQUIRE(n >= 0, "n", n, "must be >= 0");
-          return tokens{infkv::text_tokens(n, first, segment)};
-        },
-        "n"_a, "first"_a = 0, "segment"_a = 0, "Tokens of a plain text stream: positions first, first + 1, ...");
+      .def_prop_ro(
+          "positions",
+          [](const tokens& t) {
+            std::vector<std::int64_t> v(t.t.size());
+            for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].pos;
+            return to_numpy(std::move(v));
+          },
+          nb::rv_policy::move)
+      .def_prop_ro(
+          "segments",
+          [](const tokens& t) {
+            std::vector<std::int32_t> v(t.t.size());
+            for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].segment;
+            return to_numpy(std::move(v));
+          },
+          nb::rv_policy::move)
+      .def_prop_ro(
+          "kinds",
+          [](const tokens& t) {
+            std::vector<std::uint8_t> v(t.t.size());
+            for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::uint8_t(t.t[i].kind);
+            return to_numpy(std::move(v));
+          },
+          nb::rv_policy::move);
+  m.def(
+      "text_tokens",
+      [](std::int64_t n, std::int64_t first, std::int32_t segment) {
+        INFKV_REQUIRE(n >= 0, "n", n, "must be >= 0");
+        return tokens{infkv::text_tokens(n, first, segment)};
+      },
+      "n"_a, "first"_a = 0, "segment"_a = 0, "Tokens of a plain text stream: positions first, first + 1, ...");
 
   nb::class_<infkv::layer_shape>(m, "LayerShape", "The shape of one layer as a plan sees it.")
-      .def("__init__",
-           [](infkv::layer_shape* s, std::int64_t n_slots, std::int32_t kv_heads, std::int32_t q_heads,
-              std::int32_t head_dim, std::int64_t n_queries) {
-             new (s) infkv::layer_shape{n_slots, kv_heads, q_heads, head_dim, n_queries};
-           },
-           nb::kw_only(), "n_slots"_a, "kv_heads"_a = 1, "q_heads"_a = 0, "head_dim"_a = 0, "n_queries"_a = 0)
+      .def(
+          "__init__",
+          [](infkv::layer_shape* s, std::int64_t n_slots, std::int32_t kv_heads, std::int32_t q_heads,
+             std::int32_t head_dim, std::int64_t n_queries) {
+            new (s) infkv::layer_shape{n_slots, kv_heads, q_heads, head_dim, n_queries};
+          },
+          nb::kw_only(), "n_slots"_a, "kv_heads"_a = 1, "q_heads"_a = 0, "head_dim"_a = 0, "n_queries"_a = 0)
       .def_ro("n_slots", &infkv::layer_shape::n_slots)
       .def_ro("kv_heads", &infkv::layer_shape::kv_heads)
       .def_ro("q_heads", &infkv::layer_shape::q_heads)
@@ -452,27 +483,31 @@ NB_MODULE(_infkv, m) {
                     "One layer's inputs: post-RoPE keys / values [slots, kv_heads, head_dim] ('nhd') or "
                     "[kv_heads, slots, head_dim] ('hnd'), the last queries likewise with their positions. Arrays "
                     "are viewed, not copied: keep them unchanged while the layer is used.")
-      .def("__init__",
-           [](layer* l, nb::object toks, std::optional<ro_array> keys, std::optional<ro_array> values,
-              std::optional<ro_array> queries, std::optional<positions_array> query_pos, float scale,
-              std::optional<infkv::rope> rotary, const std::string& lay) {
-             if (!nb::isinstance<tokens>(toks))
-               infkv::detail::fail_arg("tokens", nb::str(nb::handle(toks.type())).c_str(), "must be infkv.Tokens");
-             layer checked{toks, keys, values, queries, query_pos, scale, rotary, layout_of(lay)};
-             (void)checked.inputs();  // checks every array before the object exists
-             new (l) layer(std::move(checked));
-           },
-           "tokens"_a, nb::kw_only(), "keys"_a.none() = nb::none(), "values"_a.none() = nb::none(),
-           "queries"_a.none() = nb::none(), "query_pos"_a.none() = nb::none(), "scale"_a = 0.f,
-           "rotary"_a.none() = nb::none(), "layout"_a = "nhd")
+      .def(
+          "__init__",
+          [](layer* l, nb::object toks, std::optional<ro_array> keys, std::optional<ro_array> values,
+             std::optional<ro_array> queries, std::optional<positions_array> query_pos, float scale,
+             std::optional<infkv::rope> rotary, const std::string& lay) {
+            if (!nb::isinstance<tokens>(toks))
+              infkv::detail::fail_arg("tokens", nb::str(nb::handle(toks.type())).c_str(), "must be infkv.Tokens");
+            layer checked{toks, keys, values, queries, query_pos, scale, rotary, layout_of(lay)};
+            (void)checked.inputs();  // checks every array before the object exists
+            new (l) layer(std::move(checked));
+          },
+          "tokens"_a, nb::kw_only(), "keys"_a.none() = nb::none(), "values"_a.none() = nb::none(),
+          "queries"_a.none() = nb::none(), "query_pos"_a.none() = nb::none(), "scale"_a = 0.f,
+          "rotary"_a.none() = nb::none(), "layout"_a = "nhd")
       .def_prop_ro("shape", [](const layer& l) { return infkv::shape_of(l.inputs()); });
 
   nb::class_<infkv::plan_options>(m, "plan_options", "What a plan decides besides the policy and budget.")
-      .def("__init__",
-           [](infkv::plan_options* o, infkv::granularity g, infkv::reduction r, std::int32_t n_layers,
-              std::optional<infkv::adakv> a) { new (o) infkv::plan_options{g, r, n_layers, a}; },
-           nb::kw_only(), "granularity"_a = infkv::granularity::per_head, "reduction"_a = infkv::reduction::mean,
-           "n_layers"_a = 1, "adakv"_a.none() = nb::none())
+      .def(
+          "__init__",
+          [](infkv::plan_options* o, infkv::granularity g, infkv::reduction r, std::int32_t n_layers,
+             std::optional<infkv::adakv> a) {
+            new (o) infkv::plan_options{g, r, n_layers, a};
+          },
+          nb::kw_only(), "granularity"_a = infkv::granularity::per_head, "reduction"_a = infkv::reduction::mean,
+          "n_layers"_a = 1, "adakv"_a.none() = nb::none())
       .def_rw("granularity", &infkv::plan_options::g)
       .def_rw("reduction", &infkv::plan_options::r)
       .def_rw("n_layers", &infkv::plan_options::n_layers)
@@ -486,78 +521,97 @@ NB_MODULE(_infkv, m) {
       .def_prop_ro("budget", [](const py_plan& p) { return p.p.keep; })
       .def_prop_ro("shape", [](const py_plan& p) { return p.p.shape; })
       .def_prop_ro("policy", [](const py_plan& p) { return std::string(p.p.spec.name); })
+      .def_prop_ro("threads", [](const py_plan& p) { return p.threads; })
       .def("evicts", [](const py_plan& p) { return p.p.evicts(); });
 
-  m.def("make_plan",
-        [](const any_policy& pol, const infkv::budget& b, nb::handle shape, std::optional<infkv::plan_options> opt) {
-          const infkv::cpu::backend be{};
-          return py_plan{infkv::make_plan(be, spec_of(pol), b, shape_arg(shape), opt.value_or(infkv::plan_options{}))};
-        },
-        "policy"_a, "budget"_a, "shape"_a, "options"_a.none() = nb::none(),
-        "Plans a run of `policy` with `budget` over layers of `shape` (a LayerShape or a Layer); checks every "
-        "parameter against the shape.");
-  m.def("run", &run, "plan"_a, "layers"_a, nb::kw_only(), "threads"_a = 1,
-        "Runs the plan over one Layer or a list of n_layers Layers sharing one Tokens; returns the KeepSet.");
-  m.def("run_scores", &run_scores, "plan"_a, "layer"_a, nb::kw_only(), "threads"_a = 1,
+  m.def(
+      "make_plan",
+      [](const any_policy& pol, const infkv::budget& b, nb::handle shape, std::optional<infkv::plan_options> opt,
+         int threads) {
+        py_plan p{{}, threads};
+        (void)infkv::cpu::workers({.threads = threads}, 1);  // checks the thread count
+        p.p = infkv::make_plan(p.backend(), spec_of(pol), b, shape_arg(shape), opt.value_or(infkv::plan_options{}));
+        return p;
+      },
+      "policy"_a, "budget"_a, "shape"_a, "options"_a.none() = nb::none(), nb::kw_only(), "threads"_a = 1,
+      "Plans a run of `policy` with `budget` over layers of `shape` (a LayerShape or a Layer) on `threads` CPU "
+      "threads; checks every parameter against the shape.");
+  m.def("run", &run, "plan"_a, "layers"_a,
+        "Runs the plan (on its threads) over one Layer or a list of n_layers Layers sharing one Tokens; returns "
+        "the KeepSet.");
+  m.def("run_scores", &run_scores, "plan"_a, "layer"_a,
         "One layer's scores after the policy's finish (pooling, group mean, bias): float32 [rows, slots].");
-  m.def("select",
-        [](const any_policy& pol, const infkv::budget& b, const layer& l, std::optional<infkv::granularity> g,
-           infkv::reduction r, int threads) {
-          const auto in = l.inputs();
-          return std::visit([&](const auto& p) {
-            nb::gil_scoped_release unlocked;
-            return infkv::cpu::select(p, b, in, g, r, {.threads = threads});
-          }, pol);
-        },
-        "policy"_a, "budget"_a, "layer"_a, nb::kw_only(), "granularity"_a.none() = nb::none(),
-        "reduction"_a = infkv::reduction::mean, "threads"_a = 1,
-        "One layer's KeepSet at `granularity` (default: the policy's natural one).");
+  m.def(
+      "select",
+      [](const any_policy& pol, const infkv::budget& b, const layer& l, std::optional<infkv::granularity> g,
+         infkv::reduction r, int threads) {
+        const auto in = l.inputs();
+        return std::visit(
+            [&](const auto& p) {
+              nb::gil_scoped_release unlocked;
+              return infkv::cpu::select(p, b, in, g, r, {.threads = threads});
+            },
+            pol);
+      },
+      "policy"_a, "budget"_a, "layer"_a, nb::kw_only(), "granularity"_a.none() = nb::none(),
+      "reduction"_a = infkv::reduction::mean, "threads"_a = 1,
+      "One layer's KeepSet at `granularity` (default: the policy's natural one).");
 
-  nb::class_<infkv::keep_set>(m, "KeepSet", "Slots kept per decision unit (KV head, layer or token), each unit's in slot order.")
+  nb::class_<infkv::keep_set>(m, "KeepSet",
+                              "Slots kept per decision unit (KV head, layer or token), each unit's in slot order.")
       .def_prop_ro("n_units", &infkv::keep_set::n_units)
       .def_prop_ro("n_slots", &infkv::keep_set::n_slots)
       .def("size", &infkv::keep_set::size, "unit"_a)
-      .def("unit", [](const infkv::keep_set& k, std::int64_t u) {
-        const auto s = k.unit(u);
-        return to_numpy(std::vector<std::int64_t>(s.begin(), s.end()));
-      }, "unit"_a = 0)
-      .def("mask", [](const infkv::keep_set& k, std::int64_t u) {
-        (void)k.unit(u);  // checks u
-        const auto m = k.mask(u);
-        return to_numpy(std::vector<std::uint8_t>(m.begin(), m.end())).cast().attr("astype")("bool");
-      }, "unit"_a = 0)
+      .def(
+          "unit",
+          [](const infkv::keep_set& k, std::int64_t u) {
+            const auto s = k.unit(u);
+            return to_numpy(std::vector<std::int64_t>(s.begin(), s.end()));
+          },
+          "unit"_a = 0)
+      .def(
+          "mask",
+          [](const infkv::keep_set& k, std::int64_t u) {
+            (void)k.unit(u);  // checks u
+            const auto m = k.mask(u);
+            return to_numpy(std::vector<std::uint8_t>(m.begin(), m.end())).cast().attr("astype")("bool");
+          },
+          "unit"_a = 0)
       .def("uniform", &infkv::keep_set::uniform)
       .def("__len__", &infkv::keep_set::n_units);
 
-  m.def("compact",
-        [](rw_array keys, std::optional<rw_array> values, tokens& t, const infkv::keep_set& keep, const std::string& lay) {
-          const layout l = layout_of(lay);
-          infkv::kv_view kv;
-          kv.k = view_of<infkv::tensor_view>(keys, "keys", l);
-          if (values) kv.v = view_of<infkv::tensor_view>(*values, "values", l);
-          const std::int64_t n = kv.k.n_slots;
-          INFKV_REQUIRE(std::int64_t(t.t.size()) == n, "tokens", t.t.size(), "must hold one token per slot (", n, ")");
-          std::int64_t m;
-          {
-            nb::gil_scoped_release unlocked;
-            m = infkv::cpu::compact(kv, t.t, keep);
-          }
-          t.t.resize(std::size_t(m));
-          return m;
-        },
-        "keys"_a, "values"_a.none(), "tokens"_a, "keep"_a, nb::kw_only(), "layout"_a = "nhd",
-        "Moves the kept slots of every head to slots [0, kept) in place (tokens alike, truncated); returns kept. "
-        "Every unit must keep the same count (one unit, or one per KV head).");
-  m.def("compact_positions",
-        [](tokens& t, std::int64_t first) { return to_numpy(infkv::compact_positions(t.t, first)); }, "tokens"_a,
-        "first"_a = 0,
-        "Gives the slots positions first, first + 1, ... in time order; returns each slot's delta for rerotate.");
-  m.def("rerotate",
-        [](rw_array keys, positions_array delta, const infkv::rope& r, const std::string& lay, int threads) {
-          const auto k = view_of<infkv::tensor_view>(keys, "keys", layout_of(lay));
+  m.def(
+      "compact",
+      [](rw_array keys, std::optional<rw_array> values, tokens& t, const infkv::keep_set& keep,
+         const std::string& lay) {
+        const layout l = layout_of(lay);
+        infkv::kv_view kv;
+        kv.k = view_of<infkv::tensor_view>(keys, "keys", l);
+        if (values) kv.v = view_of<infkv::tensor_view>(*values, "values", l);
+        const std::int64_t n = kv.k.n_slots;
+        INFKV_REQUIRE(std::int64_t(t.t.size()) == n, "tokens", t.t.size(), "must hold one token per slot (", n, ")");
+        std::int64_t m;
+        {
           nb::gil_scoped_release unlocked;
-          infkv::cpu::rerotate(k, std::span<const std::int64_t>(delta.data(), delta.shape(0)), r, {.threads = threads});
-        },
-        "keys"_a, "delta"_a, "rope"_a, nb::kw_only(), "layout"_a = "nhd", "threads"_a = 1,
-        "Turns every head of slot j by delta[j] positions, in place (keys after compaction in compact mode).");
+          m = infkv::cpu::compact(kv, t.t, keep);
+        }
+        t.t.resize(std::size_t(m));
+        return m;
+      },
+      "keys"_a, "values"_a.none(), "tokens"_a, "keep"_a, nb::kw_only(), "layout"_a = "nhd",
+      "Moves the kept slots of every head to slots [0, kept) in place (tokens alike, truncated); returns kept. "
+      "Every unit must keep the same count (one unit, or one per KV head).");
+  m.def(
+      "compact_positions", [](tokens& t, std::int64_t first) { return to_numpy(infkv::compact_positions(t.t, first)); },
+      "tokens"_a, "first"_a = 0,
+      "Gives the slots positions first, first + 1, ... in time order; returns each slot's delta for rerotate.");
+  m.def(
+      "rerotate",
+      [](rw_array keys, positions_array delta, const infkv::rope& r, const std::string& lay, int threads) {
+        const auto k = view_of<infkv::tensor_view>(keys, "keys", layout_of(lay));
+        nb::gil_scoped_release unlocked;
+        infkv::cpu::rerotate(k, std::span<const std::int64_t>(delta.data(), delta.shape(0)), r, {.threads = threads});
+      },
+      "keys"_a, "delta"_a, "rope"_a, nb::kw_only(), "layout"_a = "nhd", "threads"_a = 1,
+      "Turns every head of slot j by delta[j] positions, in place (keys after compaction in compact mode).");
 }

@@ -3,6 +3,8 @@
 unless INFKV_REQUIRE_MODEL=1 (scripts/test.sh), when they fail."""
 import os
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a progress bar
+
 import pytest
 
 
@@ -19,8 +21,11 @@ def _path(var):
 def smollm2():
     """SmolLM2-135M-Instruct in transformers (f32, CPU, sdpa), loaded from the project's GGUF."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     path = _path("INFKV_MODEL")
     folder, name = os.path.split(os.path.abspath(path))
     torch.manual_seed(0)

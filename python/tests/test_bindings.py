@@ -165,3 +165,24 @@ def test_cuda_tensor_is_refused_clearly():
         pytest.skip("no CUDA device")
     with pytest.raises(ValueError, match="keys.device = cuda"):
         infkv.Layer(infkv.text_tokens(4), keys=torch.zeros((4, 1, 8), device="cuda"))
+
+
+def test_threads_belong_to_the_plan():
+    """A plan is sized for its thread count and run on it (a plan sized for one thread once overran
+    its workspace when run on two)."""
+    keys = rng.standard_normal((8, 2048, 64)).astype(np.float32)
+    queries = rng.standard_normal((24, 32, 64)).astype(np.float32)
+    layer = infkv.Layer(infkv.text_tokens(2048), keys=keys, queries=queries, query_pos=np.arange(2016, 2048),
+                        layout="hnd")
+    pol = infkv.inf_mllm(window=32, bias=infkv.attention_bias(beta=0.5))
+    runs = []
+    for threads in (1, 2, 3):
+        plan = infkv.make_plan(pol, infkv.budget(capacity=512, sinks=4), layer, threads=threads)
+        assert plan.threads == threads
+        ks = infkv.run(plan, layer)
+        runs.append([ks.unit(u) for u in range(ks.n_units)])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="executor.threads = 0"):
+        infkv.make_plan(pol, infkv.budget(capacity=512), layer, threads=0)

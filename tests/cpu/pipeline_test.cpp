@@ -75,6 +75,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
   const stored keys_q = store(q.k, q.n, q.hkv, q.d, q.type, layout::nhd);
   const cpu::backend be{};
   const budget b{.capacity = 20, .sinks = 1, .recent = 4};
+  int thread_dependent = 0;
   for_each_policy(in, [&](const std::string& name, const auto& pol) {
     INFO(name);
     const auto l0 = cpu::inputs_for(pol, in);
@@ -118,9 +119,16 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
       }
       CHECK_NOTHROW(run(pl, be, std::span<const layer_inputs<>>(&fewer, 1), buf.ws.span(), buf.out));
     }
+    // A plan made for one thread, run by a backend of four whose scratch is larger: was an overrun.
+    const cpu::backend wide{{.threads = 4}};
+    if (wide.scratch_bytes(pl.spec, pl.shape, pl.opt) > be.scratch_bytes(pl.spec, pl.shape, pl.opt)) {
+      ++thread_dependent;
+      CHECK_ERROR(run(pl, wide, one, buf.ws.span(), buf.out), "make the plan with the backend that runs it");
+    }
     run(pl, be, one, buf.ws.span(), buf.out);  // the buffers still work after the refusals
     CHECK(keep_set::from_view(buf.out) == cpu::select(pol, b, in));
   });
+  CHECK(thread_dependent >= 3);
 }
 
 TEST_CASE("pipeline: a source that reads queries refuses a layer without any") {

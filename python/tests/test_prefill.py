@@ -1,0 +1,94 @@
+"""Budgeted block-wise prefill in transformers and InfkvPress inside kvpress's DecodingPress, on
+SmolLM2-135M and the King James text."""
+import pytest
+import torch
+
+pytest.importorskip("kvpress")
+from kvpress import DecodingPress  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import infkv  # noqa: E402
+from infkv.kvpress import InfkvPress, block_bounds, prefill_blockwise  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ids(smollm2, kjv_text):
+    _, tok = smollm2
+    return tok(kjv_text[:8000], return_tensors="pt").input_ids[:, :1200]
+
+
+def slot_bytes(model):
+    c = model.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+
+def test_block_bounds_follow_segments():
+    assert block_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    seg = [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
+    # whole segments, at most a block each; a segment longer than a block is a block alone
+    assert block_bounds(11, 4, seg) == [(0, 3), (3, 5), (5, 10), (10, 11)]
+    assert block_bounds(11, 6, seg) == [(0, 5), (5, 11)]
+    with pytest.raises(ValueError, match="segments: must be non-decreasing"):
+        block_bounds(3, 2, [1, 0, 0])
+    with pytest.raises(ValueError, match="block = 0"):
+        block_bounds(3, 0)
+
+
+def test_without_eviction_blocks_give_the_full_prefill(smollm2, ids):
+    """A capacity above the prompt evicts nothing: block by block must then equal one forward pass
+    (positions and the causal mask carried across blocks)."""
+    model, _ = smollm2
+    with torch.no_grad():
+        full = model(ids, past_key_values=DynamicCache()).logits[0, -1]
+        cache, _, stats = prefill_blockwise(model, ids[:, :-1], infkv.snapkv(window=32), capacity=4096, block=300)
+        last = model(ids[:, -1:], past_key_values=cache,
+                     position_ids=torch.tensor([[ids.shape[1] - 1]])).logits[0, -1]
+    assert stats.blocks == 4 and stats.kept == [ids.shape[1] - 1] * model.config.num_hidden_layers
+    torch.testing.assert_close(last, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", [infkv.snapkv(window=32), infkv.keydiff(), infkv.streaming_llm(),
+                                    infkv.inf_mllm(window=32, bias=infkv.attention_bias(beta=1.0)),
+                                    infkv.expected_attention(window=32)])
+def test_peak_kv_stays_at_budget_plus_one_block(smollm2, ids, policy):
+    model, _ = smollm2
+    cap, block = 256, 128
+    cache, press, stats = prefill_blockwise(model, ids, policy, capacity=cap, block=block, sinks=4)
+    layers = model.config.num_hidden_layers
+    assert stats.kept == [cap] * layers
+    assert stats.final_kv_bytes == cap * slot_bytes(model)
+    # before a layer's eviction it holds cap + one block, every other layer at most cap
+    assert stats.peak_kv_bytes <= (cap + block / layers) * slot_bytes(model)
+    for layer in range(layers):
+        pos, nxt = press.positions[layer]
+        assert nxt == ids.shape[1] and pos.numel() == cap
+        assert torch.all(pos[1:] > pos[:-1]) and torch.equal(pos[:4], torch.arange(4))  # sinks kept, in order
+    # the model decodes on from the bounded cache
+    with torch.no_grad():
+        out = model(ids[:, -1:], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1]]])).logits
+    assert torch.isfinite(out).all()
+
+
+def test_budget_below_the_protected_tokens_is_refused(smollm2, ids):
+    model, _ = smollm2
+    with pytest.raises(ValueError, match=r"budget.capacity = 16: cannot hold its protected tokens"):
+        prefill_blockwise(model, ids, infkv.snapkv(window=32), capacity=16, block=64)
+
+
+def test_decoding_press_keeps_the_cache_bounded(smollm2, ids):
+    model, _ = smollm2
+    press = DecodingPress(base_press=InfkvPress(policy=infkv.snapkv(window=16)), compression_interval=8,
+                          target_size=96)
+    cache = DynamicCache()
+    sizes = []
+    with torch.no_grad(), press(model):
+        out = model(ids[:, :200], past_key_values=cache)
+        token = out.logits[0, -1].argmax().view(1, 1)
+        for i in range(40):
+            out = model(token, past_key_values=cache, position_ids=torch.tensor([[200 + i]]))
+            token = out.logits[0, -1].argmax().view(1, 1)
+            sizes.append(cache.get_seq_length())
+    assert sizes[7] == 96  # the 8th decoded token triggers the first compression of the 208 slots
+    assert max(sizes[8:]) <= 96 + 8 and sizes[-1] in range(96, 105)
+    pos, nxt = press.base_press.positions[0]
+    assert nxt == 240 and pos[-1] == 239 and torch.all(pos[1:] > pos[:-1])
