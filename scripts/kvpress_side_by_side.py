@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""kvpress's presses and infkv's policies side by side on one model and the same prompts:
+SmolLM2-135M-Instruct in transformers (f32, CPU, sdpa, loaded from the GGUF of scripts/model.sh),
+contexts of --context tokens of the King James text (scripts/kjv.sh) at --samples offsets.
+
+Each context is prefilled once with the full cache; every press then compresses the same
+per-layer keys, values and hidden states (what kvpress's forward hook would hand it: a press
+never changes the prefill's own attention), at compression ratios 0.25 / 0.5 / 0.75 (kvpress's
+meaning: the share evicted). Measured on the compressed cache:
+  perplexity: of the next --continuation tokens of the text (teacher-forced, positions continued;
+    the first continuation token, predicted by the uncompressed prefill, left out);
+  needle: a statement "The secret number of NAME is DDDD." planted at a random depth of a second
+    context of the same length, then the question "What is the secret number of NAME? The secret
+    number of NAME is"; forced choice (the true number's log-probability ranks first among 10
+    four-digit numbers) and greedy (the first number in 6 greedy tokens is the true one).
+Prints one JSON record: per (press, ratio) the per-sample NLL and needle outcomes, with means, a
+bootstrap 95% interval of the mean NLL over samples and Wilson intervals of the success rates.
+Run with the Python environment of scripts/python_env.sh, the package installed
+(scripts/python_test.sh installs it):
+  $(scripts/python_env.sh)/bin/python scripts/kvpress_side_by_side.py --model M --text T"""
+import argparse
+import importlib.metadata as md
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+from kvpress import (ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress, StreamingLLMPress,
+                     TOVAPress)
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+import infkv
+from infkv.kvpress import InfkvPress, _hooks
+
+NAMES = ["Marta", "Tobias", "Ingrid", "Nadia", "Oskar", "Lucia", "Henrik", "Amara", "Felix", "Greta", "Ravi",
+         "Sofia", "Emil", "Yara", "Pavel", "Ines"]
+
+
+def presses():
+    """(name, factory(ratio)) of every press compared; None is the full cache."""
+    bias = infkv.attention_bias(beta=8.0, unit=infkv.age_unit.ranks)
+    return [
+        ("kvpress streaming_llm", lambda r: StreamingLLMPress(compression_ratio=r, n_sink=4)),
+        ("kvpress snapkv", lambda r: SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)),
+        ("kvpress tova", lambda r: TOVAPress(compression_ratio=r)),
+        ("kvpress keydiff", lambda r: KeyDiffPress(compression_ratio=r)),
+        ("kvpress knorm", lambda r: KnormPress(compression_ratio=r)),
+        ("kvpress expected_attention", lambda r: ExpectedAttentionPress(compression_ratio=r)),
+        ("infkv snapkv", lambda r: InfkvPress(policy=infkv.snapkv(window=64, kernel=5), compression_ratio=r)),
+        ("infkv keydiff max5", lambda r: InfkvPress(policy=infkv.keydiff(pool=infkv.pooling.max, kernel=5),
+                                                    compression_ratio=r)),
+        ("infkv expected_attention w64", lambda r: InfkvPress(policy=infkv.expected_attention(window=64),
+                                                              compression_ratio=r)),
+        ("infkv inf_mllm", lambda r: InfkvPress(policy=infkv.inf_mllm(window=64, kernel=5), compression_ratio=r,
+                                                sinks=4)),
+        ("infkv inf_mllm_bias", lambda r: InfkvPress(policy=infkv.inf_mllm(window=64, kernel=5, bias=bias),
+                                                     compression_ratio=r, sinks=4)),
+    ]
+
+
+def capture(model, ids):
+    """One full-cache prefill; per layer what a press's compress() receives."""
+    cache, layers = DynamicCache(), {}
+
+    def hook(module, args, kwargs, output):
+        layer = cache.layers[module.layer_idx]
+        kw = {k: kwargs[k] for k in ("cache_position", "position_embeddings", "hidden_states")}
+        layers[module.layer_idx] = (module, kw, layer.keys.clone(), layer.values.clone())
+        return output
+
+    with torch.no_grad(), _hooks(model, hook):
+        out = model(ids, past_key_values=cache)
+    return [layers[i] for i in range(len(layers))], out.logits[0, -1]
+
+
+def compressed_cache(model, layers, press):
+    cache = DynamicCache()
+    if press is not None:
+        press.post_init_from_model(model)
+    for i, (module, kw, keys, values) in enumerate(layers):
+        if press is not None:
+            keys, values = press.compress(module, kw["hidden_states"], keys, values, None, kw)
+        cache.update(keys, values, i)
+    return cache
+
+
+def nll(model, cache, cont, start):
+    with torch.no_grad():
+        logits = model(cont, past_key_values=cache,
+                       position_ids=torch.arange(start, start + cont.shape[1]).unsqueeze(0)).logits[0]
+    lp = torch.log_softmax(logits[:-1].double(), -1)
+    return float(-lp.gather(1, cont[0, 1:, None]).mean())
+
+
+def needle_outcome(model, tok, cache, start, question, value, others):
+    """Forced choice among value and others, and greedy exact match, on `cache` after `question`."""
+    with torch.no_grad():
+        q = model(question, past_key_values=cache,
+                  position_ids=torch.arange(start, start + question.shape[1]).unsqueeze(0)).logits[0, -1]
+        base, pos = cache.get_seq_length(), start + question.shape[1]
+        scores = []
+        for cand in [value] + others:
+            c = tok(" " + cand, add_special_tokens=False, return_tensors="pt").input_ids
+            lp = float(torch.log_softmax(q.double(), -1)[c[0, 0]])
+            if c.shape[1] > 1:
+                logits = model(c[:, :-1], past_key_values=cache,
+                               position_ids=torch.arange(pos, pos + c.shape[1] - 1).unsqueeze(0)).logits[0]
+                lp += float(torch.log_softmax(logits.double(), -1).gather(1, c[0, 1:, None]).sum())
+                cache.crop(base)
+            scores.append(lp)
+        out, nxt = [], q.argmax()
+        for i in range(6):
+            out.append(int(nxt))
+            nxt = model(nxt.view(1, 1), past_key_values=cache,
+                        position_ids=torch.tensor([[pos + i]])).logits[0, -1].argmax()
+        cache.crop(base)
+    text = tok.decode(out)
+    digits = "".join(ch if ch.isdigit() else " " for ch in text).split()
+    return {"forced": scores[0] > max(scores[1:]), "greedy": bool(digits) and digits[0] == value, "answer": text}
+
+
+def wilson(k, n, z=1.96):
+    if n == 0:
+        return [0.0, 1.0]
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [max(0.0, c - h), min(1.0, c + h)]
+
+
+def bootstrap_mean(xs, reps=2000, seed=0):
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(reps))
+    return [means[int(0.025 * reps)], means[int(0.975 * reps) - 1]]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="GGUF file (scripts/model.sh)")
+    ap.add_argument("--text", required=True, help="text file (scripts/kjv.sh)")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--ratios", default="0.25,0.5,0.75")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    transformers.utils.logging.set_verbosity_error()
+    folder, name = os.path.split(os.path.abspath(a.model))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = open(a.text, encoding="utf-8").read()
+    span = a.context + a.continuation
+    ids = tok(text[: 5 * span * (2 * a.samples + 1)], return_tensors="pt").input_ids
+    stride = (ids.shape[1] - span) // (2 * a.samples)
+    rng = random.Random(a.seed)
+    ratios = [float(r) for r in a.ratios.split(",")]
+    configs = [("full", None, 0.0)] + [(n, f, r) for n, f in presses() for r in ratios]
+    res = {n if f is None else f"{n} @ {r}": {"press": n, "ratio": r, "nll": [], "forced": [], "greedy": [],
+                                              "answers": []} for n, f, r in configs}
+    t0 = time.time()
+    for s in range(a.samples):
+        # perplexity: context and continuation from one offset
+        o = 2 * s * stride
+        ctx, cont = ids[:, o:o + a.context], ids[:, o + a.context:o + span]
+        layers, _ = capture(model, ctx)
+        for n, f, r in configs:
+            key = n if f is None else f"{n} @ {r}"
+            res[key]["nll"].append(nll(model, compressed_cache(model, layers, f and f(r)), cont, a.context))
+        # needle: another offset, the statement at a random depth of the context
+        o = (2 * s + 1) * stride
+        who, value = rng.choice(NAMES), str(rng.randrange(1000, 10000))
+        others = [str(v) for v in rng.sample(range(1000, 10000), 10) if str(v) != value][:9]
+        stmt = tok(f"\nThe secret number of {who} is {value}.\n", add_special_tokens=False,
+                   return_tensors="pt").input_ids
+        depth = rng.randrange(int(0.1 * a.context), int(0.8 * a.context))
+        body = ids[:, o:o + a.context - stmt.shape[1]]
+        ctx = torch.cat([body[:, :depth], stmt, body[:, depth:]], dim=1)
+        question = tok(f"\nWhat is the secret number of {who}? The secret number of {who} is",
+                       add_special_tokens=False, return_tensors="pt").input_ids
+        layers, _ = capture(model, ctx)
+        for n, f, r in configs:
+            key = n if f is None else f"{n} @ {r}"
+            out = needle_outcome(model, tok, compressed_cache(model, layers, f and f(r)), ctx.shape[1], question,
+                                 value, others)
+            res[key]["forced"].append(out["forced"])
+            res[key]["greedy"].append(out["greedy"])
+            res[key]["answers"].append(out["answer"])
+        print(f"sample {s + 1}/{a.samples} done, {time.time() - t0:.0f} s", file=sys.stderr)
+    for r in res.values():
+        r["nll_mean"] = sum(r["nll"]) / len(r["nll"])
+        r["nll_ci95"] = bootstrap_mean(r["nll"])
+        r["ppl_mean_nll"] = math.exp(r["nll_mean"])
+        for k in ("forced", "greedy"):
+            r[f"{k}_rate"] = sum(r[k]) / len(r[k])
+            r[f"{k}_wilson95"] = wilson(sum(r[k]), len(r[k]))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    print(json.dumps({
+        "program": "scripts/kvpress_side_by_side.py", "commit": commit, "model": os.path.basename(a.model),
+        "context": a.context, "continuation": a.continuation, "samples": a.samples, "seed": a.seed,
+        "ratios": ratios, "kvpress": md.version("kvpress"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(), "seconds": time.time() - t0,
+        "results": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
