@@ -13,12 +13,17 @@ meaning: the share evicted). Measured on the compressed cache:
     context of the same length, then the question "What is the secret number of NAME? The secret
     number of NAME is"; forced choice (the true number's log-probability ranks first among 10
     four-digit numbers) and greedy (the first number in 6 greedy tokens is the true one).
+With --decoding: decoding at a fixed budget instead, each press inside kvpress's DecodingPress
+(target --target slots, compressing every --interval steps): --prefix tokens prefilled, then the
+next --continuation tokens of the text fed one at a time (teacher-forced), the NLL of each recorded.
 Prints one JSON record: per (press, ratio) the per-sample NLL and needle outcomes, with means, a
 bootstrap 95% interval of the mean NLL over samples and Wilson intervals of the success rates.
 Run with the Python environment of scripts/python_env.sh, the package installed
 (scripts/python_test.sh installs it):
-  $(scripts/python_env.sh)/bin/python scripts/kvpress_side_by_side.py --model M --text T"""
+  $(scripts/python_env.sh)/bin/python scripts/kvpress_side_by_side.py --model M --text T > out.json
+  python3 scripts/kvpress_side_by_side.py --table out.json   # the markdown table of docs/evaluation.md"""
 import argparse
+import contextlib
 import importlib.metadata as md
 import json
 import math
@@ -29,14 +34,15 @@ import subprocess
 import sys
 import time
 
-import torch
-import transformers
-from kvpress import (ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress, StreamingLLMPress,
-                     TOVAPress)
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+if "--table" not in sys.argv:  # the table needs only the JSON
+    import torch
+    import transformers
+    from kvpress import (DecodingPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress,
+                         StreamingLLMPress, TOVAPress)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-import infkv
-from infkv.kvpress import InfkvPress, _hooks
+    import infkv
+    from infkv.kvpress import InfkvPress, _hooks
 
 NAMES = ["Marta", "Tobias", "Ingrid", "Nadia", "Oskar", "Lucia", "Henrik", "Amara", "Felix", "Greta", "Ravi",
          "Sofia", "Emil", "Yara", "Pavel", "Ines"]
@@ -125,6 +131,48 @@ def needle_outcome(model, tok, cache, start, question, value, others):
     return {"forced": scores[0] > max(scores[1:]), "greedy": bool(digits) and digits[0] == value, "answer": text}
 
 
+def decoding_nll(model, ids, prefix, press, target, interval):
+    """Per-token NLL of ids[prefix:], fed one token at a time after a plain prefill of ids[:prefix],
+    `press` (None: the full cache) inside kvpress's DecodingPress."""
+    cache, out = DynamicCache(), []
+    ctx = (DecodingPress(base_press=press, compression_interval=interval, target_size=target)(model)
+           if press is not None else contextlib.nullcontext())
+    with torch.no_grad(), ctx:
+        logits = model(ids[:, :prefix], past_key_values=cache).logits[0, -1]
+        for i in range(prefix, ids.shape[1]):
+            out.append(float(-torch.log_softmax(logits.double(), -1)[ids[0, i]]))
+            logits = model(ids[:, i:i + 1], past_key_values=cache, position_ids=torch.tensor([[i]])).logits[0, -1]
+    return out, cache.get_seq_length()
+
+
+def decoding_main(a, model, ids, commit):
+    span = a.prefix + a.continuation
+    stride = (ids.shape[1] - span) // a.samples
+    configs = [("full", None)] + [(n, f) for n, f in presses()]
+    res = {n: {"press": n, "nll": [], "final_slots": []} for n, _ in configs}
+    t0 = time.time()
+    for s in range(a.samples):
+        seq = ids[:, s * stride:s * stride + span]
+        for n, f in configs:
+            nll, slots = decoding_nll(model, seq, a.prefix, f and f(0.0), a.target, a.interval)
+            res[n]["nll"].append(nll)
+            res[n]["final_slots"].append(slots)
+        print(f"sample {s + 1}/{a.samples} done, {time.time() - t0:.0f} s", file=sys.stderr)
+    for r in res.values():
+        flat = [x for seq in r["nll"] for x in seq]
+        r["nll_mean"] = sum(flat) / len(flat)
+        r["ppl_mean_nll"] = math.exp(r["nll_mean"])
+        blocks = [sum(seq[i:i + 64]) / len(seq[i:i + 64]) for seq in r["nll"] for i in range(0, len(seq), 64)]
+        r["nll_ci95"] = bootstrap_mean(blocks)  # over blocks of 64 tokens
+    print(json.dumps({
+        "program": "scripts/kvpress_side_by_side.py --decoding", "commit": commit, "model": os.path.basename(a.model),
+        "prefix": a.prefix, "continuation": a.continuation, "target": a.target, "interval": a.interval,
+        "samples": a.samples, "kvpress": md.version("kvpress"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(), "seconds": time.time() - t0,
+        "protocol": "teacher-forced decoding; interval = bootstrap over 64-token blocks of all samples",
+        "results": res}, indent=1))
+
+
 def wilson(k, n, z=1.96):
     if n == 0:
         return [0.0, 1.0]
@@ -141,7 +189,33 @@ def bootstrap_mean(xs, reps=2000, seed=0):
     return [means[int(0.025 * reps)], means[int(0.975 * reps) - 1]]
 
 
+def table(path):
+    """Markdown: one row per press; per ratio the perplexity (exp of the mean NLL over the samples),
+    the mean NLL difference from the full cache on the same samples with its paired bootstrap 95%
+    interval, and the needle's forced-choice and greedy successes out of the samples."""
+    d = json.load(open(path, encoding="utf-8"))
+    ratios, res = d["ratios"], d["results"]
+    full = res["full"]
+    n = len(full["forced"])
+    print("| press | " + " | ".join(f"{1 - r:.0%} kept: PPL (dNLL vs full [95%]) | needle forced, greedy"
+                                       for r in ratios) + " |")
+    print("|" + "---|" * (1 + 2 * len(ratios)))
+    print(f"| full cache | {full['ppl_mean_nll']:.3f} | {sum(full['forced'])}/{n}, {sum(full['greedy'])}/{n} |"
+          + " | |" * (len(ratios) - 1))
+
+    def cell(r):
+        dd = [a - b for a, b in zip(r["nll"], full["nll"])]
+        lo, hi = bootstrap_mean(dd)
+        return (f"{r['ppl_mean_nll']:.3f} ({sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}]) | "
+                f"{sum(r['forced'])}/{n}, {sum(r['greedy'])}/{n}")
+
+    for press in dict.fromkeys(r["press"] for k, r in res.items() if k != "full"):
+        print(f"| {press} | " + " | ".join(cell(res[f"{press} @ {r}"]) for r in ratios) + " |")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        return table(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="GGUF file (scripts/model.sh)")
     ap.add_argument("--text", required=True, help="text file (scripts/kjv.sh)")
@@ -151,6 +225,10 @@ def main():
     ap.add_argument("--ratios", default="0.25,0.5,0.75")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--decoding", action="store_true", help="decoding at a fixed budget (DecodingPress)")
+    ap.add_argument("--prefix", type=int, default=256, help="--decoding: tokens prefilled before decoding")
+    ap.add_argument("--target", type=int, default=256, help="--decoding: DecodingPress's target_size")
+    ap.add_argument("--interval", type=int, default=128, help="--decoding: DecodingPress's compression_interval")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     transformers.utils.logging.set_verbosity_error()
@@ -166,6 +244,10 @@ def main():
     configs = [("full", None, 0.0)] + [(n, f, r) for n, f in presses() for r in ratios]
     res = {n if f is None else f"{n} @ {r}": {"press": n, "ratio": r, "nll": [], "forced": [], "greedy": [],
                                               "answers": []} for n, f, r in configs}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    if a.decoding:
+        return decoding_main(a, model, ids, commit)
     t0 = time.time()
     for s in range(a.samples):
         # perplexity: context and continuation from one offset
@@ -202,8 +284,6 @@ def main():
         for k in ("forced", "greedy"):
             r[f"{k}_rate"] = sum(r[k]) / len(r[k])
             r[f"{k}_wilson95"] = wilson(sum(r[k]), len(r[k]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     print(json.dumps({
         "program": "scripts/kvpress_side_by_side.py", "commit": commit, "model": os.path.basename(a.model),
         "context": a.context, "continuation": a.continuation, "samples": a.samples, "seed": a.seed,

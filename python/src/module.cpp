@@ -360,9 +360,11 @@ NB_MODULE(_infkv, m) {
   // Policies: keyword-constructed values with the C++ names and defaults, checked on construction.
   nb::class_<infkv::streaming_llm>(m, "streaming_llm", "StreamingLLM: sinks + the most recent tokens.")
       .def(nb::init<>())
+      .def("__repr__", [](const infkv::streaming_llm&) { return std::string("streaming_llm()"); })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::streaming_llm::name); });
   nb::class_<infkv::tova>(m, "tova", "TOVA: the slots the last query attends to most, all heads averaged.")
       .def(nb::init<>())
+      .def("__repr__", [](const infkv::tova&) { return std::string("tova()"); })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::tova::name); });
   nb::class_<infkv::snapkv>(m, "snapkv", "SnapKV: window attention, pooled along time; the window kept.")
       .def(
@@ -375,6 +377,11 @@ NB_MODULE(_infkv, m) {
       .def_rw("window", &infkv::snapkv::window)
       .def_rw("kernel", &infkv::snapkv::kernel)
       .def_rw("pool", &infkv::snapkv::pool)
+      .def("__repr__",
+           [](const infkv::snapkv& p) {
+             return infkv::detail::cat("snapkv(window=", p.window, ", kernel=", p.kernel, ", pool=", to_string(p.pool),
+                                       ")");
+           })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::snapkv::name); });
   nb::class_<infkv::keydiff>(m, "keydiff", "KeyDiff: the keys least like the mean unit key.")
       .def(
@@ -386,6 +393,10 @@ NB_MODULE(_infkv, m) {
           nb::kw_only(), "pool"_a = infkv::pooling::none, "kernel"_a = 1)
       .def_rw("pool", &infkv::keydiff::pool)
       .def_rw("kernel", &infkv::keydiff::kernel)
+      .def("__repr__",
+           [](const infkv::keydiff& p) {
+             return infkv::detail::cat("keydiff(pool=", to_string(p.pool), ", kernel=", p.kernel, ")");
+           })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::keydiff::name); });
   nb::class_<infkv::inf_mllm>(m, "inf_mllm", "Inf-MLLM: recent tokens + attention saddles, with an attention bias.")
       .def(
@@ -402,6 +413,12 @@ NB_MODULE(_infkv, m) {
       .def_rw("pool", &infkv::inf_mllm::pool)
       .def_rw("bias", &infkv::inf_mllm::bias)
       .def_rw("value_norm", &infkv::inf_mllm::value_norm)
+      .def("__repr__",
+           [](const infkv::inf_mllm& p) {
+             return infkv::detail::cat("inf_mllm(window=", p.window, ", kernel=", p.kernel,
+                                       ", pool=", to_string(p.pool), ", bias.beta=", p.bias.beta,
+                                       ", value_norm=", p.value_norm ? "True" : "False", ")");
+           })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::inf_mllm::name); });
   nb::class_<infkv::expected_attention>(m, "expected_attention",
                                         "Expected Attention: the attention future queries are expected to give.")
@@ -420,6 +437,14 @@ NB_MODULE(_infkv, m) {
       .def_rw("sinks", &infkv::expected_attention::sinks)
       .def_rw("covariance", &infkv::expected_attention::covariance)
       .def_rw("value_norm", &infkv::expected_attention::value_norm)
+      .def("__repr__",
+           [](const infkv::expected_attention& p) {
+             return infkv::detail::cat(
+                 "expected_attention(window=", p.window,
+                 ", rotary.theta=", p.rotary ? std::to_string(p.rotary->theta) : std::string("None"),
+                 ", future=", p.future, ", sinks=", p.sinks, ", covariance=", p.covariance ? "True" : "False",
+                 ", value_norm=", p.value_norm ? "True" : "False", ")");
+           })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::expected_attention::name); });
 
   m.def(

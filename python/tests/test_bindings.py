@@ -186,3 +186,10 @@ def test_threads_belong_to_the_plan():
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="executor.threads = 0"):
         infkv.make_plan(pol, infkv.budget(capacity=512), layer, threads=0)
+
+
+def test_policies_print_their_parameters():
+    assert repr(infkv.snapkv(window=8)) == "snapkv(window=8, kernel=5, pool=avg)"
+    assert repr(infkv.streaming_llm()) == "streaming_llm()"
+    assert "bias.beta=0.5" in repr(infkv.inf_mllm(bias=infkv.attention_bias(beta=0.5)))
+    assert repr(infkv.budget(capacity=8, sinks=2)) == "budget(capacity=8, ratio=0, sinks=2, recent=0)"
