@@ -32,6 +32,7 @@ from ._infkv import (  # noqa: F401
     keydiff,
     make_plan,
     modality,
+    natural_granularity,
     plan_options,
     pooling,
     protect,

@@ -82,7 +82,7 @@ class InfkvPress(ScorerPress):
     recent: int = 0
     granularity: Optional[infkv.granularity] = None
     threads: int = 1
-    positions: dict = field(default_factory=dict, repr=False)  # layer -> (cached slots' positions, next position)
+    positions: dict = field(default_factory=dict, repr=False)  # layer -> (positions [heads, slots], next)
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,69 +98,77 @@ class InfkvPress(ScorerPress):
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         raise NotImplementedError("InfkvPress keeps infkv's keep set (compress); use infkv.run_scores for scores")
 
-    def slot_positions(self, module, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """Positions of the layer's cached slots. The slots stay in time order (this press keeps slot
-        order, the cache appends), so the slots added since the last call take the positions after
-        the newest one seen; a new prefill starts again from 0."""
-        n, layer = keys.shape[2], module.layer_idx
+    def slot_positions(self, module, keys: torch.Tensor, kwargs: dict):
+        """Positions of the layer's cached slots, per KV head (heads keep different slots at per-head
+        granularity), and the position after the newest token. Each head's slots stay in time order
+        (this press keeps slot order, the cache appends), so the slots added since the last call
+        take the positions after the newest token seen; a new prefill starts again from 0."""
+        b, h, n, layer = keys.shape[0], keys.shape[1], keys.shape[2], module.layer_idx
         prev, nxt = self.positions.get(layer, (None, 0))
         q_len = kwargs["hidden_states"].shape[1] if "hidden_states" in kwargs else 0
-        if prev is None or (q_len and is_prefilling(kwargs["cache_position"], q_len)):
-            prev, nxt = torch.empty(0, dtype=torch.int64), 0
-        if prev.numel() >= n:  # the caller cut the cache back (kvpress drops an answer)
-            return prev[:n]
-        return torch.cat([prev, torch.arange(nxt, nxt + n - prev.numel(), dtype=torch.int64)])
+        if prev is None or prev.shape[:2] != (b, h) or (q_len and is_prefilling(kwargs["cache_position"], q_len)):
+            prev, nxt = torch.empty(b, h, 0, dtype=torch.int64), 0
+        if prev.shape[2] >= n:  # the caller cut the cache back (kvpress drops an answer)
+            return prev[:, :, :n], int(prev[:, :, n - 1].max()) + 1 if n else 0
+        added = n - prev.shape[2]
+        new = torch.arange(nxt, nxt + added, dtype=torch.int64).expand(b, h, added)
+        return torch.cat([prev, new], dim=2), nxt + added
 
-    def remember(self, layer: int, pos: torch.Tensor, all_pos: torch.Tensor):
-        """Stores the kept slots' positions and the position after the newest slot seen."""
-        _, nxt = self.positions.get(layer, (None, 0))
-        newest = int(all_pos[-1]) + 1 if all_pos.numel() else 0
-        self.positions[layer] = (pos, newest if all_pos.numel() else nxt)
-
-    def keep_sets(self, module, hidden_states, keys, values, pos: torch.Tensor, capacity: int) -> list:
-        """infkv's KeepSet of every batch row for `capacity` slots per unit."""
+    def keep_sets(self, module, hidden_states, keys, values, pos: torch.Tensor, end: int, capacity: int) -> list:
+        """Per batch row, per KV head, the slots infkv keeps for `capacity` slots per unit. `pos`:
+        the slots' positions per batch row and head; `end`: the position after the newest token (the last rows of
+        `hidden_states` are the newest tokens, and give the window queries)."""
         b, h, n, d = keys.shape
-        toks = infkv.tokens(pos)
         bud = infkv.budget(capacity=capacity, sinks=self.sinks, recent=self.recent)
         w = min(self.needs.queries, hidden_states.shape[1], n)
-        queries = _queries(module, hidden_states, pos[n - w:]) if w else None
+        qpos = torch.arange(end - w, end, dtype=torch.int64)
+        queries = _queries(module, hidden_states, qpos) if w else None
+        g = self.granularity
+        if g == infkv.granularity.per_token:
+            g = infkv.granularity.per_layer
+        scale = float(getattr(module, "scaling", 1.0 / math.sqrt(d)))
+        group = queries.shape[1] // h if w else 1
+
+        def select(i, heads, toks):
+            return infkv.select(self.policy, bud, infkv.Layer(
+                toks,
+                keys=keys[i, heads].detach() if self.needs.keys else None,
+                values=values[i, heads].detach() if self.needs.values else None,
+                queries=queries[i, heads.start * group:heads.stop * group].detach().contiguous() if w else None,
+                query_pos=qpos.numpy() if w else None, scale=scale, layout="hnd"), granularity=g, threads=self.threads)
+
         out = []
         for i in range(b):
-            layer = infkv.Layer(
-                toks,
-                keys=keys[i].detach() if self.needs.keys else None,
-                values=values[i].detach() if self.needs.values else None,
-                queries=queries[i].detach().contiguous() if w else None,
-                query_pos=pos[n - w:].numpy() if w else None,
-                scale=float(getattr(module, "scaling", 1.0 / math.sqrt(d))),
-                layout="hnd",
-            )
-            g = self.granularity
-            if g == infkv.granularity.per_token:
-                g = infkv.granularity.per_layer
-            out.append(infkv.select(self.policy, bud, layer, granularity=g, threads=self.threads))
+            if torch.equal(pos[i], pos[i, :1].expand_as(pos[i])):  # every head holds the same positions
+                ks = select(i, slice(0, h), infkv.tokens(pos[i, 0]))
+                out.append([ks.unit(u if ks.n_units > 1 else 0) for u in range(h)])
+            elif (g or infkv.natural_granularity(self.policy)) == infkv.granularity.per_head:
+                # the heads hold different slots (an earlier per-head eviction): one decision per head
+                out.append([select(i, slice(u, u + 1), infkv.tokens(pos[i, u])).unit(0) for u in range(h)])
+            else:
+                raise ValueError(f"infkv: granularity = {g}: the layer's heads hold different slots (an earlier "
+                                 "per-head eviction); only a per-head decision can follow it")
         return out
 
     def evict(self, module, hidden_states, keys, values, kwargs, capacity: int):
-        """Keys, values and positions after keeping `capacity` slots per unit."""
-        pos = self.slot_positions(module, keys, kwargs)
+        """Keys and values after keeping `capacity` slots per unit; the kept positions are remembered."""
+        pos, end = self.slot_positions(module, keys, kwargs)
         if capacity >= keys.shape[2]:
-            self.remember(module.layer_idx, pos, pos)
+            self.positions[module.layer_idx] = (pos, end)
             return keys, values
-        kept_k, kept_v = [], []
-        for i, ks in enumerate(self.keep_sets(module, hidden_states, keys, values, pos, capacity)):
-            idx = torch.stack([torch.from_numpy(ks.unit(u if ks.n_units > 1 else 0)) for u in range(keys.shape[1])])
+        kept_k, kept_v, kept_pos = [], [], []
+        for i, units in enumerate(self.keep_sets(module, hidden_states, keys, values, pos, end, capacity)):
+            idx = torch.stack([torch.from_numpy(u) for u in units])  # (heads, kept)
+            kept_pos.append(pos[i].gather(1, idx))
             idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, keys.shape[3])
             kept_k.append(keys[i].gather(1, idx))
             kept_v.append(values[i].gather(1, idx))
-            if i == 0:  # one position list per layer: kept positions of unit 0 (equal counts in every unit)
-                self.remember(module.layer_idx, pos[torch.from_numpy(ks.unit(0))], pos)
+        self.positions[module.layer_idx] = (torch.stack(kept_pos), end)
         return torch.stack(kept_k).contiguous(), torch.stack(kept_v).contiguous()
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
-            pos = self.slot_positions(module, keys, kwargs)
-            self.remember(module.layer_idx, pos, pos)
+            self.positions[module.layer_idx] = self.slot_positions(module, keys, kwargs)
             return keys, values
         return self.evict(module, hidden_states, keys, values, kwargs,
                           compute_n_kept(keys.shape[2], self.compression_ratio))

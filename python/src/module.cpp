@@ -451,6 +451,9 @@ NB_MODULE(_infkv, m) {
       "capture_needs_of", [](const any_policy& p) { return spec_of(p).needs(); }, "policy"_a,
       "What an engine must capture, per layer, for `policy` to score.");
   m.def(
+      "natural_granularity", [](const any_policy& p) { return spec_of(p).natural; }, "policy"_a,
+      "The granularity `policy` decides at by default (select's granularity=None).");
+  m.def(
       "protect", [](const any_policy& p, const infkv::budget& b) { return spec_of(p).protect(b); }, "policy"_a,
       "budget"_a, "The budget `policy` keeps given `budget` (its window widens recent, its sinks the first).");
 

@@ -125,6 +125,8 @@ def test_capture_needs_and_protection():
     assert not infkv.capture_needs_of(infkv.streaming_llm()).observes()
     ea = infkv.capture_needs_of(infkv.expected_attention())
     assert ea.values and ea.rope and ea.queries == 64
+    assert infkv.natural_granularity(infkv.tova()) == infkv.granularity.per_layer
+    assert infkv.natural_granularity(infkv.keydiff()) == infkv.granularity.per_head
     b = infkv.protect(infkv.snapkv(window=16), infkv.budget(capacity=100, recent=4))
     assert (b.capacity, b.recent) == (100, 16)
 

@@ -59,9 +59,8 @@ def kept_sets(smollm2, kjv_text):
         for name, (kv, ours) in ps.items():
             scores = kv.score(module, hs, keys, values, None, kwargs)[0].float()  # [heads, n]
             theirs = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
-            pos = ours.slot_positions(module, keys, kwargs)
-            ks = ours.keep_sets(module, hs, keys, values, pos, n_kept)[0]
-            mine = [ks.unit(u if ks.n_units > 1 else 0) for u in range(keys.shape[1])]
+            pos, end = ours.slot_positions(module, keys, kwargs)
+            mine = ours.keep_sets(module, hs, keys, values, pos, end, n_kept)[0]  # kept slots per head
             got[name].append((theirs.numpy(), scores.numpy(), mine))
         return output
 

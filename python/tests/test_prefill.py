@@ -59,10 +59,20 @@ def test_peak_kv_stays_at_budget_plus_one_block(smollm2, ids, policy):
     assert stats.final_kv_bytes == cap * slot_bytes(model)
     # before a layer's eviction it holds cap + one block, every other layer at most cap
     assert stats.peak_kv_bytes <= (cap + block / layers) * slot_bytes(model)
+    heads = model.config.num_key_value_heads
     for layer in range(layers):
         pos, nxt = press.positions[layer]
-        assert nxt == ids.shape[1] and pos.numel() == cap
-        assert torch.all(pos[1:] > pos[:-1]) and torch.equal(pos[:4], torch.arange(4))  # sinks kept, in order
+        assert nxt == ids.shape[1] and pos.shape == (1, heads, cap)
+        assert torch.all(pos[..., 1:] > pos[..., :-1])  # each head's slots in time order
+        assert torch.equal(pos[..., :4], torch.arange(4).expand(1, heads, 4))  # sinks kept
+    # layer 0's keys depend only on each token and its position: every kept key must be the one the
+    # full prefill computed at the position the press recorded for it, in every head
+    with torch.no_grad():
+        full = DynamicCache()
+        model.model(input_ids=ids, past_key_values=full)
+    pos = press.positions[0][0][0]  # (heads, cap)
+    want = full.layers[0].keys[0].gather(1, pos.unsqueeze(-1).expand(-1, -1, full.layers[0].keys.shape[-1]))
+    torch.testing.assert_close(cache.layers[0].keys[0], want, rtol=1e-4, atol=1e-4)
     # the model decodes on from the bounded cache
     with torch.no_grad():
         out = model(ids[:, -1:], past_key_values=cache, position_ids=torch.tensor([[ids.shape[1]]])).logits
@@ -91,4 +101,4 @@ def test_decoding_press_keeps_the_cache_bounded(smollm2, ids):
     assert sizes[7] == 96  # the 8th decoded token triggers the first compression of the 208 slots
     assert max(sizes[8:]) <= 96 + 8 and sizes[-1] in range(96, 105)
     pos, nxt = press.base_press.positions[0]
-    assert nxt == 240 and pos[-1] == 239 and torch.all(pos[1:] > pos[:-1])
+    assert nxt == 240 and torch.all(pos[..., -1] == 239) and torch.all(pos[..., 1:] > pos[..., :-1])
