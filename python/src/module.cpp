@@ -110,6 +110,14 @@ struct tokens {
   std::vector<infkv::token> t;
 };
 
+/// One field of every token, as a NumPy array.
+template <class T, class F>
+nb::ndarray<nb::numpy, T> column(const tokens& t, F field) {
+  std::vector<T> v(t.t.size());
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = T(field(t.t[i]));
+  return to_numpy(std::move(v));
+}
+
 tokens make_tokens(
     positions_array pos,
     std::optional<nb::ndarray<nb::ro, std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> segments,
@@ -462,28 +470,13 @@ NB_MODULE(_infkv, m) {
                   "kinds"_a.none() = nb::none())
       .def("__len__", [](const tokens& t) { return t.t.size(); })
       .def_prop_ro(
-          "positions",
-          [](const tokens& t) {
-            std::vector<std::int64_t> v(t.t.size());
-            for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].pos;
-            return to_numpy(std::move(v));
-          },
+          "positions", [](const tokens& t) { return column<std::int64_t>(t, [](const auto& x) { return x.pos; }); },
           nb::rv_policy::move)
       .def_prop_ro(
-          "segments",
-          [](const tokens& t) {
-            std::vector<std::int32_t> v(t.t.size());
-            for (std::size_t i = 0; i < v.size(); ++i) v[i] = t.t[i].segment;
-            return to_numpy(std::move(v));
-          },
+          "segments", [](const tokens& t) { return column<std::int32_t>(t, [](const auto& x) { return x.segment; }); },
           nb::rv_policy::move)
       .def_prop_ro(
-          "kinds",
-          [](const tokens& t) {
-            std::vector<std::uint8_t> v(t.t.size());
-            for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::uint8_t(t.t[i].kind);
-            return to_numpy(std::move(v));
-          },
+          "kinds", [](const tokens& t) { return column<std::uint8_t>(t, [](const auto& x) { return x.kind; }); },
           nb::rv_policy::move);
   m.def(
       "text_tokens",
