@@ -58,6 +58,7 @@ def presses():
         ("kvpress keydiff", lambda r: KeyDiffPress(compression_ratio=r)),
         ("kvpress knorm", lambda r: KnormPress(compression_ratio=r)),
         ("kvpress expected_attention", lambda r: ExpectedAttentionPress(compression_ratio=r)),
+        ("infkv streaming_llm", lambda r: InfkvPress(policy=infkv.streaming_llm(), compression_ratio=r, sinks=4)),
         ("infkv snapkv", lambda r: InfkvPress(policy=infkv.snapkv(window=64, kernel=5), compression_ratio=r)),
         ("infkv keydiff max5", lambda r: InfkvPress(policy=infkv.keydiff(pool=infkv.pooling.max, kernel=5),
                                                     compression_ratio=r)),
@@ -148,7 +149,7 @@ def decoding_nll(model, ids, prefix, press, target, interval):
 def decoding_main(a, model, ids, commit):
     span = a.prefix + a.continuation
     stride = (ids.shape[1] - span) // a.samples
-    configs = [("full", None)] + [(n, f) for n, f in presses()]
+    configs = [("full", None)] + [(n, f) for n, f in presses() if not a.only or n in a.only.split(",")]
     res = {n: {"press": n, "nll": [], "final_slots": []} for n, _ in configs}
     t0 = time.time()
     for s in range(a.samples):
@@ -194,6 +195,18 @@ def table(path):
     the mean NLL difference from the full cache on the same samples with its paired bootstrap 95%
     interval, and the needle's forced-choice and greedy successes out of the samples."""
     d = json.load(open(path, encoding="utf-8"))
+    if "target" in d:  # --decoding: one column, intervals over 64-token blocks paired with the full cache
+        full = d["results"]["full"]
+        blocks = lambda r: [sum(q[i:i + 64]) / len(q[i:i + 64]) for q in r["nll"] for i in range(0, len(q), 64)]
+        print(f"| press (DecodingPress, target {d['target']}, interval {d['interval']}) | PPL | "
+              "dNLL vs full [95%] | slots at the end |")
+        print("|---|---|---|---|")
+        for name, r in d["results"].items():
+            dd = [a - b for a, b in zip(blocks(r), blocks(full))]
+            lo, hi = bootstrap_mean(dd)
+            diff = "" if name == "full" else f"{sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}]"
+            print(f"| {name} | {r['ppl_mean_nll']:.3f} | {diff} | {', '.join(map(str, r['final_slots']))} |")
+        return
     ratios, res = d["ratios"], d["results"]
     full = res["full"]
     n = len(full["forced"])
@@ -225,6 +238,7 @@ def main():
     ap.add_argument("--ratios", default="0.25,0.5,0.75")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated press names to run (default: all)")
     ap.add_argument("--decoding", action="store_true", help="decoding at a fixed budget (DecodingPress)")
     ap.add_argument("--prefix", type=int, default=256, help="--decoding: tokens prefilled before decoding")
     ap.add_argument("--target", type=int, default=256, help="--decoding: DecodingPress's target_size")
@@ -241,7 +255,8 @@ def main():
     stride = (ids.shape[1] - span) // (2 * a.samples)
     rng = random.Random(a.seed)
     ratios = [float(r) for r in a.ratios.split(",")]
-    configs = [("full", None, 0.0)] + [(n, f, r) for n, f in presses() for r in ratios]
+    configs = [("full", None, 0.0)] + [(n, f, r) for n, f in presses() for r in ratios
+                                       if not a.only or n in a.only.split(",")]
     res = {n if f is None else f"{n} @ {r}": {"press": n, "ratio": r, "nll": [], "forced": [], "greedy": [],
                                               "answers": []} for n, f, r in configs}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
