@@ -48,7 +48,7 @@ def one(a):
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     import infkv
-    from infkv.kvpress import prefill_blockwise
+    from infkv.kvpress import cache_bytes, prefill_blockwise
 
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(a.threads)
@@ -67,7 +67,7 @@ def one(a):
         if a.mode == "plain":
             cache = DynamicCache()
             model.model(input_ids=ids, past_key_values=cache)
-            kv = sum(l.keys.numel() * 4 + l.values.numel() * 4 for l in cache.layers)
+            kv = cache_bytes(cache)
             peak_kv, kept = kv, cache.layers[0].keys.shape[2]
         else:
             cache, _, stats = prefill_blockwise(model, ids, infkv.snapkv(window=32), capacity=a.capacity,

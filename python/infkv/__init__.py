@@ -72,7 +72,3 @@ def tokens(positions, segments=None, kinds=None) -> Tokens:
         kin = _array(kinds, _np.uint8, "kinds")
     return Tokens.from_arrays(pos, seg, kin)
 
-
-def positions(x, name="query_pos"):
-    """An int64 array of positions from an array-like (for Layer's query_pos and rerotate's delta)."""
-    return _array(x, _np.int64, name)

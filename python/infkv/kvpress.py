@@ -36,8 +36,7 @@ def model_rope(model_or_module) -> infkv.rope:
     pairing); raises ValueError when its frequencies are not theta^(-2i/d) (scaled RoPE variants)."""
     rot = getattr(model_or_module, "rotary_emb", None)
     if rot is None and hasattr(model_or_module, "model"):
-        lm = model_or_module.model
-        rot = getattr(getattr(lm, "language_model", lm), "rotary_emb", None)
+        rot = getattr(_language_model(model_or_module), "rotary_emb", None)
     if rot is None:
         raise ValueError("infkv: model.rotary_emb = None: the model has no rotary embedding to read RoPE from")
     inv = rot.inv_freq.detach().double().cpu()
@@ -192,7 +191,8 @@ def _hooks(model, hook):
             h.remove()
 
 
-def _cache_bytes(cache) -> int:
+def cache_bytes(cache) -> int:
+    """Bytes of the K and V tensors a transformers cache holds, over all layers."""
     return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4)
 
@@ -251,7 +251,7 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
 
     def hook(module, args, kwargs, output):
         layer = cache.layers[module.layer_idx]
-        stats.peak_kv_bytes = max(stats.peak_kv_bytes, _cache_bytes(cache))
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache_bytes(cache))
         keys, values = extract_keys_and_values(cache, module.layer_idx)
         layer.keys, layer.values = press.evict(module, kwargs["hidden_states"], keys, values, kwargs, capacity)
         return output
@@ -262,6 +262,6 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
                         position_ids=torch.arange(s, e, device=model.device).unsqueeze(0), use_cache=True)
             stats.blocks += 1
             stats.tokens += e - s
-    stats.final_kv_bytes = _cache_bytes(cache)
+    stats.final_kv_bytes = cache_bytes(cache)
     stats.kept = [layer.keys.shape[2] for layer in cache.layers]
     return cache, press, stats

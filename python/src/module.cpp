@@ -194,20 +194,14 @@ struct py_plan {
   infkv::cpu::backend backend() const { return {{.threads = threads}}; }
 };
 
-std::vector<infkv::layer_inputs<>> inputs_of(const std::vector<const layer*>& layers) {
-  std::vector<infkv::layer_inputs<>> in;
-  in.reserve(layers.size());
-  for (const layer* l : layers) in.push_back(l->inputs());
-  return in;
-}
-
-std::vector<const layer*> layers_of(nb::handle h) {
-  if (nb::isinstance<layer>(h)) return {nb::cast<const layer*>(h)};
-  std::vector<const layer*> out;
+/// The inputs of one Layer or of a sequence of them (the Layers stay alive in the caller's objects).
+std::vector<infkv::layer_inputs<>> inputs_of(nb::handle h) {
+  if (nb::isinstance<layer>(h)) return {nb::cast<const layer&>(h).inputs()};
+  std::vector<infkv::layer_inputs<>> out;
   for (nb::handle x : h) {
     if (!nb::isinstance<layer>(x))
       infkv::detail::fail_arg("layers", nb::str(nb::handle(x.type())).c_str(), "must hold infkv.Layer values");
-    out.push_back(nb::cast<const layer*>(x));
+    out.push_back(nb::cast<const layer&>(x).inputs());
   }
   return out;
 }
@@ -219,8 +213,7 @@ infkv::layer_shape shape_arg(nb::handle h) {
 }
 
 infkv::keep_set run(const py_plan& p, nb::handle layers_h) {
-  const auto layers = layers_of(layers_h);
-  const auto in = inputs_of(layers);
+  const auto in = inputs_of(layers_h);
   const infkv::cpu::backend be = p.backend();
   infkv::cpu::workspace ws(p.p.workspace_bytes);
   std::vector<std::int64_t> offsets(std::size_t(p.p.offsets_size())), slots(std::size_t(p.p.kept_total));

@@ -16,6 +16,7 @@ import torch
 kvpress = pytest.importorskip("kvpress")
 from kvpress import ExpectedAttentionPress, KeyDiffPress, SnapKVPress, StreamingLLMPress, TOVAPress  # noqa: E402
 from kvpress.utils import compute_n_kept, extract_keys_and_values  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import infkv  # noqa: E402
 from infkv.kvpress import InfkvPress, _hooks  # noqa: E402
@@ -50,7 +51,7 @@ def kept_sets(smollm2, kjv_text):
         kv.post_init_from_model(model)
         ours.post_init_from_model(model)
     got = {name: [] for name in ps}
-    cache = transformers_cache()
+    cache = DynamicCache()
 
     def hook(module, args, kwargs, output):
         keys, values = extract_keys_and_values(cache, module.layer_idx)
@@ -67,11 +68,6 @@ def kept_sets(smollm2, kjv_text):
     with torch.no_grad(), _hooks(model, hook):
         model.model(input_ids=ids, past_key_values=cache)
     return got
-
-
-def transformers_cache():
-    from transformers import DynamicCache
-    return DynamicCache()
 
 
 def near_tie(scores, slot, cut, rel=1e-5):
