@@ -2,8 +2,9 @@
 // (FlashInfer / vLLM page table: [pages][page_size][heads][head_dim] per tensor, CSR indptr /
 // indices / last-page lengths) bounded by infkv::cuda: every `block` tokens the cache is scored
 // (Inf-MLLM-style window attention + bias, one decision per token), compacted in its pages, and
-// the freed pages go back to the engine's free list. Keys, values and queries are random: the
-// point is the calls and the memory, not the model. Usage: infkv-example-cuda-paged [tokens] (4096).
+// the engine returns the pages the sequence no longer needs to its free list. Every infkv call
+// only queues work on the stream; the engine waits once per eviction, in cuda::check. Keys, values and queries are
+// random: the point is the calls and the memory, not the model. Usage: infkv-example-cuda-paged [tokens] (4096).
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -49,18 +50,17 @@ int main(int argc, char** argv) try {
   auto* q = device<std::uint16_t>(std::size_t(window) * q_heads * dim);
   std::vector<std::int32_t> indptr{0, 0}, indices, last{0}, free_pages;
   for (std::int32_t p = pool - 1; p >= 0; --p) free_pages.push_back(p);
-  auto* d_indptr = device<std::int32_t>(2);
   auto* d_indices = device<std::int32_t>(pool);
-  auto* d_last = device<std::int32_t>(1);
   auto* d_tokens = device<infkv::token>(std::size_t(budget + block));
   auto* d_qpos = device<std::int64_t>(window);
-  auto* d_freed = device<std::int32_t>(pool);
+  auto* status = device<infkv::cuda::status_word>(1);
   std::vector<infkv::token> tokens;
   std::mt19937 gen(1);
   std::vector<std::uint16_t> kv_row(static_cast<std::size_t>(row)),
       qs(static_cast<std::size_t>(window * q_heads * dim));
   const infkv::inf_mllm policy{.window = window, .bias = {.beta = 0.5}};
-  const infkv::cuda::backend be{};  // default stream
+  const infkv::cuda::backend be{nullptr, status};  // default stream
+  infkv::cuda::reset_status(status, be.stream);
   for (std::int64_t pos = 0; pos < total; ++pos) {
     // The engine appends the new token's K and V (random here) to the sequence's last page.
     if (last[0] == 0 || last[0] == page) {
@@ -80,7 +80,7 @@ int main(int argc, char** argv) try {
     std::vector<std::int64_t> qpos(window);
     for (std::int32_t i = 0; i < window; ++i) qpos[std::size_t(i)] = pos - window + 1 + i;
     upload(q, qs), upload(d_qpos, qpos), upload(d_tokens, tokens);
-    upload(d_indptr, indptr), upload(d_indices, indices), upload(d_last, last);
+    upload(d_indices, indices);
     const infkv::page_storage ks{k, std::int64_t(page) * row, row, dim}, vs{v, std::int64_t(page) * row, row, dim};
     const infkv::paged_rows keys{ks, d_indices, infkv::dtype::f16, n, heads, dim, page};
     const infkv::layer_inputs<infkv::const_paged_rows> in{
@@ -94,18 +94,22 @@ int main(int argc, char** argv) try {
     auto* slots = device<std::int64_t>(std::size_t(plan.kept_total));
     auto* offsets = device<std::int64_t>(2);
     const infkv::keep_view keep{slots, offsets, 1, n};
-    infkv::cuda::run(plan, be, in, {ws, plan.workspace_bytes}, keep);
-    const infkv::paged_view table{ks, vs, infkv::dtype::f16, heads, dim, page, 1, pool, d_indptr, d_indices, d_last};
-    const std::size_t cbytes = infkv::cuda::compact_scratch_bytes(plan.kept_total, heads, row * 2);
+    infkv::run(plan, be, in, {ws, plan.workspace_bytes}, keep);
+    const std::size_t cbytes = infkv::cuda::compact_scratch_bytes(plan.kept_total, heads, std::int64_t(dim) * 2);
     auto* cws = device<std::byte>(cbytes);
-    const std::int64_t freed = infkv::cuda::compact(table, 0, n, {d_tokens, std::size_t(n)}, keep, plan.kept_total,
-                                                    d_freed, {cws, cbytes}, nullptr);
-    // The engine takes back its table, tokens and freed pages.
-    std::vector<std::int32_t> freed_ids(static_cast<std::size_t>(freed));
-    download(freed_ids, d_freed), download(indptr, d_indptr), download(last, d_last);
-    indices.resize(std::size_t(indptr[1])), download(indices, d_indices);
-    tokens.resize(std::size_t(plan.kept_total)), download(tokens, d_tokens);
-    free_pages.insert(free_pages.end(), freed_ids.begin(), freed_ids.end());
+    infkv::paged_rows values = keys;
+    values.store = vs;
+    infkv::cuda::compact(keys, values, {d_tokens, std::size_t(n)}, keep, plan.kept_total, {cws, cbytes}, status,
+                         be.stream);
+    infkv::cuda::check(status, be.stream, "eviction");  // the one wait: raises what the kernels found
+    // The engine updates its own table: the kept slots fill the sequence's first pages, the last
+    // pages_freed of its list go back to the free list.
+    const std::int64_t kept = plan.kept_total, freed = infkv::cuda::pages_freed(n, kept, page);
+    free_pages.insert(free_pages.end(), indices.end() - freed, indices.end());
+    indices.resize(indices.size() - std::size_t(freed));
+    indptr[1] = std::int32_t(indices.size());
+    last[0] = kept == 0 ? 0 : std::int32_t(kept - std::int64_t(indices.size() - 1) * page);
+    tokens.resize(std::size_t(kept)), download(tokens, d_tokens);
     fmt::print("pos {:>7}: {} -> {} slots, {} pages freed, {} in use, {} free; oldest kept position {}\n", pos, n,
                tokens.size(), freed, indices.size(), free_pages.size(), tokens.front().pos);
     cudaFree(ws), cudaFree(slots), cudaFree(offsets), cudaFree(cws);

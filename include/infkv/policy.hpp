@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -165,8 +166,8 @@ struct layer_inputs {
   std::span<const token> tokens{};
   float scale = 0.f;
   const_score_view accumulated{};
-  /// This layer's RoPE where layers differ (host memory); overrides expected_attention's.
-  const rope* rotary = nullptr;
+  /// This layer's RoPE where layers differ (parameters, by value); overrides expected_attention's.
+  std::optional<rope> rotary{};
 };
 
 }  // namespace infkv

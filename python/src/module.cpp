@@ -173,7 +173,7 @@ struct layer {
     INFKV_REQUIRE(!keys || in.keys.n_slots == std::int64_t(in.tokens.size()), "tokens", in.tokens.size(),
                   "the layer has ", in.keys.n_slots, " keys: one token per cached slot");
     in.scale = scale;
-    in.rotary = rotary ? &*rotary : nullptr;
+    in.rotary = rotary;
     return in;
   }
 };

@@ -82,6 +82,13 @@ struct device_tensor {
 
 bool small() { return std::getenv("INFKV_GPU_SMALL") != nullptr; }
 
+/// A device status word with nothing recorded.
+struct device_status {
+  dvec<cuda::status_word> word{1};  // poisoned: all ones, "nothing recorded"
+  cuda::status_word* p() const { return word.p; }
+  void reset(cudaStream_t stream = nullptr) const { cuda::reset_status(word.p, stream); }
+};
+
 /// A plan's device workspace and keep view.
 struct device_run {
   dvec<std::byte> ws;
@@ -118,7 +125,8 @@ struct device_meta {
 
 TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within float tolerance") {
   const cpu::backend cpu_be{};
-  const cuda::backend gpu_be{};
+  const device_status status;
+  const cuda::backend gpu_be{nullptr, status.p()};
   struct shape {
     std::int64_t n;
     std::int32_t hkv, group, d;
@@ -151,7 +159,7 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
             const plan dp = make_plan(gpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(din));
             dvec<std::byte> ws(dp.workspace_bytes);
             const score_view got = run_scores(dp, gpu_be, din, ws.span());
-            cuda::check(ws.p + dp.backend, nullptr, "run_scores");
+            cuda::check(status.p(), nullptr, "run_scores");
             score_matrix g(got.rows, got.cols);
             ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
             score_matrix w(want.rows, want.cols);
@@ -164,9 +172,12 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
       }
 }
 
-TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, several layers)") {
+TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, pooling, bias, layers)") {
   const cpu::backend cpu_be{};
-  const cuda::backend gpu_be{};
+  cudaStream_t stream = nullptr;  // a stream of its own: nothing may run on the default one
+  ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const device_status status;
+  const cuda::backend gpu_be{stream, status.p()};
   std::mt19937_64 gen(5);
   for (int round = 0; round < (small() ? 6 : 40); ++round) {
     CAPTURE(round);
@@ -176,6 +187,8 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
     const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
     policy_spec spec{.name = "fixed", .source = score_source::accumulated};
     if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
+    if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
+    if (round % 4 == 1) spec.bias = {.beta = 0.5, .unit = round % 8 == 1 ? age_unit::positions : age_unit::ranks};
     const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4,
                    .sinks = std::int64_t(gen() % 3),
                    .recent = std::int64_t(gen() % 4)};
@@ -200,14 +213,17 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
           {hs.data(), ho.data(), hp.units, n});
       const plan dp = make_plan(gpu_be, spec, b, shape_of(dev[0]), o);
       device_run d(dp);
-      cuda::run(dp, gpu_be, std::span<const layer_inputs<>>(dev.data(), std::size_t(o.n_layers)), d.ws.span(), d.out);
+      run(dp, gpu_be, std::span<const layer_inputs<>>(dev.data(), std::size_t(o.n_layers)), d.ws.span(), d.out);
+      cuda::check(status.p(), stream, "run");
       CHECK(d.keep() == keep_set::from_view({hs.data(), ho.data(), hp.units, n}));
     }
   }
+  ok(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes; re-rotation within rounding") {
   std::mt19937_64 gen(13);
+  const device_status status;
   for (int round = 0; round < 12; ++round) {
     CAPTURE(round);
     const dtype t = dtype(round % 3);
@@ -227,7 +243,8 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     kv_view kv{k.tensor, v.tensor};
     cpu::compact(kv, tokens, keep);
     dvec<std::byte> ws(cuda::compact_scratch_bytes(m, heads, d * std::int64_t(size_of(t))));
-    cuda::compact(dk.tensor, dv.tensor, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, ws.span(), nullptr);
+    cuda::compact(dk.tensor, dv.tensor, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, ws.span(), status.p(), nullptr);
+    cuda::check(status.p(), nullptr, "compact");
     CHECK(dk.bytes.down() == k.bytes);
     CHECK(dv.bytes.down() == v.bytes);
     const auto back = dtok.down();
@@ -240,8 +257,8 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     const rope r{.theta = 10000.0, .style = round % 2 ? rope_style::neox : rope_style::normal};
     cpu::rerotate(hk, delta, r);
     const dvec<std::int64_t> ddelta(delta);
-    cuda::rerotate(dkv, ddelta.p, r, nullptr);
-    ok(cudaDeviceSynchronize());
+    cuda::rerotate(dkv, ddelta.p, r, status.p(), nullptr);
+    cuda::check(status.p(), nullptr, "rerotate");
     stored got;
     got.bytes = dk.bytes.down();
     const double tol = t == dtype::f32 ? 2e-5 : t == dtype::f16 ? 2e-3 : 1.6e-2;
@@ -269,21 +286,41 @@ TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes;
     std::vector<token> t1 = p.tokens;
     const dvec<token> dtok(p.tokens);
     const dvec<std::int64_t> dslots(all), doffsets(std::vector<std::int64_t>{0, m});
+    const std::vector<std::int32_t> table = a.indices;
     const auto freed_cpu = cpu::compact(a.paged, 1, t1, keep);
-    dvec<std::int32_t> freed(std::size_t(cuda::pages_freed(n, m, 6)));
     dvec<std::byte> ws(cuda::compact_scratch_bytes(m, 2, 6 * std::int64_t(size_of(t))));
-    const auto count =
-        cuda::compact(dc.paged, 1, n, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, freed.p, ws.span(), nullptr);
-    CHECK(count == std::int64_t(freed_cpu.size()));
-    CHECK(freed.down() == freed_cpu);
+    cuda::compact(dc.rows, paged_rows{}, dtok.span(), {dslots.p, doffsets.p, 1, n}, m, ws.span(), status.p(), nullptr);
+    cuda::check(status.p(), nullptr, "compact (paged)");
     CHECK(dc.bytes.down() == a.bytes);
-    CHECK(dc.indptr->down() == a.indptr);
-    CHECK(dc.indices->down() == a.indices);
-    CHECK(dc.last->down() == a.last);
+    CHECK(dc.indices->down() == table);  // the engine's table is the engine's: untouched
+    const std::int64_t drop = cuda::pages_freed(n, m, 6), end = dc.rows.pages - dc.indices->p + (n + 5) / 6;
+    CHECK(std::vector<std::int32_t>(table.begin() + end - drop, table.begin() + end) == freed_cpu);
+    // Re-rotation through the paged rows, as through a strided view.
+    std::vector<std::int64_t> delta(static_cast<std::size_t>(m));
+    for (std::int64_t j = 0; j < m; ++j) delta[std::size_t(j)] = (j % 5) * 300 - 600;
+    const dvec<std::int64_t> ddelta(delta);
+    paged_rows hrows = key_rows(a.paged, 1), drows = dc.rows;
+    drows.n_slots = m;
+    const rope r{.theta = 10000.0, .dims = 6};
+    cpu::rerotate(hrows, delta, r);
+    cuda::rerotate(drows, ddelta.p, r, status.p(), nullptr);
+    cuda::check(status.p(), nullptr, "rerotate (paged)");
+    const auto got = dc.bytes.down();
+    const double tol = t == dtype::f32 ? 2e-5 : t == dtype::f16 ? 2e-3 : 1.6e-2;
+    std::int64_t bad = 0;
+    for (std::int64_t j = 0; j < m; ++j)
+      for (std::int32_t h = 0; h < 2; ++h)
+        for (std::int32_t e = 0; e < 6; ++e) {
+          const auto off = static_cast<const std::uint8_t*>(hrows.row(j, h)) - a.bytes.data();
+          const float x = cuda::detail::load(t, hrows.row(j, h), e), y = cuda::detail::load(t, got.data() + off, e);
+          bad += std::abs(x - y) <= tol * (1 + std::abs(x)) ? 0 : 1;
+        }
+    CHECK(bad == 0);
   }
 }
 
 TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
+  const device_status status;
   for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
     const std::int64_t n = small() ? 300 : 30000;
     cpu::h2o_state want(cfg, 4);
@@ -300,7 +337,8 @@ TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
       const device_meta meta(p.tokens, p.qpos, {});
       const layer_inputs<> in{dk.tensor, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
       dvec<std::byte> ws(cuda::h2o_scratch_bytes(shape_of(in)));
-      cuda::h2o_observe(st, cfg, in, ws.span(), nullptr);
+      cuda::h2o_observe(st, cfg, in, ws.span(), status.p(), nullptr);
+      cuda::check(status.p(), nullptr, "h2o_observe");
       score_matrix g(4, n);
       g.data = score.down();
       check_close(
@@ -320,7 +358,8 @@ TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
     want.evict(keep);
     const dvec<std::int64_t> dslots(kept), doffsets(std::vector<std::int64_t>{0, std::int64_t(kept.size())});
     dvec<std::byte> ws(cuda::compact_scratch_bytes(std::int64_t(kept.size()), 4, 4));
-    cuda::h2o_evict(st, {dslots.p, doffsets.p, 1, n}, std::int64_t(kept.size()), ws.span(), nullptr);
+    cuda::h2o_evict(st, {dslots.p, doffsets.p, 1, n}, std::int64_t(kept.size()), ws.span(), status.p(), nullptr);
+    cuda::check(status.p(), nullptr, "h2o_evict");
     CHECK(st.n_slots == std::int64_t(kept.size()));
     const auto all = score.down();
     std::int64_t bad = 0;
@@ -333,8 +372,108 @@ TEST_CASE("gpu: H2O's accumulation step and eviction follow cpu::h2o_state") {
   }
 }
 
+TEST_CASE("gpu: one CUDA graph of h2o_observe, run, compact, h2o_evict and rerotate, replayed 100 times") {
+  // Everything of an H2O eviction step captured on a non-default stream (global capture mode: any
+  // call that waits, or touches the legacy stream, fails the capture), the inputs restored from
+  // pristine copies at the start of the graph so that every replay computes the same step.
+  const std::int64_t n = small() ? 300 : 3000, kept = n / 3;
+  const std::int32_t heads = 2;
+  const problem p = make_problem(77, n, heads, 2, 64, 4, dtype::f16);
+  const layer ly(p);
+  const stored ks = store(p.k, n, heads, 64, p.type, layout::nhd),
+               vs = store(p.k_exact, n, heads, 64, p.type, layout::nhd);
+  const device_tensor dk(ks), dv(vs), dk0(ks), dv0(vs), dq(store_queries(p));
+  const device_meta meta(p.tokens, p.qpos, {}), meta0(p.tokens, p.qpos, {});
+  dvec<float> state(std::size_t(3 * heads * n)), state0(state.n);
+  ok(cudaMemset(state0.p, 0, state0.n * sizeof(float)));
+  const cuda::h2o_state_view st{state.p, state.p + heads * n, state.p + 2 * heads * n, heads, n, n};
+  const layer_inputs<> in{dk.tensor, dv.tensor, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, st.scores()};
+  std::vector<std::int64_t> delta(static_cast<std::size_t>(kept));
+  for (std::int64_t j = 0; j < kept; ++j) delta[std::size_t(j)] = -(j % 7) * 50;
+  const dvec<std::int64_t> ddelta(delta);
+  const rope r{.theta = 10000.0};
+
+  cudaStream_t stream = nullptr;
+  ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const device_status status;
+  const cuda::backend be{stream, status.p()};
+  const policy_spec spec{.name = "h2o", .source = score_source::accumulated};
+  const budget b{.capacity = kept, .sinks = 4, .recent = 16};
+  const plan pl = make_plan(be, spec, b, shape_of(in), {.g = granularity::per_token});
+  REQUIRE(pl.kept_total == kept);
+  device_run d(pl);
+  dvec<std::byte> hws(cuda::h2o_scratch_bytes(shape_of(in))), cws(cuda::compact_scratch_bytes(kept, heads, 128)),
+      ews(cuda::compact_scratch_bytes(kept, heads, 4));
+  cudaGraph_t graph = nullptr;
+  ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const auto copy = [&](void* to, const void* from, std::size_t bytes) {
+    ok(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream));
+  };
+  copy(dk.bytes.p, dk0.bytes.p, dk.bytes.n), copy(dv.bytes.p, dv0.bytes.p, dv.bytes.n);
+  copy(meta.tokens.p, meta0.tokens.p, meta.tokens.n * sizeof(token));
+  copy(state.p, state0.p, state.n * sizeof(float));
+  status.reset(stream);
+  cuda::h2o_observe(st, h2o{}, in, hws.span(), status.p(), stream);
+  run(pl, be, in, d.ws.span(), d.out);
+  cuda::compact(dk.tensor, dv.tensor, meta.tokens.span(), d.out, kept, cws.span(), status.p(), stream);
+  cuda::h2o_state_view after = st;
+  cuda::h2o_evict(after, d.out, kept, ews.span(), status.p(), stream);
+  tensor_view compacted = dk.tensor;
+  compacted.n_slots = kept;
+  cuda::rerotate(compacted, ddelta.p, r, status.p(), stream);
+  ok(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  ok(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 100; ++replay) ok(cudaGraphLaunch(exec, stream));
+  cuda::check(status.p(), stream, "graph");
+
+  // The same step on the CPU backend.
+  cpu::h2o_state want(h2o{}, heads);
+  want.append(n);
+  cpu::observe(want, ly.in());
+  layer_inputs<> host = ly.in();
+  host.accumulated = want.scores().view();
+  const plan hp = make_plan(cpu::backend{}, spec, b, shape_of(host), {.g = granularity::per_token});
+  cpu::workspace hws_cpu(hp.workspace_bytes);
+  std::vector<std::int64_t> ho(std::size_t(hp.offsets_size())), hs(std::size_t(hp.kept_total));
+  run(hp, cpu::backend{}, host, hws_cpu.span(), {hs.data(), ho.data(), hp.units, n});
+  const keep_set keep = keep_set::from_view({hs.data(), ho.data(), hp.units, n});
+  CHECK(d.keep() == keep);
+  // ... compaction, H2O's eviction and the re-rotation.
+  stored hk = store(p.k, n, heads, 64, p.type, layout::nhd), hv = store(p.k_exact, n, heads, 64, p.type, layout::nhd);
+  std::vector<token> tokens = p.tokens;
+  kv_view kv{hk.tensor, hv.tensor};
+  cpu::compact(kv, tokens, keep);
+  want.evict(keep);
+  cpu::rerotate(kv.k, delta, r);
+  CHECK(dv.bytes.down() == hv.bytes);
+  const auto back = meta.tokens.down();
+  for (std::int64_t i = 0; i < kept; ++i) CHECK(back[std::size_t(i)].pos == tokens[std::size_t(i)].pos);
+  const auto got = dk.bytes.down();
+  std::int64_t bad = 0;
+  for (std::int64_t j = 0; j < kept; ++j)
+    for (std::int32_t h = 0; h < heads; ++h)
+      for (std::int32_t e = 0; e < 64; ++e) {
+        const auto off = static_cast<const std::uint8_t*>(kv.k.row(j, h)) - hk.bytes.data();
+        const float x = cuda::detail::load(p.type, kv.k.row(j, h), e),
+                    y = cuda::detail::load(p.type, got.data() + off, e);
+        bad += std::abs(x - y) <= 2e-3 * (1 + std::abs(x)) ? 0 : 1;
+      }
+  CHECK(bad == 0);
+  const auto scores = state.down();
+  bad = 0;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t j = 0; j < kept; ++j) {
+      const double w = want.scores()(h, j), g = scores[std::size_t(2 * heads * n + h * n + j)];
+      bad += std::abs(g - w) <= 1e-4 * std::abs(w) + 1e-7 ? 0 : 1;
+    }
+  CHECK(bad == 0);
+  ok(cudaGraphExecDestroy(exec)), ok(cudaGraphDestroy(graph)), ok(cudaStreamDestroy(stream));
+}
+
 TEST_CASE("gpu: faults found on the device raise by name and leave the cache as it was") {
-  const cuda::backend be{};
+  const device_status status;
+  const cuda::backend be{nullptr, status.p()};
   problem p = make_problem(3, 300, 2, 2, 16, 4);
   p.k[std::size_t((123 * 2 + 1) * 16 + 7)] = std::numeric_limits<float>::quiet_NaN();
   const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd), queries = store_queries(p);
@@ -343,15 +482,26 @@ TEST_CASE("gpu: faults found on the device raise by name and leave the cache as 
   const layer_inputs<> in{dk.tensor, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
   const plan pl = make_plan(be, snapkv{.window = 4}, budget{.capacity = 64}, shape_of(in));
   device_run d(pl);
-  CHECK_THROWS_WITH_AS(cuda::run(pl, be, std::span<const layer_inputs<>>(&in, 1), d.ws.span(), d.out),
+  run(pl, be, in, d.ws.span(), d.out);
+  CHECK_THROWS_WITH_AS(cuda::check(status.p(), nullptr, "run"),
                        doctest::Contains("keys[slot 123, head 1][7] is not finite"), invalid_argument);
-  // A keep set out of order: nothing moves.
-  const dvec<std::int64_t> slots(std::vector<std::int64_t>{5, 4}), offsets(std::vector<std::int64_t>{0, 2});
+  // After that fault a compaction of the run's keep set moves nothing.
   const dvec<token> dtok(p.tokens);
-  dvec<std::byte> ws(cuda::compact_scratch_bytes(2, 2, 64));
-  CHECK_THROWS_WITH_AS(cuda::compact(dk.tensor, {}, dtok.span(), {slots.p, offsets.p, 1, p.n}, 2, ws.span(), nullptr),
-                       doctest::Contains("nothing was moved"), invalid_argument);
+  dvec<std::byte> ws(cuda::compact_scratch_bytes(64, 2, 64));
+  cuda::compact(dk.tensor, {}, dtok.span(), d.out, 64, ws.span(), status.p(), nullptr);
+  CHECK_THROWS(cuda::check(status.p(), nullptr, "compact"));
   CHECK(dk.bytes.down() == keys.bytes);
+  // A keep set out of order: nothing moves.
+  status.reset();
+  const dvec<std::int64_t> slots(std::vector<std::int64_t>{5, 4}), offsets(std::vector<std::int64_t>{0, 2});
+  cuda::compact(dk.tensor, {}, dtok.span(), {slots.p, offsets.p, 1, p.n}, 2, ws.span(), status.p(), nullptr);
+  CHECK_THROWS_WITH_AS(cuda::check(status.p(), nullptr, "compact"), doctest::Contains("nothing was moved"),
+                       invalid_argument);
+  CHECK(dk.bytes.down() == keys.bytes);
+  // A misaligned workspace is refused before anything is queued.
+  CHECK_THROWS_WITH_AS(cuda::compact(dk.tensor, {}, dtok.span(), {slots.p, offsets.p, 1, p.n}, 2, ws.span().subspan(8),
+                                     status.p(), nullptr),
+                       doctest::Contains("ws.data()"), invalid_argument);
 }
 
 TEST_CASE("gpu: the README's CUDA example runs") {
@@ -367,7 +517,10 @@ TEST_CASE("gpu: the README's CUDA example runs") {
   std::int64_t* q_pos_dev = meta.qpos.p;
   cudaStream_t stream = nullptr;
   // example-begin cuda
-  const infkv::cuda::backend be{stream};
+  void* status;  // one word: what the kernels find wrong lands here
+  cudaMalloc(&status, sizeof(infkv::cuda::status_word));
+  const infkv::cuda::backend be{stream, static_cast<infkv::cuda::status_word*>(status)};
+  infkv::cuda::reset_status(be.status, stream);
   infkv::layer_inputs<> in{.keys = infkv::nhd(k_dev, infkv::dtype::f16, n_slots, n_kv_heads, head_dim),
                            .queries = infkv::nhd(q_dev, infkv::dtype::f16, 32, n_q_heads, head_dim),
                            .query_pos = {q_pos_dev, 32},
@@ -380,14 +533,16 @@ TEST_CASE("gpu: the README's CUDA example runs") {
   cudaMalloc(&slots, plan.kept_total * sizeof(std::int64_t));
   cudaMalloc(&offsets, plan.offsets_size() * sizeof(std::int64_t));
   infkv::keep_view keep{static_cast<std::int64_t*>(slots), static_cast<std::int64_t*>(offsets), plan.units, n_slots};
-  infkv::cuda::run(plan, be, in, {static_cast<std::byte*>(ws), plan.workspace_bytes}, keep);
-  // keep: per KV head, 2048 sorted slots (device); infkv::cuda::compact moves K, V and tokens
+  infkv::run(plan, be, in, {static_cast<std::byte*>(ws), plan.workspace_bytes}, keep);  // queued, no wait
+  // keep: per KV head, 2048 sorted slots (device); infkv::cuda::compact moves K, V and tokens;
+  // infkv::cuda::check(be.status, stream, "eviction") waits and raises what the kernels found
   // example-end
+  infkv::cuda::check(be.status, stream, "eviction");
   CHECK(plan.units == n_kv_heads);
   std::vector<std::int64_t> o(std::size_t(plan.offsets_size()));
   ok(cudaMemcpy(o.data(), offsets, o.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
   CHECK(o.back() == 2048 * n_kv_heads);
-  cudaFree(ws), cudaFree(slots), cudaFree(offsets);
+  cudaFree(ws), cudaFree(slots), cudaFree(offsets), cudaFree(status);
 }
 
 int main(int argc, char** argv) {

@@ -7,7 +7,33 @@
 namespace infkv::cuda {
 
 namespace detail {
-inline basic_backend<device_launcher> impl(const backend& b) { return {device_launcher{b.stream}}; }
+
+/// Raises when `p` is not memory the device can use (device or managed memory).
+void require_device(const void* p, const char* name) {
+  cudaPointerAttributes a{};
+  check_cuda(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes");
+  INFKV_REQUIRE(a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged, name, p,
+                a.type == cudaMemoryTypeHost ? "is pinned host memory" : "is host memory",
+                ": infkv::cuda needs device (or managed) memory here");
+}
+
+/// Checks the status word: set, 8-byte aligned (its faults are recorded by 8-byte atomics), device memory.
+void require_status(const void* status) {
+  INFKV_REQUIRE(status != nullptr, "status", "null", "the kernels record faults in a device status word");
+  INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(status) % 8 == 0, "status", status, "must be 8-byte aligned");
+  require_device(status, "status");
+}
+
+/// Checks a workspace: `need` bytes at least, 64-byte aligned, device memory.
+void require_workspace(std::span<std::byte> ws, std::size_t need, const char* what) {
+  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), what, " needs ", need, " bytes");
+  INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(ws.data()) % 64 == 0, "ws.data()", static_cast<void*>(ws.data()),
+                "must be 64-byte aligned");
+  if (!ws.empty()) require_device(ws.data(), "ws.data()");
+}
+
+inline basic_backend<device_launcher> impl(const backend& b) { return {device_launcher{b.stream}, b.status}; }
+
 }  // namespace detail
 
 using detail::impl;
@@ -21,6 +47,8 @@ std::size_t backend::scratch_bytes(const policy_spec& spec, const layer_shape& s
   return impl(*this).scratch_bytes(spec, shape, opt);
 }
 void backend::time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
+  detail::require_status(status);  // every run starts here
+  detail::require_workspace(scratch, 0, "the backend");
   impl(*this).time_order(tokens, order, scratch);
 }
 void backend::score(const policy_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
@@ -65,15 +93,23 @@ void backend::select(score_view s, std::span<const token> tokens, const std::int
   impl(*this).select(s, tokens, order, caps, cap, keep, out, scratch);
 }
 
-void check(const void* status, cudaStream_t stream, const char* what) {
+void reset_status(status_word* status, cudaStream_t stream) {
+  detail::require_status(status);
+  detail::check_cuda(cudaMemsetAsync(status, 0xff, sizeof *status, stream), "cudaMemsetAsync (status)");
+}
+
+void check(const status_word* status, cudaStream_t stream, const char* what) {
+  detail::require_status(status);
   status_word w = status_ok;
   detail::check_cuda(cudaMemcpyAsync(&w, status, sizeof w, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync (status)");
   detail::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   raise_if(decode(w), what);
 }
 
-void compact(tensor_view k, tensor_view v, std::span<token> tokens, const_keep_view keep, std::int64_t kept,
-             std::span<std::byte> ws, cudaStream_t stream) {
+namespace detail {
+template <row_source R>
+void compact(const R& k, const R& v, std::span<token> tokens, const_keep_view keep, std::int64_t kept,
+             std::span<std::byte> ws, status_word* status, cudaStream_t stream) {
   validate(k, "k");
   if (!v.empty()) {
     validate(v, "v");
@@ -91,31 +127,20 @@ void compact(tensor_view k, tensor_view v, std::span<token> tokens, const_keep_v
                 "must be n_slots (", n, ") or n_heads x n_slots (", n * k.n_heads, ")");
   INFKV_REQUIRE(keep.n_units == 1 || per_head_tokens, "keep.n_units", keep.n_units,
                 "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
-  const std::size_t need = compact_scratch_bytes(kept, k.n_heads, k.head_dim * std::int64_t(size_of(k.type)));
-  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "compaction needs ", need, " bytes");
-  compact_steps(detail::device_launcher{stream}, k, v, tokens.data(), std::int64_t(tokens.size()), keep, kept, ws);
-  check(ws.data(), stream, "cuda::compact");
+  require_status(status);
+  require_workspace(ws, compact_scratch_bytes(kept, k.n_heads, k.head_dim * std::int64_t(size_of(k.type))),
+                    "compaction");
+  compact_steps(device_launcher{stream}, status, k, v, tokens.data(), std::int64_t(tokens.size()), keep, kept, ws);
 }
+}  // namespace detail
 
-std::int64_t compact(const paged_view& p, std::int32_t seq, std::int64_t n_slots, std::span<token> tokens,
-                     const_keep_view keep, std::int64_t kept, std::int32_t* freed, std::span<std::byte> ws,
-                     cudaStream_t stream) {
-  INFKV_REQUIRE(
-      p.page_size > 0 && p.n_heads > 0 && p.head_dim > 0 && p.k.data && p.indptr && p.indices && p.last_page_len,
-      "paged", "incomplete", "page_size, n_heads, head_dim, k.data and the table arrays must be set");
-  INFKV_REQUIRE(seq >= 0 && seq < p.n_seqs, "seq", seq, "must be in [0, n_seqs = ", p.n_seqs, ")");
-  INFKV_REQUIRE(std::int64_t(tokens.size()) == n_slots, "tokens.size()", tokens.size(), "must equal n_slots (", n_slots,
-                ")");
-  INFKV_REQUIRE(keep.n_units == 1 && keep.n_slots == n_slots, "keep.n_units", keep.n_units,
-                "a paged compaction takes one unit over n_slots = ", n_slots, " slots; keep.n_slots = ", keep.n_slots);
-  INFKV_REQUIRE(kept >= 0 && kept <= n_slots, "kept", kept, "must be in [0, n_slots = ", n_slots, "]");
-  const std::int64_t drop = pages_freed(n_slots, kept, p.page_size);
-  INFKV_REQUIRE(drop == 0 || freed != nullptr, "freed", "null", drop, " pages are freed");
-  const std::size_t need = compact_scratch_bytes(kept, p.n_heads, p.head_dim * std::int64_t(size_of(p.type)));
-  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "compaction needs ", need, " bytes");
-  compact_paged_steps(detail::device_launcher{stream}, p, seq, n_slots, tokens.data(), keep, kept, freed, ws);
-  check(ws.data(), stream, "cuda::compact");
-  return drop;
+void compact(const tensor_view& k, const tensor_view& v, std::span<token> tokens, const_keep_view keep,
+             std::int64_t kept, std::span<std::byte> ws, status_word* status, cudaStream_t stream) {
+  detail::compact(k, v, tokens, keep, kept, ws, status, stream);
+}
+void compact(const paged_rows& k, const paged_rows& v, std::span<token> tokens, const_keep_view keep, std::int64_t kept,
+             std::span<std::byte> ws, status_word* status, cudaStream_t stream) {
+  detail::compact(k, v, tokens, keep, kept, ws, status, stream);
 }
 
 std::size_t h2o_scratch_bytes(const layer_shape& shape) {
@@ -125,41 +150,43 @@ std::size_t h2o_scratch_bytes(const layer_shape& shape) {
 namespace detail {
 template <row_source R>
 void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<R>& in, std::span<std::byte> ws,
-                 cudaStream_t stream) {
-  const std::size_t need = cuda::h2o_scratch_bytes<device_launcher>(shape_of(in));
-  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "h2o_observe needs ", need, " bytes");
-  h2o_observe_steps(device_launcher{stream}, st, cfg, in, ws);
-  check(ws.data(), stream, "cuda::h2o_observe");
+                 status_word* status, cudaStream_t stream) {
+  require_status(status);
+  require_workspace(ws, cuda::h2o_scratch_bytes<device_launcher>(shape_of(in)), "h2o_observe");
+  h2o_observe_steps(device_launcher{stream}, status, st, cfg, in, ws);
 }
 }  // namespace detail
 
 void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_tensor_view>& in,
-                 std::span<std::byte> ws, cudaStream_t stream) {
-  detail::h2o_observe(st, cfg, in, ws, stream);
+                 std::span<std::byte> ws, status_word* status, cudaStream_t stream) {
+  detail::h2o_observe(st, cfg, in, ws, status, stream);
 }
 void h2o_observe(const h2o_state_view& st, const h2o& cfg, const layer_inputs<const_paged_rows>& in,
-                 std::span<std::byte> ws, cudaStream_t stream) {
-  detail::h2o_observe(st, cfg, in, ws, stream);
+                 std::span<std::byte> ws, status_word* status, cudaStream_t stream) {
+  detail::h2o_observe(st, cfg, in, ws, status, stream);
 }
 
 void h2o_evict(h2o_state_view& st, const_keep_view keep, std::int64_t kept, std::span<std::byte> ws,
-               cudaStream_t stream) {
+               status_word* status, cudaStream_t stream) {
   INFKV_REQUIRE(keep.n_slots == st.n_slots && (keep.n_units == 1 || keep.n_units == st.heads), "keep.n_units",
                 keep.n_units, "must be 1 or the state's heads (", st.heads, ") over its ", st.n_slots, " slots");
   INFKV_REQUIRE(kept >= 0 && kept <= st.n_slots, "kept", kept, "must be in [0, n_slots = ", st.n_slots, "]");
-  const std::size_t need = compact_scratch_bytes(kept, st.heads, 4);
-  INFKV_REQUIRE(ws.size() >= need, "ws.size()", ws.size(), "h2o_evict needs ", need, " bytes");
+  detail::require_status(status);
+  detail::require_workspace(ws, compact_scratch_bytes(kept, st.heads, 4), "h2o_evict");
   h2o_state_view next = st;
-  h2o_evict_steps(detail::device_launcher{stream}, next, keep, kept, ws);
-  check(ws.data(), stream, "cuda::h2o_evict");
+  h2o_evict_steps(detail::device_launcher{stream}, status, next, keep, kept, ws);
   st = next;
 }
 
-void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream) {
-  rerotate_steps(detail::device_launcher{stream}, keys, delta, r);
+void rerotate(const tensor_view& keys, const std::int64_t* delta, const rope& r, const status_word* status,
+              cudaStream_t stream) {
+  detail::require_status(status);
+  rerotate_steps(detail::device_launcher{stream}, status, keys, delta, r);
 }
-void rerotate(const paged_rows& keys, const std::int64_t* delta, const rope& r, cudaStream_t stream) {
-  rerotate_steps(detail::device_launcher{stream}, keys, delta, r);
+void rerotate(const paged_rows& keys, const std::int64_t* delta, const rope& r, const status_word* status,
+              cudaStream_t stream) {
+  detail::require_status(status);
+  rerotate_steps(detail::device_launcher{stream}, status, keys, delta, r);
 }
 
 }  // namespace infkv::cuda

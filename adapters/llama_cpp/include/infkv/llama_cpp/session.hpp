@@ -242,7 +242,7 @@ class session {
             .query_pos = l.query_pos(),
             .tokens = tokens_,
             .scale = opt_.scale,
-            .rotary = r.has_rope && r.supported ? &r.params : nullptr};
+            .rotary = r.has_rope && r.supported ? std::optional(r.params) : std::nullopt};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {

@@ -1,6 +1,7 @@
 // infkv CUDA backend: steps on the cache itself, after a decision: H2O's accumulation step and its
-// eviction, compaction of strided and paged caches (gathered through the workspace), and RoPE
-// re-rotation. Run by a launcher, as the primitives in steps.hpp are.
+// eviction, compaction of strided and paged caches (in place, chunk by chunk through a bounded
+// scratch), and RoPE re-rotation. Run by a launcher, as the primitives in steps.hpp are; every
+// step records faults in the caller's status word and changes nothing once it holds one.
 #pragma once
 
 #include <initializer_list>
@@ -36,8 +37,8 @@ std::size_t h2o_scratch_bytes(const layer_shape& shape) {
 /// many of those queries could see it; acc = acc x forgetting + mass, life += seen, score = acc
 /// (or acc / max(life, 1) with normalize_lifetime). The state must already hold in's slots.
 template <class L, row_source R>
-void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg, const layer_inputs<R>& in,
-                       std::span<std::byte> scratch) {
+void h2o_observe_steps(const L& launch, status_word* status, const h2o_state_view& st, const h2o& cfg,
+                       const layer_inputs<R>& in, std::span<std::byte> scratch) {
   cfg.validate();
   const std::int64_t n = in.keys.n_slots, nq = in.queries.n_slots;
   INFKV_REQUIRE(st.heads == in.keys.n_heads && st.n_slots == n && st.ld >= n, "h2o_state_view.n_slots", st.n_slots,
@@ -51,9 +52,7 @@ void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg
   detail::carver c{scratch.data(), after};
   const score_view mass{c.take<float>(st.heads * n), st.heads, n, n};
   float* seen = c.take<float>(n);
-  auto* status = reinterpret_cast<status_word*>(scratch.data());
-  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *status = status_ok; });
-  detail::window_attention_steps(launch, in, nq, false, mass, scratch, 64);
+  detail::window_attention_steps(launch, status, in, nq, false, mass, scratch, 64);
   const token* t = in.tokens.data();
   const std::int64_t* qpos = in.query_pos.data();
   launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
@@ -65,6 +64,7 @@ void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg
   const bool normalize = cfg.normalize_lifetime;
   const h2o_state_view s = st;
   launch.for_each(st.heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*status != status_ok) return;  // a NaN key or query (or an earlier fault) changes nothing
     const std::int64_t h = x / n, j = x % n, i = h * s.ld + j;
     s.acc[i] = s.acc[i] * keep + mass(h, j);
     s.life[i] += seen[j];
@@ -72,10 +72,15 @@ void h2o_observe_steps(const L& launch, const h2o_state_view& st, const h2o& cfg
   });
 }
 
-/// Page ids a paged compaction frees, given the sequence's slots before and after.
+/// Page ids a compaction of a paged sequence frees: the last ones of its page list, given the
+/// sequence's slots before and after.
 inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
   return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
 }
+
+/// The most scratch a compaction uses, whatever the cache's size (unless one slot's K and V rows
+/// alone are larger): the kept rows move in chunks of at most this many bytes.
+inline constexpr std::int64_t compact_scratch_limit = std::int64_t(16) << 20;
 
 namespace detail {
 
@@ -97,16 +102,6 @@ void check_keep(const L& launch, const_keep_view keep, std::int64_t m, status_wo
   });
 }
 
-/// Copies `bytes` (a multiple of sizeof(W)) from each (slot, head) row to another, by W words.
-template <class W, class L, class From, class To>
-void copy_rows(const L& launch, std::int64_t rows, std::int64_t bytes, From from, To to, const status_word* st) {
-  const std::int64_t words = bytes / std::int64_t(sizeof(W));
-  launch.for_each(rows * words, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (*st != status_ok) return;  // a bad keep set moves nothing
-    static_cast<W*>(to(x / words))[x % words] = static_cast<const W*>(from(x / words))[x % words];
-  });
-}
-
 /// The widest word (16, 8, 4 or 2 bytes) that divides the row bytes, the strides and the bases.
 inline int word_bytes(std::int64_t row_bytes, std::initializer_list<std::uint64_t> quantities) {
   std::uint64_t all = std::uint64_t(row_bytes);
@@ -120,145 +115,146 @@ struct alignas(16) w16 {
   std::uint64_t a, b;
 };
 
-template <class L, class From, class To>
-void copy_rows_widest(const L& launch, std::int64_t rows, std::int64_t bytes, int word, From from, To to,
-                      const status_word* st) {
-  if (word == 16)
-    copy_rows<w16>(launch, rows, bytes, from, to, st);
-  else if (word == 8)
-    copy_rows<std::uint64_t>(launch, rows, bytes, from, to, st);
-  else if (word == 4)
-    copy_rows<std::uint32_t>(launch, rows, bytes, from, to, st);
-  else
-    copy_rows<std::uint16_t>(launch, rows, bytes, from, to, st);
+/// How a compaction is cut: slots of K and V (every head) per chunk, token entries per chunk.
+struct compact_chunks {
+  std::int64_t slots, tokens;
+  static compact_chunks of(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes, std::int64_t limit) {
+    const std::int64_t per_slot = 2 * std::int64_t(heads) * std::max<std::int64_t>(row_bytes, 1),
+                       most = std::max<std::int64_t>(kept, 1);
+    return {std::clamp<std::int64_t>(limit / per_slot, 1, most),
+            std::clamp<std::int64_t>(limit / std::int64_t(sizeof(token)), 1, most * heads)};
+  }
+  std::size_t bytes(std::int32_t heads, std::int64_t row_bytes) const {
+    return std::size_t(std::max(2 * slots * heads * row_bytes, tokens * std::int64_t(sizeof(token))));
+  }
+};
+
+/// One phase of moving slots [a, b) of K and V (every head, one launch): unit u's kept slot i
+/// moves to slot i (slots[i] >= i: rows only move forward). Chunks are moved in order, so a chunk
+/// only overwrites slots no later chunk reads; within the chunk, a head whose first source lies
+/// before b (sources and destinations overlap) goes through the scratch: `gather` copies its
+/// sources there, the next phase writes them out; other heads copy directly. Rows already in
+/// place are not touched. Indices inside the launch are 32-bit.
+template <class W, class L, row_source R>
+void move_chunk(const L& launch, const R& k, const R& v, const_keep_view keep, std::int64_t m, std::int64_t a,
+                std::int64_t b, std::byte* buf, std::int64_t row_bytes, bool gather, const status_word* st) {
+  const auto words = std::uint32_t(row_bytes / std::int64_t(sizeof(W))), len = std::uint32_t(b - a),
+             heads = std::uint32_t(k.n_heads), planes = v.empty() ? 1u : 2u;
+  const std::int64_t total = std::int64_t(planes) * heads * len * words;
+  INFKV_REQUIRE(total < (std::int64_t(1) << 32), "row_bytes", row_bytes, "a compaction chunk of ", len,
+                " slots must span fewer than 2^32 words");
+  const bool per_head = keep.n_units > 1;
+  launch.for_each(total, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*st != status_ok) return;  // a bad keep set, or an earlier fault: nothing moves
+    const auto x32 = std::uint32_t(x), w = x32 % words, row = x32 / words, r = row % len, hp = row / len;
+    const std::uint32_t h = hp % heads, p = hp / heads;
+    const std::int64_t* slots = keep.slots + (per_head ? std::int64_t(h) * m : 0);
+    const std::int64_t i = a + r, from = slots[i];
+    const bool staged = slots[a] < b;
+    W* stage = reinterpret_cast<W*>(buf + (std::int64_t(hp) * len + r) * row_bytes) + w;
+    const R& t = p == 0 ? k : v;
+    if (gather) {
+      if (staged) *stage = static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
+    } else if (from != i) {
+      static_cast<W*>(t.row(i, std::int32_t(h)))[w] =
+          staged ? *stage : static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
+    }
+  });
+}
+
+/// The same for entries [a, b) of the token lists, flattened: entry f = h * m + i of list h
+/// comes from h * n + slots[i] (lists packed from n to m entries each).
+template <class L>
+void move_token_chunk(const L& launch, token* tokens, std::int64_t n, const_keep_view keep, std::int64_t m,
+                      std::int64_t a, std::int64_t b, token* buf, bool gather, const status_word* st) {
+  const bool per_head = keep.n_units > 1;
+  const auto from = [=] INFKV_HOST_DEVICE(std::int64_t f) {
+    const std::int64_t h = f / m;
+    return h * n + keep.slots[(per_head ? h * m : 0) + f % m];
+  };
+  launch.for_each(b - a, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (*st != status_ok) return;
+    const std::int64_t f = a + x, src = from(f);
+    const bool staged = from(a) < b;
+    if (gather) {
+      if (staged) buf[x] = tokens[src];
+    } else if (src != f) {
+      tokens[f] = staged ? buf[x] : tokens[src];
+    }
+  });
 }
 
 }  // namespace detail
 
-/// Scratch a compaction of `kept` slots of `heads` heads of `row_bytes` (K and V) needs.
-inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes) {
-  return 64 + 2 * std::size_t(kept) * std::size_t(heads) * std::size_t(row_bytes) +
-         std::size_t(kept) * sizeof(token) * std::size_t(heads) + 192;
+/// Scratch a compaction of `kept` slots of `heads` heads of `row_bytes` (K and V) needs: at most
+/// `limit` (or one slot's K and V rows) whatever the cache's size. (A smaller limit than the
+/// library's cuts the move into more chunks: the tests use one.)
+inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes,
+                                         std::int64_t limit = compact_scratch_limit) {
+  return detail::compact_chunks::of(kept, heads, row_bytes, limit).bytes(heads, row_bytes);
 }
 
-/// Compacts K, V (either may be empty) and tokens of a strided cache: unit u (or unit 0 for all
-/// heads) of `keep`, `m` slots per unit, moves to slots [0, m) in increasing slot order, through
-/// the scratch (an in-place parallel move would race). `tokens` holds n_slots entries (uniform
-/// keep) or heads x n_slots (per-head keep, packed to heads x m), or is null. Nothing moves when
-/// the keep set is inconsistent (status bad_keep).
-template <class L>
-void compact_steps(const L& launch, tensor_view k, tensor_view v, token* tokens, std::int64_t n_tokens,
-                   const_keep_view keep, std::int64_t m, std::span<std::byte> scratch) {
-  status_word* st = reinterpret_cast<status_word*>(scratch.data());
-  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
+/// Compacts K, V (V may be empty; both strided views or both one sequence's paged rows) and
+/// tokens in place: unit u (or unit 0 for all heads) of `keep`, `m` slots per unit, moves to
+/// slots [0, m) in increasing slot order, chunk by chunk through a bounded scratch. `tokens`
+/// holds n_slots entries (one list) or heads x n_slots (one list per head, packed to heads x m),
+/// or is null. Nothing moves when the keep set is inconsistent (bad_keep is recorded) or the
+/// status word already holds a fault.
+template <class L, row_source R>
+void compact_steps(const L& launch, status_word* st, const R& k, const R& v, token* tokens, std::int64_t n_tokens,
+                   const_keep_view keep, std::int64_t m, std::span<std::byte> scratch,
+                   std::int64_t limit = compact_scratch_limit) {
   detail::check_keep(launch, keep, m, st);
   const std::int64_t heads = k.n_heads, row_bytes = k.head_dim * std::int64_t(size_of(k.type)), n = k.n_slots;
-  const bool per_head = keep.n_units > 1;
-  detail::carver c{scratch.data(), 64};
-  for (const tensor_view& t : {k, v}) {
-    if (t.empty()) continue;
-    auto* buf = c.take<std::byte>(m * heads * row_bytes);
-    const std::int64_t es = std::int64_t(size_of(t.type));
-    const int word = detail::word_bytes(
-        row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.data)), std::uint64_t(t.slot_stride * es),
-                    std::uint64_t(t.head_stride * es), std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
-    const auto kept_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* {  // r = head * m + i
-      const std::int64_t h = r / m, i = r % m;
-      return t.row(keep.slots[(per_head ? h * m : 0) + i], std::int32_t(h));
-    };
-    const auto buf_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return buf + r * row_bytes; };
-    const auto new_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return t.row(r % m, std::int32_t(r / m)); };
-    detail::copy_rows_widest(launch, heads * m, row_bytes, word, kept_row, buf_row, st);
-    detail::copy_rows_widest(launch, heads * m, row_bytes, word, buf_row, new_row, st);
+  const auto chunks = detail::compact_chunks::of(m, k.n_heads, row_bytes, limit);
+  std::byte* buf = scratch.data();
+  std::uint64_t all = reinterpret_cast<std::uintptr_t>(buf);
+  for (const R* t : {&k, &v}) {
+    if (t->empty()) continue;
+    const std::int64_t es = std::int64_t(size_of(t->type));
+    if constexpr (requires { t->store; })
+      all |= std::uint64_t(reinterpret_cast<std::uintptr_t>(t->store.data)) | std::uint64_t(t->store.page_stride * es) |
+             std::uint64_t(t->store.slot_stride * es) | std::uint64_t(t->store.head_stride * es);
+    else
+      all |= std::uint64_t(reinterpret_cast<std::uintptr_t>(t->data)) | std::uint64_t(t->slot_stride * es) |
+             std::uint64_t(t->head_stride * es);
   }
+  const int word = detail::word_bytes(row_bytes, {all});
+  for (std::int64_t a = 0; a < m; a += chunks.slots)
+    for (const bool gather : {true, false}) {
+      const std::int64_t b = std::min(m, a + chunks.slots);
+      if (word == 16)
+        detail::move_chunk<detail::w16>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+      else if (word == 8)
+        detail::move_chunk<std::uint64_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+      else if (word == 4)
+        detail::move_chunk<std::uint32_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+      else
+        detail::move_chunk<std::uint16_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+    }
   if (tokens == nullptr) return;
-  const std::int64_t lists = n_tokens == n ? 1 : heads;
-  auto* tb = c.take<token>(lists * m);
-  launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (*st != status_ok) return;
-    const std::int64_t h = x / m, i = x % m;
-    tb[x] = tokens[h * n + keep.slots[(per_head ? h * m : 0) + i]];
-  });
-  launch.for_each(lists * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (*st == status_ok) tokens[x] = tb[x];
-  });
+  const std::int64_t entries = (n_tokens == n ? 1 : heads) * m;
+  for (std::int64_t a = 0; a < entries; a += chunks.tokens)
+    for (const bool gather : {true, false})
+      detail::move_token_chunk(launch, tokens, n, keep, m, a, std::min(entries, a + chunks.tokens),
+                               reinterpret_cast<token*>(buf), gather, st);
 }
 
 /// Keeps the slots of `keep` (`m` per unit) in H2O's state, compacted to the front as the cache
 /// is (cpu::h2o_state::evict): the state's rows are [heads][ld] tensors of one f32 per slot.
 template <class L>
-void h2o_evict_steps(const L& launch, h2o_state_view& st, const_keep_view keep, std::int64_t m,
+void h2o_evict_steps(const L& launch, status_word* st, h2o_state_view& s, const_keep_view keep, std::int64_t m,
                      std::span<std::byte> scratch) {
-  const auto rows = [&](float* p) { return tensor_view{p, dtype::f32, st.n_slots, st.heads, 1, 1, st.ld}; };
-  compact_steps(launch, rows(st.acc), rows(st.life), nullptr, 0, keep, m, scratch);
-  compact_steps(launch, rows(st.score), tensor_view{}, nullptr, 0, keep, m, scratch);
-  st.n_slots = m;
-}
-
-/// Compacts sequence `seq` of a paged cache (one unit for all heads; the sequence holds `n`
-/// slots): kept rows move to the front of its pages through the scratch, the page table drops
-/// the pages no longer needed (later sequences' indices shift down) and their ids go to `freed`
-/// (pages_freed(n, m) entries). A table whose sequence does not hold n slots, or a bad keep set,
-/// changes nothing (status bad_pages / bad_keep).
-template <class L>
-void compact_paged_steps(const L& launch, paged_view p, std::int32_t seq, std::int64_t n, token* tokens,
-                         const_keep_view keep, std::int64_t m, std::int32_t* freed, std::span<std::byte> scratch) {
-  status_word* st = reinterpret_cast<status_word*>(scratch.data());
-  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
-    *st = status_ok;
-    if (p.seq_len(seq) != n) detail::record(st, encode(fault::bad_pages, 0, 0, n));
-    for (std::int32_t i = p.indptr[seq]; i < p.indptr[seq + 1]; ++i)
-      if (p.indices[i] < 0 || p.indices[i] >= p.n_pages) detail::record(st, encode(fault::bad_pages, 1, 0, i));
-  });
-  detail::check_keep(launch, keep, m, st);
-  const std::int64_t heads = p.n_heads, row_bytes = p.head_dim * std::int64_t(size_of(p.type));
-  const paged_rows kr{p.k, p.indices, p.type, n, p.n_heads, p.head_dim, p.page_size};
-  paged_rows vr = kr;
-  vr.store = p.v;
-  const std::int32_t* indptr = p.indptr;
-  detail::carver c{scratch.data(), 64};
-  for (const paged_rows& t : {kr, vr}) {
-    if (t.empty()) continue;
-    auto* buf = c.take<std::byte>(m * heads * row_bytes);
-    const std::int64_t es = std::int64_t(size_of(t.type));
-    const int word = detail::word_bytes(
-        row_bytes, {std::uint64_t(reinterpret_cast<std::uintptr_t>(t.store.data)),
-                    std::uint64_t(t.store.page_stride * es), std::uint64_t(t.store.slot_stride * es),
-                    std::uint64_t(t.store.head_stride * es), std::uint64_t(reinterpret_cast<std::uintptr_t>(buf))});
-    const auto row_of = [=] INFKV_HOST_DEVICE(std::int64_t slot, std::int64_t h) -> void* {
-      paged_rows r = t;
-      r.pages = t.pages + indptr[seq];  // this sequence's pages
-      return r.row(slot, std::int32_t(h));
-    };
-    const auto kept_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return row_of(keep.slots[r % m], r / m); };
-    const auto buf_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return buf + r * row_bytes; };
-    const auto new_row = [=] INFKV_HOST_DEVICE(std::int64_t r) -> void* { return row_of(r % m, r / m); };
-    detail::copy_rows_widest(launch, heads * m, row_bytes, word, kept_row, buf_row, st);
-    detail::copy_rows_widest(launch, heads * m, row_bytes, word, buf_row, new_row, st);
-  }
-  auto* tb = c.take<token>(m);
-  launch.for_each(m, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    if (*st == status_ok) tb[i] = tokens[keep.slots[i]];
-  });
-  launch.for_each(m, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    if (*st == status_ok) tokens[i] = tb[i];
-  });
-  launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {  // the table: one thread, in order
-    if (*st != status_ok) return;
-    const std::int32_t before = p.indptr[seq + 1] - p.indptr[seq],
-                       after = std::int32_t((m + p.page_size - 1) / p.page_size);
-    const std::int32_t drop = before - after, end = p.indptr[p.n_seqs];
-    for (std::int32_t i = 0; i < drop; ++i) freed[i] = p.indices[p.indptr[seq] + after + i];
-    for (std::int32_t i = p.indptr[seq + 1]; i < end; ++i) p.indices[i - drop] = p.indices[i];
-    for (std::int32_t s = seq + 1; s <= p.n_seqs; ++s) p.indptr[s] -= drop;
-    p.last_page_len[seq] = m == 0 ? 0 : std::int32_t(m - std::int64_t(after - 1) * p.page_size);
-  });
+  const auto rows = [&](float* p) { return tensor_view{p, dtype::f32, s.n_slots, s.heads, 1, 1, s.ld}; };
+  compact_steps(launch, st, rows(s.acc), rows(s.life), nullptr, 0, keep, m, scratch);
+  compact_steps(launch, st, rows(s.score), tensor_view{}, nullptr, 0, keep, m, scratch);
+  s.n_slots = m;
 }
 
 /// Rotates every head of slot j of the (post-RoPE) keys by delta[j] positions (compact position
 /// mode; cpu::rerotate's semantics): one thread per (slot, frequency pair), heads in a loop.
 template <class L, row_source R>
-void rerotate_steps(const L& launch, const R& keys, const std::int64_t* delta, const rope& r) {
+void rerotate_steps(const L& launch, const status_word* st, const R& keys, const std::int64_t* delta, const rope& r) {
   validate(keys, "keys");
   const std::int32_t dims = r.checked_dims(keys.head_dim);
   const std::int32_t half = dims / 2;
@@ -266,7 +262,7 @@ void rerotate_steps(const L& launch, const R& keys, const std::int64_t* delta, c
   launch.for_each(keys.n_slots * half, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t j = x / half, dp = delta[j];
     const auto i = std::int32_t(x % half);
-    if (dp == 0) return;
+    if (dp == 0 || *st != status_ok) return;  // after a fault (a compaction that did not move): nothing
     const double a = double(dp) * rope_frequency(rot, i, dims);
     const auto cs = float(cos(a)), sn = float(sin(a));
     std::int32_t ea = 0, eb = 0;

@@ -43,10 +43,9 @@ INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el
 /// -cos(k_j, mean unit key) per KV head (KeyDiff): inverse norms, chunk sums of unit keys,
 /// the anchor, its norm, then the cosines.
 template <class L, row_source R>
-void keydiff_steps(const L& launch, const R& keys, score_view out, std::span<std::byte> scratch) {
+void keydiff_steps(const L& launch, status_word* st, const R& keys, score_view out, std::span<std::byte> scratch) {
   validate(keys, "keys");
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
-  status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), 64};
   const auto w = detail::keydiff_scratch::carve(c, hkv, n, d);
   float *part = w.part, *anchor = w.anchor, *inv_an = w.inv_an;
@@ -88,8 +87,8 @@ void keydiff_steps(const L& launch, const R& keys, score_view out, std::span<std
 /// per query row their combination, per (KV head, key) the mass, logits recomputed.
 /// `offset` is where the step's scratch starts (after the status word and anything kept).
 template <class L, row_source R>
-void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int64_t window, bool per_query_head,
-                            score_view out, std::span<std::byte> scratch, std::size_t offset) {
+void window_attention_steps(const L& launch, status_word* st, const layer_inputs<R>& in, std::int64_t window,
+                            bool per_query_head, score_view out, std::span<std::byte> scratch, std::size_t offset) {
   check_query_inputs(in);
   const R keys = in.keys;
   const const_tensor_view q = in.queries;
@@ -99,7 +98,6 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
   const float scale = in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d));
   const token* tok = in.tokens.data();
   const std::int64_t* qpos = in.query_pos.data();
-  status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), offset};
   const auto stats = detail::softmax_scratch::carve(c, rows, n);
   float *tmax = stats.tmax, *tsum = stats.tsum, *rmax = stats.rmax, *rcoef = stats.rcoef;
@@ -164,7 +162,7 @@ void window_attention_steps(const L& launch, const layer_inputs<R>& in, std::int
 /// out, a chunked softmax per query head, the group mean. `offset` is where the step's scratch
 /// starts.
 template <class L, row_source R>
-void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const expectation& e,
+void expected_attention_steps(const L& launch, status_word* st, const layer_inputs<R>& in, const expectation& e,
                               const std::int64_t* order, score_view out, std::span<std::byte> scratch,
                               std::size_t offset) {
   check_query_inputs(in);
@@ -172,13 +170,12 @@ void expected_attention_steps(const L& launch, const layer_inputs<R>& in, const 
   const const_tensor_view q = in.queries;
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
   const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
-  const rope rot = in.rotary ? *in.rotary : e.rotary;  // the layer's own RoPE wins (read on the host)
+  const rope rot = in.rotary.value_or(e.rotary);  // the layer's own RoPE wins
   const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
   const double scale = in.scale > 0.f ? in.scale : 1.0 / sqrt(double(d));
   const double cov_coef = e.covariance ? scale * scale / (2.0 * double(m)) : 0.0;
   const bool cov = e.covariance, matrix = e.matrix(m, d, n);
   const std::int64_t* qpos = in.query_pos.data();
-  status_word* st = reinterpret_cast<status_word*>(scratch.data());
   detail::carver c{scratch.data(), offset};
   const auto w = detail::expected_scratch::carve(c, hq, m, d, n, matrix);
   float *table = w.table, *stats = w.stats;

@@ -28,6 +28,8 @@ namespace infkv::cuda {
 template <class L>
 struct basic_backend {
   L launch{};
+  /// Where the steps record faults (device memory of the caller; see cuda::backend::status).
+  status_word* status = nullptr;
 
   /// Bytes of the status word and the largest scratch of any primitive for layers of `shape`.
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
@@ -70,13 +72,18 @@ struct basic_backend {
                   " units (units x slots must fit in 2^32)");
   }
 
-  static status_word* status_of(std::span<std::byte> scratch) { return reinterpret_cast<status_word*>(scratch.data()); }
+  /// The status word (the scratch argument is not used: the word is the caller's, kept across
+  /// calls until the caller resets it).
+  status_word* status_of(std::span<std::byte>) const {
+    INFKV_REQUIRE(status != nullptr, "backend.status", "null",
+                  "the steps record faults in a device status word of the caller (cuda::backend::status)");
+    return status;
+  }
 
-  /// Time order (position, then slot); resets the status word (every run starts here).
+  /// Time order (position, then slot).
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
     const auto n = std::int64_t(tokens.size());
     status_word* st = status_of(scratch);
-    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) { *st = status_ok; });
     if (n == 0) return;
     detail::carver c{scratch.data(), 64};
     const auto w = detail::sort_scratch::carve(c, n, n, 1);
@@ -103,9 +110,12 @@ struct basic_backend {
         launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
         return;
       }
-      case score_source::key_diversity: detail::keydiff_steps(launch, in.keys, out, scratch); return;
+      case score_source::key_diversity:
+        detail::keydiff_steps(launch, status_of(scratch), in.keys, out, scratch);
+        return;
       case score_source::window_attention:
-        detail::window_attention_steps(launch, in, spec.queries, spec.pools_per_query_head(), out, scratch, 64);
+        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, spec.pools_per_query_head(), out,
+                                       scratch, 64);
         return;
       case score_source::last_query: {  // every KV head's mass, then the mean over the heads
         const std::int64_t hkv = in.keys.n_heads;
@@ -113,7 +123,7 @@ struct basic_backend {
         detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots),
                                        n);
         const score_view heads{c.take<float>(hkv * n), hkv, n, n};
-        detail::window_attention_steps(launch, in, spec.queries, false, heads, scratch, 64);
+        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, false, heads, scratch, 64);
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
           float s = 0.f;
           for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
@@ -122,8 +132,8 @@ struct basic_backend {
         return;
       }
       case score_source::expected_attention:
-        detail::expected_attention_steps(launch, detail::last_queries(in, spec.queries), spec.expect, order, out,
-                                         scratch, 64);
+        detail::expected_attention_steps(launch, status_of(scratch), detail::last_queries(in, spec.queries),
+                                         spec.expect, order, out, scratch, 64);
         return;
     }
   }
