@@ -1,8 +1,9 @@
 // infkv CUDA backend benchmarks (Google Benchmark, CUDA-event timing): each kernel at realistic
 // shapes (head dim 128, 8 KV heads, 4K-128K slots, window 32, f16), reported as bytes/s next to
 // a device-to-device copy and as flop/s next to a tensor-core GEMM (cuBLAS f16, f32 accumulate),
-// both measured in the same binary. Counters: `of_copy` (fraction of the copy bandwidth) for
-// memory-bound kernels, `of_gemm` for window scoring. Needs a device; exits 77 without one.
+// both measured in the same binary. Counters: `of_copy` (fraction of the copy bandwidth, counted
+// on the least traffic the step needs) for memory-bound kernels, `of_gemm` for the scoring of
+// window queries. Needs a device; exits 77 without one.
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
@@ -49,6 +50,7 @@ void timed(benchmark::State& state, F&& f) {
 }
 
 double g_copy_bw = 0, g_gemm_flops = 0;
+infkv::cuda::status_word* g_status = nullptr;  // every benchmark's status word (checked at the end)
 
 /// A kernel's memory traffic (bytes read + written) per iteration as a fraction of the copy's
 /// (which reads and writes each byte it copies).
@@ -105,7 +107,8 @@ double gemm_flops() {
   return 2.0 * n * n * double(n) / (double(best) / 1e3);
 }
 
-/// One layer on the device: f16 keys [n][8][128], 32 queries of 32 query heads, positions 0..n-1.
+/// One layer on the device: f16 keys [n][8][128], the last 32 (or `queries`) queries of 32 query
+/// heads, positions 0..n-1.
 struct layer {
   std::int64_t n;
   std::int32_t hkv = 8, hq = 32, d = 128;
@@ -113,7 +116,7 @@ struct layer {
   void *k = nullptr, *v = nullptr, *q = nullptr;
   infkv::token* tokens = nullptr;
   std::int64_t* qpos = nullptr;
-  explicit layer(std::int64_t slots) : n(slots) {
+  explicit layer(std::int64_t slots, std::int64_t queries = 32) : n(slots), nq(queries) {
     std::mt19937 gen(1);
     std::normal_distribution<float> normal;
     std::vector<float> x(static_cast<std::size_t>(n * hkv * d));
@@ -146,10 +149,11 @@ struct layer {
 };
 
 /// Scores of one layer from a source (no pooling): the scoring kernels alone.
-void score(benchmark::State& state, infkv::score_source src) {
+void score(benchmark::State& state, infkv::policy_spec spec) {
   const layer ly(state.range(0));
-  const infkv::cuda::backend be{};
-  infkv::policy_spec spec{.name = "bench", .source = src, .queries = src == infkv::score_source::last_query ? 1 : 32};
+  const infkv::cuda::backend be{nullptr, g_status};
+  const infkv::score_source src = spec.source;
+  spec.pool = infkv::pooling::none, spec.value_norm = false, spec.bias = {};
   const auto in = ly.in();
   const infkv::plan p = infkv::make_plan(be, spec, {.ratio = 1.0}, infkv::shape_of(in));
   auto* ws = dmalloc<std::byte>(p.workspace_bytes);
@@ -159,7 +163,11 @@ void score(benchmark::State& state, infkv::score_source src) {
   const double key_bytes = double(ly.n) * ly.hkv * ly.d * 2;
   if (src == infkv::score_source::key_diversity) {
     state.counters["bytes_per_s"] = benchmark::Counter(3 * key_bytes, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["of_copy"] = of_copy(3 * key_bytes);  // three passes over the keys
+    state.counters["of_copy"] = of_copy(3 * key_bytes);         // three passes over the keys
+  } else if (src == infkv::score_source::expected_attention) {  // one pass over the keys, a d x d form per key
+    const double flops = 2.0 * double(ly.hq) * double(ly.n) * ly.d * ly.d;
+    state.counters["flop_per_s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["of_copy"] = of_copy(key_bytes);
   } else {
     const double flops = 2.0 * 2.0 * double(ly.hq) * double(spec.queries) * double(ly.n) * ly.d;  // logits twice
     state.counters["flop_per_s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -167,14 +175,32 @@ void score(benchmark::State& state, infkv::score_source src) {
   }
 }
 
-void BM_window_scoring(benchmark::State& s) { score(s, infkv::score_source::window_attention); }
-void BM_tova_scoring(benchmark::State& s) { score(s, infkv::score_source::last_query); }
-void BM_keydiff(benchmark::State& s) { score(s, infkv::score_source::key_diversity); }
+void BM_window_scoring(benchmark::State& s) { score(s, infkv::snapkv{.window = 32}.spec()); }
+void BM_tova_scoring(benchmark::State& s) { score(s, infkv::tova{}.spec()); }
+void BM_keydiff(benchmark::State& s) { score(s, infkv::keydiff{}.spec()); }
+void BM_expected_attention(benchmark::State& s) { score(s, infkv::expected_attention{.window = 32}.spec()); }
 
-/// Top-k per KV head over random scores (8 heads x n), keeping n / 4 (the selection alone).
-void BM_topk(benchmark::State& state) {
+/// H2O's accumulation of one decode step (one query of 32 heads) over n slots of 8 KV heads.
+void BM_h2o_observe(benchmark::State& state) {
+  const layer ly(state.range(0), 1);
+  const auto in = ly.in();
+  const std::int64_t n = ly.n;
+  auto* st = dmalloc<float>(std::size_t(3 * ly.hkv * n));
+  ok(cudaMemset(st, 0, std::size_t(3 * ly.hkv * n) * 4));
+  const infkv::cuda::h2o_state_view view{st, st + ly.hkv * n, st + 2 * ly.hkv * n, ly.hkv, n, n};
+  const std::size_t wsb = infkv::cuda::h2o_scratch_bytes(infkv::shape_of(in));
+  auto* ws = dmalloc<std::byte>(wsb);
+  timed(state, [&] { infkv::cuda::h2o_observe(view, infkv::h2o{}, in, {ws, wsb}, g_status, nullptr); });
+  // Least traffic: the keys once, the three state rows read and written.
+  state.counters["of_copy"] = of_copy(double(n) * ly.hkv * ly.d * 2 + 6.0 * double(n) * ly.hkv * 4);
+  cudaFree(st), cudaFree(ws);
+}
+
+/// Top-k per KV head over random scores (8 heads x n), keeping n / 4 (the selection alone; with
+/// AdaKV's allocation between heads first when `adakv`).
+void select(benchmark::State& state, bool adakv) {
   const std::int64_t n = state.range(0), heads = 8;
-  const infkv::cuda::backend be{};
+  const infkv::cuda::backend be{nullptr, g_status};
   std::vector<float> s(static_cast<std::size_t>(heads * n));
   std::mt19937 gen(2);
   std::uniform_real_distribution<float> u;
@@ -187,8 +213,10 @@ void BM_topk(benchmark::State& state) {
   infkv::layer_inputs<> in;
   in.tokens = {dt, std::size_t(n)}, in.accumulated = {ds, heads, n, n};
   const infkv::policy_spec spec{.name = "bench", .source = infkv::score_source::accumulated};
-  const infkv::plan p = infkv::make_plan(be, spec, {.capacity = n / 4, .sinks = 4, .recent = 64}, infkv::shape_of(in),
-                                         {.g = infkv::granularity::per_head});
+  infkv::plan_options opt{.g = infkv::granularity::per_head};
+  if (adakv) opt.adakv = infkv::adakv{.alpha = 0.2};
+  const infkv::plan p =
+      infkv::make_plan(be, spec, {.capacity = n / 4, .sinks = 4, .recent = 64}, infkv::shape_of(in), opt);
   auto* ws = dmalloc<std::byte>(p.workspace_bytes);
   auto* slots = dmalloc<std::int64_t>(std::size_t(p.kept_total));
   auto* offsets = dmalloc<std::int64_t>(std::size_t(p.offsets_size()));
@@ -196,16 +224,22 @@ void BM_topk(benchmark::State& state) {
   const std::span<std::byte> w(ws, p.workspace_bytes);
   auto* order = reinterpret_cast<std::int64_t*>(ws + p.order);
   be.time_order(in.tokens, order, w.subspan(p.backend));
+  auto* caps = adakv ? reinterpret_cast<std::int64_t*>(ws + p.caps) : nullptr;
   timed(state, [&] {
-    be.select({ds, heads, n, n}, in.tokens, order, nullptr, p.keep_per_unit, p.keep, out, w.subspan(p.backend));
+    if (adakv) be.allocate(*opt.adakv, {ds, heads, n, n}, order, p.keep, p.keep_per_unit, caps, w.subspan(p.backend));
+    be.select({ds, heads, n, n}, in.tokens, order, caps, p.keep_per_unit, p.keep, out, w.subspan(p.backend));
   });
+  // Least traffic: the scores and the order read once, the kept slots written.
+  state.counters["of_copy"] = of_copy(double(heads * n) * 4 + double(n) * 8 + double(p.kept_total) * 8);
   cudaFree(ds), cudaFree(dt), cudaFree(ws), cudaFree(slots), cudaFree(offsets);
 }
+void BM_topk(benchmark::State& s) { select(s, false); }
+void BM_adakv(benchmark::State& s) { select(s, true); }
 
 /// Pooling along time (avg, kernel 7) of 8 rows x n.
 void BM_pool(benchmark::State& state) {
   const std::int64_t n = state.range(0), rows = 8;
-  const infkv::cuda::backend be{};
+  const infkv::cuda::backend be{nullptr, g_status};
   auto* s = dmalloc<float>(std::size_t(rows * n));
   ok(cudaMemset(s, 0, std::size_t(rows * n) * 4));
   const auto t = infkv::text_tokens(n);
@@ -220,9 +254,9 @@ void BM_pool(benchmark::State& state) {
   cudaFree(s), cudaFree(order), cudaFree(scratch);
 }
 
-/// Contiguous compaction of K and V (keep every other slot): kept rows copied twice (through the
-/// workspace).
-void BM_compact(benchmark::State& state) {
+/// Compaction of K and V (keep every other slot), contiguous or paged (pages of 16 slots);
+/// counted on the least traffic: every moved row read and written once.
+void compact(benchmark::State& state, bool paged) {
   const std::int64_t n = state.range(0), m = n / 2;
   const layer ly(n);
   std::vector<std::int64_t> s(static_cast<std::size_t>(m));
@@ -236,13 +270,27 @@ void BM_compact(benchmark::State& state) {
   auto* ws = dmalloc<std::byte>(wsb);
   auto kv = infkv::contiguous_nhd(ly.k, ly.v, infkv::dtype::f16, n, ly.hkv, ly.d);
   const std::span<infkv::token> toks(ly.tokens, std::size_t(n));
+  const infkv::keep_view keep{slots, offsets, 1, n};
+  const std::span<std::byte> w(ws, wsb);
+  const std::int32_t page = 16;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n / page));
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = std::int32_t(ids.size() - 1 - i);  // pages in reverse
+  auto* pages = dmalloc<std::int32_t>(ids.size());
+  ok(cudaMemcpy(pages, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  const std::int64_t row = std::int64_t(ly.hkv) * ly.d;
+  const infkv::paged_rows pk{{ly.k, page * row, row, ly.d}, pages, infkv::dtype::f16, n, ly.hkv, ly.d, page},
+      pv{{ly.v, page * row, row, ly.d}, pages, infkv::dtype::f16, n, ly.hkv, ly.d, page};
   timed(state, [&] {
-    infkv::cuda::compact(kv.k, kv.v, toks, infkv::keep_view{slots, offsets, 1, n}, m, std::span<std::byte>(ws, wsb),
-                         nullptr);
+    if (paged)
+      infkv::cuda::compact(pk, pv, toks, keep, m, w, g_status, nullptr);
+    else
+      infkv::cuda::compact(kv.k, kv.v, toks, keep, m, w, g_status, nullptr);
   });
-  state.counters["of_copy"] = of_copy(2.0 * 2.0 * 2.0 * double(m) * ly.hkv * ly.d * 2);  // K, V; 2 copies; read + write
-  cudaFree(slots), cudaFree(offsets), cudaFree(ws);
+  state.counters["of_copy"] = of_copy(2.0 * 2.0 * double(m - 1) * ly.hkv * ly.d * 2);  // K and V, read + write
+  cudaFree(slots), cudaFree(offsets), cudaFree(ws), cudaFree(pages);
 }
+void BM_compact(benchmark::State& s) { compact(s, false); }
+void BM_compact_paged(benchmark::State& s) { compact(s, true); }
 
 /// RoPE re-rotation of every key (delta 1000): read and written once.
 void BM_rerotate(benchmark::State& state) {
@@ -252,7 +300,7 @@ void BM_rerotate(benchmark::State& state) {
   auto* delta = dmalloc<std::int64_t>(d.size());
   ok(cudaMemcpy(delta, d.data(), d.size() * 8, cudaMemcpyHostToDevice));
   const auto keys = infkv::nhd(ly.k, infkv::dtype::f16, n, ly.hkv, ly.d);
-  timed(state, [&] { infkv::cuda::rerotate(keys, delta, {}, nullptr); });
+  timed(state, [&] { infkv::cuda::rerotate(keys, delta, {}, g_status, nullptr); });
   state.counters["of_copy"] = of_copy(2.0 * double(n) * ly.hkv * ly.d * 2);  // read + write
   cudaFree(delta);
 }
@@ -262,9 +310,13 @@ void BM_rerotate(benchmark::State& state) {
 BENCHMARK(BM_window_scoring)->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_tova_scoring)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_keydiff)->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_expected_attention)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_h2o_observe)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_topk)->Arg(4096)->Arg(32768)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_adakv)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_pool)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_compact)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_compact_paged)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_rerotate)->Arg(4096)->Arg(131072)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 int main(int argc, char** argv) {
@@ -274,10 +326,13 @@ int main(int argc, char** argv) {
   }
   g_copy_bw = copy_bandwidth();
   g_gemm_flops = gemm_flops();
+  g_status = dmalloc<infkv::cuda::status_word>(1);
+  infkv::cuda::reset_status(g_status, nullptr);
   benchmark::AddCustomContext("copy_bytes_per_s", std::to_string(g_copy_bw));
   benchmark::AddCustomContext("gemm_f16_flop_per_s", std::to_string(g_gemm_flops));
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  infkv::cuda::check(g_status, nullptr, "infkv_bench_cuda");  // random inputs: nothing may be recorded
   return 0;
 }

@@ -84,9 +84,8 @@ TEST_CASE("cuda (stub runtime): infkv::run of every score source only queues wor
       {"h2o (accumulated)", policy_spec{.name = "h2o", .source = score_source::accumulated}}};
   const budget b{.capacity = 1024, .sinks = 4, .recent = 32};
   for (const auto& [name, spec] : specs)
-    for (const plan_options opt :
-         {plan_options{.g = granularity::per_head}, plan_options{.g = granularity::per_token},
-          plan_options{.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}}}) {
+    for (const plan_options opt : {plan_options{.g = granularity::per_head}, plan_options{.g = granularity::per_token},
+                                   plan_options{.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}}}) {
       if (opt.adakv && (spec.source == score_source::recency || spec.source == score_source::last_query)) continue;
       INFO(name, " ", to_string(opt.g), opt.adakv ? " adakv" : "");
       const plan p = make_plan(be, spec, b, shape_of(in), opt);
@@ -131,8 +130,8 @@ TEST_CASE("cuda (stub runtime): compaction, re-rotation and H2O's steps only que
   expect_queued_only("h2o_observe");
   cuda::h2o_state_view next = st;
   const std::size_t eb = cuda::compact_scratch_bytes(500, 2, 4);
-  cuda::h2o_evict(next, {dev<std::int64_t>(500), dev<std::int64_t>(2), 1, ly.n}, 500, {dev<std::byte>(std::int64_t(eb)), eb},
-                  status, stream);
+  cuda::h2o_evict(next, {dev<std::int64_t>(500), dev<std::int64_t>(2), 1, ly.n}, 500,
+                  {dev<std::byte>(std::int64_t(eb)), eb}, status, stream);
   CHECK(next.n_slots == 500);
   expect_queued_only("h2o_evict");
 

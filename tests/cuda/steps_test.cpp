@@ -405,6 +405,25 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     CHECK(t[0].pos == ly.p.tokens[0].pos);
     CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::compact"), doctest::Contains("nothing was moved"), invalid_argument);
   }
+  SUBCASE("after a fault (a NaN score of the run that chose the keep set) no cache step changes anything") {
+    stored k = store(ly.p.k, 80, 2, 8, dtype::f32, layout::nhd), v = store(ly.p.k, 80, 2, 8, dtype::f32, layout::hnd);
+    const auto kb = k.bytes, vb = v.bytes;
+    std::vector<token> t = ly.p.tokens;
+    std::vector<std::int64_t> slots{0, 7, 30, 79}, offsets{0, 4}, delta(80, 500);
+    std::vector<std::byte> ws(cuda::compact_scratch_bytes(4, 2, 32));
+    cuda::status_word word = cuda::encode(cuda::fault::nan_score, 0, 0, 12);
+    cuda::compact_steps(host_launcher{}, &word, k.tensor, v.tensor, t.data(), 80,
+                        keep_view{slots.data(), offsets.data(), 1, 80}, 4, {ws.data(), ws.size()});
+    cuda::rerotate_steps(host_launcher{}, &word, k.tensor, delta.data(), rope{});
+    std::vector<float> acc(2 * 80, 1.f), life(acc.size(), 2.f), score(acc.size(), 3.f);
+    const cuda::h2o_state_view state{acc.data(), life.data(), score.data(), 2, 80, 80};
+    std::vector<std::byte> hws(cuda::h2o_scratch_bytes<host_launcher>(shape_of(ly.in())));
+    cuda::h2o_observe_steps(host_launcher{}, &word, state, h2o{}, ly.in(), {hws.data(), hws.size()});
+    CHECK((k.bytes == kb && v.bytes == vb));
+    CHECK(t[1].pos == ly.p.tokens[1].pos);
+    CHECK((acc[5] == 1.f && life[5] == 2.f && score[5] == 3.f));
+    CHECK(cuda::decode(word).kind == cuda::fault::nan_score);  // the first fault stays
+  }
 }
 
 TEST_CASE("cuda steps (host): H2O's accumulation step and eviction follow cpu::h2o_state") {
