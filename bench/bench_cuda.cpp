@@ -15,6 +15,8 @@
 #include <cuda_runtime_api.h>
 #include <infkv/cuda.hpp>
 
+#include "cost_model.hpp"
+
 namespace {
 
 void ok(cudaError_t e) {
@@ -56,6 +58,23 @@ infkv::cuda::status_word* g_status = nullptr;  // every benchmark's status word 
 /// (which reads and writes each byte it copies).
 benchmark::Counter of_copy(double traffic) {
   return benchmark::Counter(traffic / (2 * g_copy_bw), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Rates of a kernel against the cost model's least traffic and FLOPs: bytes/s and the fraction
+/// of the copy bandwidth; flop/s and the fraction of the GEMM peak where it computes.
+void report(benchmark::State& state, const infkv_bench::cost& c) {
+  using benchmark::Counter;
+  state.counters["bytes_per_s"] = Counter(c.bytes, Counter::kIsIterationInvariantRate);
+  state.counters["of_copy"] = of_copy(c.bytes);
+  if (c.flops > 0) {
+    state.counters["flop_per_s"] = Counter(c.flops, Counter::kIsIterationInvariantRate);
+    state.counters["of_gemm"] = Counter(c.flops / g_gemm_flops, Counter::kIsIterationInvariantRate);
+  }
+}
+
+/// The cost model's case for a layer of n slots (the benchmarks' shapes), `kept` slots kept.
+infkv_bench::layer_case shape(std::int64_t n, std::int64_t kept, std::int64_t window = 32) {
+  return {.n = n, .hkv = 8, .hq = 32, .d = 128, .m = window, .elem = 2, .kept = kept};
 }
 
 /// Device-to-device copy bandwidth (bytes copied per second, best of 10 copies of 1 GiB).
@@ -160,19 +179,11 @@ void score(benchmark::State& state, infkv::policy_spec spec) {
   const std::span<std::byte> w(ws, p.workspace_bytes);
   timed(state, [&] { infkv::run_scores(p, be, in, w); });
   cudaFree(ws);
-  const double key_bytes = double(ly.n) * ly.hkv * ly.d * 2;
-  if (src == infkv::score_source::key_diversity) {
-    state.counters["bytes_per_s"] = benchmark::Counter(3 * key_bytes, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["of_copy"] = of_copy(3 * key_bytes);         // three passes over the keys
-  } else if (src == infkv::score_source::expected_attention) {  // one pass over the keys, a d x d form per key
-    const double flops = 2.0 * double(ly.hq) * double(ly.n) * ly.d * ly.d;
-    state.counters["flop_per_s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["of_copy"] = of_copy(key_bytes);
-  } else {
-    const double flops = 2.0 * 2.0 * double(ly.hq) * double(spec.queries) * double(ly.n) * ly.d;  // logits twice
-    state.counters["flop_per_s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["of_gemm"] = benchmark::Counter(flops / g_gemm_flops, benchmark::Counter::kIsIterationInvariantRate);
-  }
+  const auto c = shape(ly.n, ly.n, spec.queries);
+  report(state, src == infkv::score_source::key_diversity        ? infkv_bench::keydiff(c)
+                : src == infkv::score_source::expected_attention ? infkv_bench::expected_attention(c)
+                : src == infkv::score_source::last_query         ? infkv_bench::window_scoring(c, 1)
+                                                                 : infkv_bench::window_scoring(c, spec.queries));
 }
 
 void BM_window_scoring(benchmark::State& s) { score(s, infkv::snapkv{.window = 32}.spec()); }
@@ -191,8 +202,7 @@ void BM_h2o_observe(benchmark::State& state) {
   const std::size_t wsb = infkv::cuda::h2o_scratch_bytes(infkv::shape_of(in));
   auto* ws = dmalloc<std::byte>(wsb);
   timed(state, [&] { infkv::cuda::h2o_observe(view, infkv::h2o{}, in, {ws, wsb}, g_status, nullptr); });
-  // Least traffic: the keys once, the three state rows read and written.
-  state.counters["of_copy"] = of_copy(double(n) * ly.hkv * ly.d * 2 + 6.0 * double(n) * ly.hkv * 4);
+  report(state, infkv_bench::h2o_observe(shape(n, n, 1)));
   cudaFree(st), cudaFree(ws);
 }
 
@@ -229,8 +239,7 @@ void select(benchmark::State& state, bool adakv) {
     if (adakv) be.allocate(*opt.adakv, {ds, heads, n, n}, order, p.keep, p.keep_per_unit, caps, w.subspan(p.backend));
     be.select({ds, heads, n, n}, in.tokens, order, caps, p.keep_per_unit, p.keep, out, w.subspan(p.backend));
   });
-  // Least traffic: the scores and the order read once, the kept slots written.
-  state.counters["of_copy"] = of_copy(double(heads * n) * 4 + double(n) * 8 + double(p.kept_total) * 8);
+  report(state, infkv_bench::selection(shape(n, p.keep_per_unit)));
   cudaFree(ds), cudaFree(dt), cudaFree(ws), cudaFree(slots), cudaFree(offsets);
 }
 void BM_topk(benchmark::State& s) { select(s, false); }
@@ -286,7 +295,7 @@ void compact(benchmark::State& state, bool paged) {
     else
       infkv::cuda::compact(kv.k, kv.v, toks, keep, m, w, g_status, nullptr);
   });
-  state.counters["of_copy"] = of_copy(2.0 * 2.0 * double(m - 1) * ly.hkv * ly.d * 2);  // K and V, read + write
+  report(state, infkv_bench::compaction(shape(n, m)));
   cudaFree(slots), cudaFree(offsets), cudaFree(ws), cudaFree(pages);
 }
 void BM_compact(benchmark::State& s) { compact(s, false); }
@@ -301,7 +310,7 @@ void BM_rerotate(benchmark::State& state) {
   ok(cudaMemcpy(delta, d.data(), d.size() * 8, cudaMemcpyHostToDevice));
   const auto keys = infkv::nhd(ly.k, infkv::dtype::f16, n, ly.hkv, ly.d);
   timed(state, [&] { infkv::cuda::rerotate(keys, delta, {}, g_status, nullptr); });
-  state.counters["of_copy"] = of_copy(2.0 * double(n) * ly.hkv * ly.d * 2);  // read + write
+  report(state, infkv_bench::rerotate(shape(n, n)));
   cudaFree(delta);
 }
 

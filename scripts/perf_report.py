@@ -309,6 +309,27 @@ def expected_section(edir, md):
         md.append("")
 
 
+def cuda_cost_section(gpu_dir, md):
+    """The CUDA kernels' cost model (bench/results/gpu/cost_model.json, from infkv_cost_table) beside
+    the review's estimates of the design before it and the targets (review_estimates.json)."""
+    cost = load(os.path.join(gpu_dir, "cost_model.json"))
+    review = load(os.path.join(gpu_dir, "review_estimates.json"))
+    c, g = cost["case"], cost["gpu"]
+    md.append(f"One layer of {c['n']} slots, {c['kv_heads']} KV heads, head_dim {c['head_dim']}, "
+              f"{c['element_bytes']}-byte elements, a window of {c['window']} queries of {c['q_heads']} query "
+              f"heads, {c['kept']} slots kept per head; roofline on a GPU of {g['copy_bytes_per_s'] / 1e12:.1f} TB/s "
+              f"and {g['peak_flop_per_s'] / 1e12:.0f} TFLOP/s (an H200). Computed at commit {cost['commit']}: "
+              f"{cost['protocol']}. The \"before\" column: {review['source']}.\n")
+    rows = []
+    for k in cost["kernels"]:
+        r = review["kernels"].get(k["kernel"], {})
+        rows.append([k["kernel"], k["what"], fmt(k["bytes"] / 1e6, 0), fmt(k["flops"] / 1e9, 1),
+                     fmt(k["roofline_us"], 0), r.get("before") or "-", r.get("target") or "-"])
+    md.append(table(["kernel", "least work", "MB moved", "GFLOP", "roofline (us)", "before (review estimate)",
+                     "target"], rows) + "\n")
+    md.append(f"Whole eviction: {review['eviction_target']}.\n")
+
+
 def main():
     engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/perf")
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "docs/performance.md")
@@ -348,6 +369,9 @@ def main():
     section("5. The kernels as consumers build them", kernel_section, engine, md)
     section("6. Expected Attention against kvpress", expected_section,
             os.path.join(os.path.dirname(engine.rstrip("/")), "expected"), md)
+    gpu_dir = os.path.join(os.path.dirname(engine.rstrip("/")), "gpu")
+    if os.path.exists(os.path.join(gpu_dir, "cost_model.json")):
+        section("7. The CUDA kernels: least work and the roofline", cuda_cost_section, gpu_dir, md)
     with open(out, "w") as f:
         f.write("\n".join(md).rstrip() + "\n")
     print(f"wrote {out}")
