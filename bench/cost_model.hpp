@@ -71,7 +71,7 @@ inline cost rerotate(const layer_case& c) {
 inline std::vector<cost> eviction_kernels(const layer_case& c) {
   cost tova = window_scoring(c, 1);
   tova.kernel = "tova scoring", tova.what = "two passes over the keys, the last query's logits twice";
-  return {window_scoring(c, c.m), tova,          keydiff(c),    expected_attention(c),
+  return {window_scoring(c, c.m), tova,         keydiff(c),    expected_attention(c),
           h2o_observe(c),         selection(c), compaction(c), rerotate(c)};
 }
 

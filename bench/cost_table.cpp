@@ -13,13 +13,15 @@ int main(int argc, char** argv) {
   const char* commit = argc > 1 ? argv[1] : "unknown";
   const double bandwidth = argc > 3 ? std::atof(argv[2]) : 4.8e12, peak = argc > 3 ? std::atof(argv[3]) : 989e12;
   const infkv_bench::layer_case c;
-  std::printf("{\n \"commit\": \"%s\",\n \"protocol\": \"computed from the shapes by bench/cost_model.hpp "
-              "(no measurement): least bytes and FLOPs per kernel, roofline = max(bytes / bandwidth, flops / peak)\",\n",
-              commit);
-  std::printf(" \"case\": {\"n\": %lld, \"kv_heads\": %lld, \"q_heads\": %lld, \"head_dim\": %lld, \"window\": %lld, "
-              "\"element_bytes\": %lld, \"kept\": %lld},\n",
-              (long long)c.n, (long long)c.hkv, (long long)c.hq, (long long)c.d, (long long)c.m, (long long)c.elem,
-              (long long)c.kept);
+  std::printf(
+      "{\n \"commit\": \"%s\",\n \"protocol\": \"computed from the shapes by bench/cost_model.hpp "
+      "(no measurement): least bytes and FLOPs per kernel, roofline = max(bytes / bandwidth, flops / peak)\",\n",
+      commit);
+  std::printf(
+      " \"case\": {\"n\": %lld, \"kv_heads\": %lld, \"q_heads\": %lld, \"head_dim\": %lld, \"window\": %lld, "
+      "\"element_bytes\": %lld, \"kept\": %lld},\n",
+      (long long)c.n, (long long)c.hkv, (long long)c.hq, (long long)c.d, (long long)c.m, (long long)c.elem,
+      (long long)c.kept);
   std::printf(" \"gpu\": {\"copy_bytes_per_s\": %.4g, \"peak_flop_per_s\": %.4g},\n \"kernels\": [\n", bandwidth, peak);
   const auto kernels = infkv_bench::eviction_kernels(c);
   for (std::size_t i = 0; i < kernels.size(); ++i) {

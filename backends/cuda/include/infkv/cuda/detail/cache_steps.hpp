@@ -140,9 +140,7 @@ void move_chunk(const L& launch, const R& k, const R& v, const_keep_view keep, s
                 std::int64_t b, std::byte* buf, std::int64_t row_bytes, bool gather, const status_word* st) {
   const auto words = std::uint32_t(row_bytes / std::int64_t(sizeof(W))), len = std::uint32_t(b - a),
              heads = std::uint32_t(k.n_heads), planes = v.empty() ? 1u : 2u;
-  const std::int64_t total = std::int64_t(planes) * heads * len * words;
-  INFKV_REQUIRE(total < (std::int64_t(1) << 32), "row_bytes", row_bytes, "a compaction chunk of ", len,
-                " slots must span fewer than 2^32 words");
+  const std::int64_t total = std::int64_t(planes) * heads * len * words;  // < 2^32: checked by compact_steps
   const bool per_head = keep.n_units > 1;
   launch.for_each(total, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     if (*st != status_ok) return;  // a bad keep set, or an earlier fault: nothing moves
@@ -204,9 +202,11 @@ template <class L, row_source R>
 void compact_steps(const L& launch, status_word* st, const R& k, const R& v, token* tokens, std::int64_t n_tokens,
                    const_keep_view keep, std::int64_t m, std::span<std::byte> scratch,
                    std::int64_t limit = compact_scratch_limit) {
-  detail::check_keep(launch, keep, m, st);
   const std::int64_t heads = k.n_heads, row_bytes = k.head_dim * std::int64_t(size_of(k.type)), n = k.n_slots;
   const auto chunks = detail::compact_chunks::of(m, k.n_heads, row_bytes, limit);
+  INFKV_REQUIRE(2 * heads * chunks.slots * (row_bytes / 2) < (std::int64_t(1) << 32), "k.head_dim", k.head_dim,
+                "one slot's K and V rows of ", heads, " heads must span fewer than 2^32 16-bit words");
+  detail::check_keep(launch, keep, m, st);
   std::byte* buf = scratch.data();
   std::uint64_t all = reinterpret_cast<std::uintptr_t>(buf);
   for (const R* t : {&k, &v}) {
