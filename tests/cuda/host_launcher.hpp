@@ -1,7 +1,7 @@
 // The CUDA backend's steps run on the host: a launcher that calls each body once per index, in
 // blocks of an odd size visited last block first (a body that depends on the order in which
-// threads run, or reads past its index range, shows up here under ASan / UBSan), and a stable
-// sort standing in for CUB's radix sort.
+// threads run, or reads past its index range, shows up here under ASan / UBSan), a stable sort
+// standing in for CUB's radix sort and std::exclusive_scan for CUB's scan.
 #pragma once
 
 #include <algorithm>
@@ -26,7 +26,7 @@ struct host_launcher {
         if (const std::int64_t i = b * block + t; i < n) f(i);
   }
 
-  struct sorter {
+  struct temp_space {
     void sort_pairs(const std::uint64_t* kin, std::uint64_t* kout, const std::int64_t* vin, std::int64_t* vout,
                     std::int64_t n, int bits) const {
       const std::uint64_t mask = bits >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
@@ -40,9 +40,12 @@ struct host_launcher {
       std::copy(k.begin(), k.end(), kout);
       std::copy(v.begin(), v.end(), vout);
     }
+    void exclusive_scan(const std::int64_t* in, std::int64_t* out, std::int64_t n) const {
+      std::exclusive_scan(in, in + n, out, std::int64_t{0});
+    }
   };
-  static std::size_t sort_scratch_bytes(std::int64_t) { return 0; }
-  sorter sort_scratch(std::span<std::byte>) const { return {}; }
+  static std::size_t temp_bytes(std::int64_t) { return 0; }
+  temp_space temp(std::span<std::byte>) const { return {}; }
 };
 
 /// The CUDA backend's algorithm, run on the host.

@@ -4,12 +4,16 @@
 // layers), compaction byte-identical, re-rotation within rounding, and every device fault
 // recorded and described. No GPU needed: this is what CI runs of the CUDA code.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
+#include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -56,6 +60,54 @@ keep_set keep_of(const B0& be0, const policy_spec& spec, const budget& b, std::s
   run(pl, be, layers, buf.ws.span(), buf.out);
   if (st) *st = cuda::decode(word);
   return keep_set::from_view(buf.out);
+}
+
+/// The selection primitive called directly on scores of units x n with a cap per unit, after the
+/// backend's own time order; the status word when asked.
+template <class B0>
+keep_set select_direct(const B0& be0, const score_matrix& s, std::span<const token> tokens,
+                       const std::vector<std::int64_t>& caps, const budget& keep, cuda::status* st = nullptr) {
+  cuda::status_word word;
+  const B0 be = with_status(be0, word);
+  const std::int64_t n = s.cols, units = s.rows;
+  const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+  cpu::workspace ws(
+      be.scratch_bytes(spec, layer_shape{.n_slots = n, .kv_heads = std::int32_t(units)}, {.g = granularity::per_head}));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n)), slots(static_cast<std::size_t>(units * n + 1)),
+      offsets(static_cast<std::size_t>(units + 1));
+  be.time_order(tokens, order.data(), ws.span());
+  score_matrix copy = s;
+  be.select(copy.view(), tokens, order.data(), caps.data(), n, keep, keep_view{slots.data(), offsets.data(), units, n},
+            ws.span());
+  if (st) *st = cuda::decode(word);
+  return keep_set::from_view(keep_view{slots.data(), offsets.data(), units, n});
+}
+
+/// AdaKV's capacities from the allocation primitive called directly, after the backend's time order.
+template <class B0>
+std::vector<std::int64_t> allocate_direct(const B0& be0, const adakv& a, const score_matrix& s,
+                                          std::span<const token> tokens, const budget& keep, std::int64_t cap) {
+  cuda::status_word word;
+  const B0 be = with_status(be0, word);
+  const std::int64_t n = s.cols, rows = s.rows;
+  const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+  const plan_options opt{.g = granularity::per_head, .adakv = a};
+  cpu::workspace ws(be.scratch_bytes(spec, layer_shape{.n_slots = n, .kv_heads = std::int32_t(rows)}, opt));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n)), caps(static_cast<std::size_t>(rows), -1);
+  be.time_order(tokens, order.data(), ws.span());
+  score_matrix copy = s;
+  be.allocate(a, copy.view(), order.data(), keep, cap, caps.data(), ws.span());
+  return caps;
+}
+
+/// Order-preserving bits of a float, written for the tests: ascending bits are descending scores
+/// (-0 as +0).
+std::uint32_t test_descending_bits(float x) {
+  std::uint32_t u = 0;
+  const float y = x == 0.f ? 0.f : x;
+  std::memcpy(&u, &y, 4);
+  const std::uint32_t up = u >> 31 ? ~u : u ^ 0x80000000u;  // ascending with the value
+  return ~up;
 }
 
 ref_matrix as_ref(const score_matrix& m) {
@@ -120,7 +172,7 @@ TEST_CASE("cuda steps (host): value-weighted scores (Expected Attention, inf_mll
       for (const layout lay : {layout::nhd, layout::paged}) {
         const problem p = make_problem(500 + std::uint64_t(i++), 300, 2, group, 16, 9, t);
         const host_cuda_backend gpu_be{host_launcher{.block = 1 + 50 * i}};
-        std::vector<float> v(std::size_t(p.n * p.hkv * 24));
+        std::vector<float> v(static_cast<std::size_t>(p.n * p.hkv * 24));
         for (std::size_t x = 0; x < v.size(); ++x) v[x] = round_to(t, std::sin(0.37f * float(x)) * float(1 + x % 5));
         const stored keys = store(p.k, p.n, p.hkv, p.d, t, lay), values = store(v, p.n, p.hkv, 24, t, lay),
                      queries = store_queries(p);
@@ -185,6 +237,203 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
         const std::span<const layer_inputs<>> first(layers.data(), 1);
         CHECK(keep_of(gpu_be, spec, b, first, ada) == keep_of(cpu_be, spec, b, first, ada));
       }
+  }
+}
+
+TEST_CASE("cuda steps (host): tie ranks from the time order: many equal positions in random slot order, every cap") {
+  // Equal scores (+0 and -0 among them) leave the tie rank alone to decide; one unit per cap, from
+  // the protected count to every slot, exposes the whole rank order.
+  const cpu::backend cpu_be{};
+  std::mt19937_64 gen(23);
+  for (int round = 0; round < 30; ++round) {
+    CAPTURE(round);
+    const host_cuda_backend gpu_be{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5, 64}[std::size_t(round % 5)])}};
+    const std::int64_t n =
+        std::vector<std::int64_t>{1, 2, 7, 33, 100, 257}[std::size_t(round % 6)] + std::int64_t(gen() % 3);
+    const std::int64_t levels = 1 + std::int64_t(gen() % std::uint64_t(round % 3 == 0 ? 2 : n / 4 + 1));
+    std::vector<token> tokens(static_cast<std::size_t>(n));
+    for (auto& t : tokens) t = {std::int64_t(gen() % std::uint64_t(levels)) * 1000003, 0, modality::text};
+    std::vector<std::int64_t> pos;
+    for (const token& t : tokens) pos.push_back(t.pos);
+    std::ranges::sort(pos);
+    if (n > levels) REQUIRE(std::adjacent_find(pos.begin(), pos.end()) != pos.end());  // groups of equal positions
+    const budget keep{.sinks = std::int64_t(gen() % 3), .recent = std::int64_t(gen() % 3)};
+    const std::int64_t guarded = std::min(n, keep.sinks + keep.recent), units = n - guarded + 1;
+    std::vector<std::int64_t> caps(static_cast<std::size_t>(units));
+    std::iota(caps.begin(), caps.end(), guarded);
+    score_matrix s(units, n, round % 2 ? 0.f : 1.5f);
+    if (round % 2)
+      for (float& x : s.data) x = gen() % 2 ? -0.f : 0.f;
+    cuda::status st;
+    const keep_set got = select_direct(gpu_be, s, tokens, caps, keep, &st);
+    CHECK(got == select_direct(cpu_be, s, tokens, caps, keep));
+    CHECK(st.ok());
+    for (std::int64_t u = 0; u < units; ++u) CHECK(std::int64_t(got.unit(u).size()) == caps[std::size_t(u)]);
+  }
+}
+
+TEST_CASE("cuda steps (host): heavy ties, caps of the protected count and of all slots, odd slot counts") {
+  const cpu::backend cpu_be{};
+  std::mt19937_64 gen(29);
+  for (const std::int64_t n : {1, 3, 31, 32, 33, 255, 257, 1000, 4099})
+    for (int round = 0; round < 3; ++round) {
+      CAPTURE(n);
+      CAPTURE(round);
+      const host_cuda_backend gpu_be{host_launcher{.block = 1 + std::int64_t(gen() % 300)}};
+      const auto units = std::int64_t(1 + gen() % 6);
+      const auto tokens = random_tokens(gen, n);
+      const budget keep{.sinks = std::int64_t(gen() % 4), .recent = std::int64_t(gen() % 5)};
+      const std::int64_t guarded = std::min(n, keep.sinks + keep.recent);
+      std::vector<std::int64_t> caps(static_cast<std::size_t>(units));
+      for (std::int64_t u = 0; u < units; ++u) {
+        const std::int64_t pick[] = {guarded, n, guarded + std::int64_t(gen() % std::uint64_t(n - guarded + 1)),
+                                     std::max(guarded, n - 1)};
+        caps[std::size_t(u)] = pick[(u + round) % 4];
+      }
+      const score_matrix s = tied_scores(gen, units, n);
+      cuda::status st;
+      CHECK(select_direct(gpu_be, s, tokens, caps, keep, &st) == select_direct(cpu_be, s, tokens, caps, keep));
+      CHECK(st.ok());
+    }
+  SUBCASE("a NaN score of a later unit is recorded as before") {
+    const host_cuda_backend gpu_be{};
+    const auto tokens = random_tokens(gen, 90);
+    score_matrix s = tied_scores(gen, 3, 90);
+    s(2, 61) = std::numeric_limits<float>::quiet_NaN();
+    cuda::status st;
+    select_direct(gpu_be, s, tokens, {40, 40, 40}, budget{.sinks = 2, .recent = 2}, &st);
+    CHECK((st.kind == cuda::fault::nan_score && st.a == 2 && st.b == 61));
+  }
+}
+
+TEST_CASE("cuda steps (host): AdaKV over many heads: capacities and keep sets are the CPU's, tied remainders too") {
+  const cpu::backend cpu_be{};
+  std::mt19937_64 gen(31);
+  int decided_by_ties = 0;
+  for (int round = 0; round < 30; ++round) {
+    CAPTURE(round);
+    const host_cuda_backend gpu_be{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
+    const std::int64_t n = 20 + std::int64_t(gen() % 300), rows = 8 + std::int64_t(gen() % 57);
+    const auto tokens = random_tokens(gen, n);
+    const budget keep{.sinks = std::int64_t(gen() % 3), .recent = std::int64_t(gen() % 4)};
+    const std::int64_t prot = keep.sinks + keep.recent;
+    const std::int64_t cap = prot + std::int64_t(gen() % std::uint64_t(n - prot));  // < n
+    // alpha 0.5: remainders of 0 or 0.5 only, so many rows tie; equal scores send the wins to the lower rows
+    const double alpha = std::vector<double>{0.5, 0.25, 0.0, 1.0, 0.3, 0.5}[std::size_t(round % 6)];
+    const score_matrix s = round % 3 == 0 ? score_matrix(rows, n, 1.f) : tied_scores(gen, rows, n);
+    const adakv a{.alpha = alpha};
+    const auto want = allocate_direct(cpu_be, a, s, tokens, keep, cap);
+    const auto got = allocate_direct(gpu_be, a, s, tokens, keep, cap);
+    CHECK(got == want);
+    CHECK(std::accumulate(got.begin(), got.end(), std::int64_t{0}) == rows * cap);
+    // The shares by a sort on the host: do equal remainders decide which rows round up?
+    const auto order = time_order(tokens);
+    std::vector<std::tuple<double, std::int64_t, std::int64_t>> cand;  // (-score, row, -time index)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t i = keep.sinks; i < n - keep.recent; ++i)
+        cand.emplace_back(-double(s(r, order[std::size_t(i)])), r, -i);
+    std::ranges::sort(cand);
+    std::vector<double> wins(std::size_t(rows), 0.0);
+    for (std::int64_t k = 0; k < rows * (cap - prot); ++k) wins[std::size_t(std::get<1>(cand[std::size_t(k)]))] += 1;
+    bool tie_decides = false;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t q = r + 1; q < rows; ++q) {
+        const double sr = wins[std::size_t(r)] * (1 - alpha) + alpha * double(cap - prot),
+                     sq = wins[std::size_t(q)] * (1 - alpha) + alpha * double(cap - prot);
+        const double fr = std::floor(sr + 1e-9), fq = std::floor(sq + 1e-9);
+        if (sr - fr == sq - fq && double(want[std::size_t(r)] - prot) - fr != double(want[std::size_t(q)] - prot) - fq)
+          tie_decides = true;
+      }
+    decided_by_ties += tie_decides ? 1 : 0;
+    CHECK(select_direct(gpu_be, s, tokens, got, keep) == select_direct(cpu_be, s, tokens, want, keep));
+    const budget b{.capacity = cap, .sinks = keep.sinks, .recent = keep.recent};
+    layer_inputs<> in;
+    in.tokens = tokens, in.accumulated = const_score_view{s.data.data(), rows, n, n};
+    const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    const plan_options ada{.g = granularity::per_head, .adakv = a};
+    CHECK(keep_of(gpu_be, spec, b, std::span<const layer_inputs<>>(&in, 1), ada) ==
+          keep_of(cpu_be, spec, b, std::span<const layer_inputs<>>(&in, 1), ada));
+  }
+  CHECK(decided_by_ties >= 5);
+}
+
+TEST_CASE("cuda steps (host): the radix select's bound is the wanted key of a sort on the host, plus one") {
+  // Score keys (order-preserving float bits written here, then a tie rank) against a float64
+  // sort by (score descending, rank); plain keys of 1 to 64 bits against a uint64 sort.
+  std::mt19937_64 gen(37);
+  for (int round = 0; round < 48; ++round) {
+    CAPTURE(round);
+    const host_cuda_backend be{host_launcher{.block = 1 + std::int64_t(gen() % 100)}};
+    const std::int64_t segments = 1 + std::int64_t(gen() % 5);
+    const std::int64_t len = std::vector<std::int64_t>{1, 31, 32, 33, 200, 1025}[std::size_t(round % 6)];
+    const bool scores = round % 2 == 0;
+    const int rb = len <= 1 ? 0 : int(std::bit_width(std::uint64_t(len - 1)));
+    const int bits = scores ? 32 + rb : 1 + int(gen() % 64);
+    CAPTURE(bits);
+    std::vector<std::uint64_t> keys(std::size_t(segments * len), cuda::detail::no_key), expect;
+    std::vector<std::int64_t> wanted;
+    for (std::int64_t g = 0; g < segments; ++g) {
+      std::vector<std::int64_t> at(static_cast<std::size_t>(len));
+      std::iota(at.begin(), at.end(), std::int64_t{0});
+      std::shuffle(at.begin(), at.end(), gen);
+      std::vector<std::uint64_t> sorted;  // the candidates' keys in the reference order
+      if (scores) {
+        const float levels[] = {
+            -0.f,   0.f,   1.f, -2.5f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+            3e-39f, -1e30f};
+        struct item {
+          double score;
+          std::int64_t rank;
+          std::uint64_t key;
+        };
+        std::vector<item> items;
+        for (std::int64_t j = 0; j < len; ++j) {
+          if (gen() % 4 == 0) continue;  // not a candidate
+          const float v = gen() % 2 ? levels[gen() % 8] : std::ldexp(float(int(gen() % 2001) - 1000), -int(gen() % 9));
+          const std::int64_t rank = at[std::size_t(j)];
+          const std::uint64_t key = (std::uint64_t(test_descending_bits(v)) << rb) | std::uint64_t(rank);
+          keys[std::size_t(g * len + j)] = key;
+          items.push_back({double(v), rank, key});
+        }
+        std::ranges::sort(items, [](const item& x, const item& y) {
+          return x.score != y.score ? x.score > y.score : x.rank < y.rank;
+        });
+        for (const item& x : items) sorted.push_back(x.key);
+      } else {
+        const std::uint64_t mask = bits == 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << bits) - 1;
+        const std::uint64_t room =
+            bits >= 20 ? std::uint64_t(len) : std::min<std::uint64_t>(std::uint64_t(len), mask + 1);
+        const std::uint64_t count = gen() % (room + 1);
+        std::set<std::uint64_t> unique;
+        while (unique.size() < count) {
+          std::uint64_t k = gen() & mask;
+          if (gen() % 3 == 0) k = (mask - gen() % 4) & mask;  // the top of the range too
+          if (k != cuda::detail::no_key) unique.insert(k);
+        }
+        std::size_t j = 0;
+        for (const std::uint64_t k : unique) keys[std::size_t(g * len + at[j++])] = k;
+        sorted.assign(unique.begin(), unique.end());
+      }
+      const auto count = std::int64_t(sorted.size());
+      const std::int64_t choice[] = {-1, 0, 1, count, count + 1, std::int64_t(gen() % std::uint64_t(count + 1))};
+      const std::int64_t w = choice[gen() % 6];
+      wanted.push_back(w);
+      expect.push_back(w <= 0 ? 0 : w > count ? cuda::detail::no_key : sorted[std::size_t(w - 1)] + 1);
+    }
+    infkv::detail::carver sizing;
+    cuda::detail::radix_scratch::carve(sizing, segments);
+    cpu::workspace ws(sizing.size());
+    infkv::detail::carver c{ws.as<std::byte>()};
+    const auto w = cuda::detail::radix_scratch::carve(c, segments);
+    std::copy(wanted.begin(), wanted.end(), w.need);
+    be.radix_select(keys.data(), segments, len, bits, w);
+    for (std::int64_t g = 0; g < segments; ++g) {
+      CAPTURE(g);
+      CAPTURE(wanted[std::size_t(g)]);
+      CHECK(w.bound[g] == expect[std::size_t(g)]);
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 // infkv CUDA backend: the device launcher that runs the steps of cuda/steps.hpp, one kernel per
-// step, and its sort (CUB's radix sort, compiled in sort.cu only).
+// step, and its sort and scan (CUB's radix sort and exclusive sum, compiled in sort.cu only).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -25,6 +26,10 @@ cudaError_t radix_sort_pairs(void* temp, std::size_t& bytes, const std::uint64_t
                              const std::int64_t* vin, std::int64_t* vout, std::int64_t n, int bits,
                              cudaStream_t stream);
 
+/// CUB's DeviceScan::ExclusiveSum of n int64; `temp` null: sets `bytes` to the scratch needed.
+cudaError_t exclusive_sum(void* temp, std::size_t& bytes, const std::int64_t* in, std::int64_t* out, std::int64_t n,
+                          cudaStream_t stream);
+
 template <class F>
 __global__ void __launch_bounds__(256) for_each_kernel(std::int64_t n, F f) {
   const std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -43,7 +48,7 @@ struct device_launcher {
     check_cuda(cudaGetLastError(), "kernel launch");
   }
 
-  struct sorter {
+  struct temp_space {
     void* temp;
     std::size_t bytes;
     cudaStream_t stream;
@@ -54,16 +59,25 @@ struct device_launcher {
       check_cuda(radix_sort_pairs(temp, have, kin, kout, vin, vout, n, bits < 1 ? 1 : bits, stream),
                  "cub::DeviceRadixSort::SortPairs");
     }
+    void exclusive_scan(const std::int64_t* in, std::int64_t* out, std::int64_t n) const {
+      if (n <= 0) return;
+      std::size_t have = bytes;
+      check_cuda(exclusive_sum(temp, have, in, out, n, stream), "cub::DeviceScan::ExclusiveSum");
+    }
   };
 
-  static std::size_t sort_scratch_bytes(std::int64_t n) {
-    std::size_t bytes = 0;
-    if (n > 0)
-      check_cuda(radix_sort_pairs(nullptr, bytes, nullptr, nullptr, nullptr, nullptr, n, 64, nullptr),
+  /// The temp of a sort of n pairs or a scan of n items, whichever is larger.
+  static std::size_t temp_bytes(std::int64_t n) {
+    std::size_t sort = 0, scan = 0;
+    if (n > 0) {
+      check_cuda(radix_sort_pairs(nullptr, sort, nullptr, nullptr, nullptr, nullptr, n, 64, nullptr),
                  "cub::DeviceRadixSort::SortPairs (size query; is a CUDA device present?)");
-    return bytes + 256;  // room to align the temporaries
+      check_cuda(exclusive_sum(nullptr, scan, nullptr, nullptr, n, nullptr),
+                 "cub::DeviceScan::ExclusiveSum (size query; is a CUDA device present?)");
+    }
+    return std::max(sort, scan) + 256;  // room to align the temporaries
   }
-  sorter sort_scratch(std::span<std::byte> s) const {
+  temp_space temp(std::span<std::byte> s) const {
     auto at = reinterpret_cast<std::uintptr_t>(s.data());
     const std::uintptr_t aligned = (at + 255) / 256 * 256;
     const std::size_t skip = std::min<std::size_t>(aligned - at, s.size());

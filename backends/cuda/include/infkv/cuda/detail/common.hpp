@@ -106,6 +106,18 @@ INFKV_HOST_DEVICE inline void record(status_word* st, status_word code) {
 #endif
 }
 
+/// A count that steps add to concurrently: integer atomics, so the sum is the same in any order.
+using counter = unsigned long long;
+
+/// Adds `v` to `*c` (atomicAdd on a device; the host launcher runs one body at a time).
+INFKV_HOST_DEVICE inline void add_count(counter* c, counter v) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(c, v);
+#else
+  *c += v;
+#endif
+}
+
 INFKV_HOST_DEVICE inline bool finite(float x) { return x - x == 0.f; }
 
 /// Element e of a row of type t, as f32 (f16 by the GPU's conversion instruction on a device:
@@ -228,16 +240,58 @@ struct expected_scratch {
             c.take<double>(hq)};
   }
 };
-/// The sorts (time order, selection, AdaKV): key and value arrays in and out, each slot's tie
-/// rank, per unit the kept offsets, AdaKV's shares; the sort's own scratch follows.
-struct sort_scratch {
+/// The time order: positions as keys, slots as values, the sorted keys; the launcher's temp follows.
+struct order_scratch {
   std::uint64_t *keys, *kout;
-  std::int64_t *vals, *vout, *rank, *kept;
+  std::int64_t* vals;
+  static order_scratch carve(carver& c, std::int64_t n) {
+    return {c.take<std::uint64_t>(n), c.take<std::uint64_t>(n), c.take<std::int64_t>(n)};
+  }
+};
+/// Digits per pass of the radix select (a 256-bin histogram per segment and pass) and keys per
+/// thread of its histograms and counts.
+inline constexpr int select_digit = 8;
+inline constexpr std::int64_t select_bins = std::int64_t(1) << select_digit, select_tile = 32;
+inline std::int64_t select_tiles(std::int64_t n) { return (n + select_tile - 1) / select_tile; }
+/// Keys that are no candidate of a radix select (never a real key: real keys' top 32 bits are a
+/// non-NaN score's descending bits, at most 0xff800000, or they use fewer than 64 bits).
+inline constexpr std::uint64_t no_key = ~std::uint64_t{0};
+/// The radix select, per segment: the rank still sought among the candidates that share the
+/// digits found so far (0: done), those digits, the exclusive bound found, a histogram.
+struct radix_scratch {
+  std::int64_t* need;
+  std::uint64_t *prefix, *bound;
+  counter* hist;
+  static radix_scratch carve(carver& c, std::int64_t segments) {
+    return {c.take<std::int64_t>(segments), c.take<std::uint64_t>(segments), c.take<std::uint64_t>(segments),
+            c.take<counter>(segments * select_bins)};
+  }
+};
+/// The selection: per time index the group-start flags, their exclusive scan, each group's first
+/// time index (and n), per slot the tie rank; per (unit, time index) the keys; per (unit, slot)
+/// the kept flags and their exclusive scan; the radix select's state. The launcher's temp follows.
+struct select_scratch {
+  std::int64_t *start, *group, *first, *rank;
+  std::uint64_t* keys;
+  std::int64_t *kept, *index;
+  radix_scratch radix;
+  static select_scratch carve(carver& c, std::int64_t items, std::int64_t n, std::int64_t units) {
+    return {c.take<std::int64_t>(n),     c.take<std::int64_t>(n),       c.take<std::int64_t>(n + 1),
+            c.take<std::int64_t>(n),     c.take<std::uint64_t>(items),  c.take<std::int64_t>(items),
+            c.take<std::int64_t>(items), radix_scratch::carve(c, units)};
+  }
+};
+/// AdaKV: per (row, time index) the keys, the radix select's state (one segment), per row the
+/// wins, the blended share and its floor.
+struct allocate_scratch {
+  std::uint64_t* keys;
+  radix_scratch radix;
+  counter* wins;
   double* share;
-  static sort_scratch carve(carver& c, std::int64_t items, std::int64_t n, std::int64_t units) {
-    return {c.take<std::uint64_t>(items), c.take<std::uint64_t>(items), c.take<std::int64_t>(items),
-            c.take<std::int64_t>(items),  c.take<std::int64_t>(n),      c.take<std::int64_t>(units + 1),
-            c.take<double>(3 * units)};
+  std::int64_t* floor;
+  static allocate_scratch carve(carver& c, std::int64_t items, std::int64_t rows) {
+    return {c.take<std::uint64_t>(items), radix_scratch::carve(c, 1), c.take<counter>(rows), c.take<double>(rows),
+            c.take<std::int64_t>(rows)};
   }
 };
 

@@ -5,17 +5,24 @@
 // with the CPU backend, so indexing, bounds and per-thread logic are tested without a GPU.
 //
 // Every body writes only its own outputs and sums in a fixed order: results are deterministic
-// (no float atomics). Sorting is the launcher's one other primitive (CUB's radix sort on a GPU,
-// a stable sort on the host). Device code never throws: a bad value (a NaN key, a negative
-// position, a NaN score, an inconsistent keep set or page table) is recorded in a status word at
-// the start of the scratch, the smallest code wins, and the host wrapper raises naming it.
+// (no float atomics; integer atomics count). Sorting and scanning are the launcher's other
+// primitives (CUB's radix sort and scan on a GPU, a stable sort and std::exclusive_scan on the
+// host). Device code never throws: a bad value (a NaN key, a negative position, a NaN score, an
+// inconsistent keep set or page table) is recorded in a status word at the start of the scratch,
+// the smallest code wins, and the host wrapper raises naming it.
 //
 // A launcher L provides:
-//   l.for_each(n, f)                            f(i) for every i in [0, n)
-//   l.sort_pairs(kin, kout, vin, vout, n, bits) stable sort of (uint64 key, int64 value) pairs
-//                                               by the low `bits` bits of the key
-//   L::sort_scratch_bytes(n)                    scratch sort_pairs needs for n pairs
-//   l.sort_scratch(std::span<std::byte>)        where sort_pairs finds that scratch
+//   l.for_each(n, f)                    f(i) for every i in [0, n)
+//   l.temp(std::span<std::byte>)        the sort and the scan, with that scratch as their temp:
+//     .sort_pairs(kin, kout, vin, vout, n, bits)
+//                                       stable sort of (uint64 key, int64 value) pairs by the
+//                                       low `bits` bits of the key
+//     .exclusive_scan(in, out, n)       out[i] = in[0] + ... + in[i - 1] (int64; out[0] = 0),
+//                                       in and out not overlapping
+//   L::temp_bytes(n)                    the temp either needs for n items (the larger)
+//
+// Per eviction the time order is the one sort; the selection and AdaKV's allocation find their
+// thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
 #pragma once
 
 #include "common.hpp"
@@ -58,14 +65,19 @@ struct basic_backend {
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
     consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
-    consider([&](detail::carver& c) {  // time order, select, allocate
-      detail::sort_scratch::carve(c, units * n, n, units);
-      c.take<std::byte>(std::int64_t(L::sort_scratch_bytes(units * n)));
+    consider([&](detail::carver& c) {
+      detail::order_scratch::carve(c, n);
+      c.take<std::byte>(std::int64_t(L::temp_bytes(n)));
     });
+    consider([&](detail::carver& c) {
+      detail::select_scratch::carve(c, units * n, n, units);
+      c.take<std::byte>(std::int64_t(L::temp_bytes(units * n)));
+    });
+    consider([&](detail::carver& c) { detail::allocate_scratch::carve(c, units * n, units); });
     return need;
   }
 
-  /// Units x slots must fit the sort keys: unit bits + 32 score bits + rank bits <= 64.
+  /// Units x slots must fit the keys: unit (AdaKV: row) bits + 32 score bits + rank bits <= 64.
   static void check_sort_bits(std::int64_t units, std::int64_t n) {
     INFKV_REQUIRE(detail::bits_for(units) + 32 + detail::bits_for(n) <= 64, "shape.n_slots", n,
                   "too many slots for one selection on the CUDA backend with ", units,
@@ -86,7 +98,7 @@ struct basic_backend {
     status_word* st = status_of(scratch);
     if (n == 0) return;
     detail::carver c{scratch.data(), 64};
-    const auto w = detail::sort_scratch::carve(c, n, n, 1);
+    const auto w = detail::order_scratch::carve(c, n);
     const token* t = tokens.data();
     std::uint64_t* keys = w.keys;
     std::int64_t* vals = w.vals;
@@ -94,7 +106,7 @@ struct basic_backend {
       if (t[i].pos < 0 || t[i].pos > max_position) detail::record(st, encode(fault::bad_position, 0, 0, i));
       keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
     });
-    launch.sort_scratch(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, order, n, 64);
+    launch.temp(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, order, n, 64);
   }
 
   template <row_source R>
@@ -290,19 +302,91 @@ struct basic_backend {
     launch.for_each(acc.cols, [=] INFKV_HOST_DEVICE(std::int64_t c) { acc(0, c) /= float(rows); });
   }
 
-  /// AdaKV (adakv::allocate_into): the layer's top unprotected scores by (score, lower row, newer
-  /// slot), counted per row, blended with an equal share and rounded by largest remainder.
+  /// Radix select: per segment g of `len` keys (keys[g * len, (g + 1) * len)), those other than
+  /// detail::no_key being its candidates (unique within the segment, `bits` low bits used), and
+  /// w.need[g] set beforehand to the count wanted: w.bound[g] becomes the exclusive bound below
+  /// which exactly that many candidates lie, the wanted-th smallest key + 1; 0 when none is wanted,
+  /// detail::no_key when more than all are. MSB-first digits of 8 bits: per pass the candidates that
+  /// share the digits found so far are counted by digit (a thread per tile of keys adds runs of
+  /// equal digits with integer atomics), then a thread per segment finds the digit that holds the
+  /// wanted rank and clears the histogram for the next pass.
+  void radix_select(const std::uint64_t* keys, std::int64_t segments, std::int64_t len, int bits,
+                    const detail::radix_scratch& w) const {
+    using detail::counter, detail::select_bins, detail::select_digit, detail::select_tile;
+    const std::int64_t tiles = detail::select_tiles(len);
+    std::int64_t* need = w.need;
+    std::uint64_t *prefix = w.prefix, *bound = w.bound;
+    counter* hist = w.hist;
+    launch.for_each(segments * select_bins, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      hist[x] = 0;
+      if (x % select_bins == 0)
+        prefix[x / select_bins] = 0, bound[x / select_bins] = 0;  // 0 stays when nothing is wanted
+    });
+    const int passes = bits <= select_digit ? 1 : (bits + select_digit - 1) / select_digit;
+    for (int p = passes - 1; p >= 0; --p) {
+      const int shift = p * select_digit, above = shift + select_digit;
+      launch.for_each(segments * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+        const std::int64_t g = x / tiles, lo = (x % tiles) * select_tile,
+                           hi = lo + select_tile < len ? lo + select_tile : len;
+        if (need[g] <= 0) return;
+        const std::uint64_t* k = keys + g * len;
+        const std::uint64_t pre = prefix[g];
+        counter* h = hist + g * select_bins;
+        std::uint32_t digit = 0, run = 0;  // a run of equal digits, added at once
+        for (std::int64_t j = lo; j < hi; ++j) {
+          const std::uint64_t key = k[j];
+          if (key == detail::no_key || (above < 64 && key >> above != pre)) continue;
+          const auto d = std::uint32_t(key >> shift) & std::uint32_t(select_bins - 1);
+          if (run > 0 && d != digit) detail::add_count(h + digit, run), run = 0;
+          digit = d, ++run;
+        }
+        if (run > 0) detail::add_count(h + digit, run);
+      });
+      launch.for_each(segments, [=] INFKV_HOST_DEVICE(std::int64_t g) {
+        if (need[g] <= 0) return;
+        counter* h = hist + g * select_bins;
+        const auto want = counter(need[g]);
+        counter before = 0;  // candidates of smaller digits
+        std::int64_t digit = select_bins;
+        for (std::int64_t d = 0; d < select_bins; ++d) {
+          const counter c = h[d];
+          h[d] = 0;
+          if (digit < select_bins) continue;
+          if (before + c >= want)
+            digit = d;
+          else
+            before += c;
+        }
+        if (digit == select_bins) {  // fewer candidates than wanted (first pass only): all of them
+          bound[g] = detail::no_key, need[g] = 0;
+          return;
+        }
+        const std::uint64_t found = (prefix[g] << select_digit) | std::uint64_t(digit);
+        if (shift == 0)
+          bound[g] = found + 1, need[g] = 0;
+        else
+          prefix[g] = found, need[g] = std::int64_t(want - before);
+      });
+    }
+  }
+
+  /// AdaKV (adakv::allocate_into): the layer's top rows x (cap - protected) unprotected scores by
+  /// (score, lower row, newer slot), found by one radix select over rows x slots, counted per row
+  /// (a thread per tile), blended with an equal share and rounded by largest remainder, a thread
+  /// per row ranking its remainder among the rows' (larger first, ties to the lower row).
   void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
                 std::int64_t* caps, std::span<std::byte> scratch) const {
     a.validate();
     const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
     const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
+    check_sort_bits(rows, n);
     const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
     status_word* st = status_of(scratch);
     detail::carver c{scratch.data(), 64};
-    const auto w = detail::sort_scratch::carve(c, items, n, rows);
+    const auto w = detail::allocate_scratch::carve(c, items, rows);
     std::uint64_t* keys = w.keys;
-    std::int64_t *vals = w.vals, *vout = w.vout;
+    std::int64_t *need = w.radix.need, *fl = w.floor;
+    detail::counter* wins = w.wins;
     double* share = w.share;
     launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t r = x / n, i = x % n;
@@ -311,86 +395,109 @@ struct basic_backend {
       const bool candidate = i >= sinks && i < n - recent;
       keys[x] = candidate ? (std::uint64_t(detail::descending_bits(v)) << (ub + rb)) | (std::uint64_t(r) << rb) |
                                 std::uint64_t(n - 1 - i)
-                          : ~std::uint64_t{0};
-      vals[x] = r;
+                          : detail::no_key;
     });
-    launch.sort_scratch(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, vout, items, 64);
+    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      wins[r] = 0;
+      if (r == 0) need[0] = total;
+    });
+    radix_select(keys, 1, items, 32 + ub + rb, w.radix);
+    const std::uint64_t* bound = w.radix.bound;
+    const std::int64_t tiles = detail::select_tiles(n);
+    launch.for_each(rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / tiles, lo = (x % tiles) * detail::select_tile;
+      const std::int64_t hi = lo + detail::select_tile < n ? lo + detail::select_tile : n;
+      std::uint32_t k = 0;
+      for (std::int64_t i = lo; i < hi; ++i) k += keys[r * n + i] < bound[0] ? 1u : 0u;
+      if (k > 0) detail::add_count(wins + r, k);
+    });
     const double alpha = a.alpha;
-    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
-      double* wins = share;
-      double* idx = share + rows;  // indices as doubles (exact below 2^53)
-      std::int64_t* out = caps;
-      for (std::int64_t r = 0; r < rows; ++r) wins[r] = 0;
-      for (std::int64_t k = 0; k < total; ++k) wins[vout[k]] += 1.0;
-      std::int64_t sum = 0;
-      for (std::int64_t r = 0; r < rows; ++r) {
-        wins[r] = wins[r] * (1.0 - alpha) + alpha * double(free_each);
-        sum += out[r] = std::int64_t(floor(wins[r] + 1e-9));
-        idx[r] = double(r);
+    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      const double won = double(wins[r]), even = double(free_each);
+#if defined(__CUDA_ARCH__)  // rounded as the CPU rounds it: no fused multiply-add
+      share[r] = __dadd_rn(__dmul_rn(won, 1.0 - alpha), __dmul_rn(alpha, even));
+#else
+      share[r] = won * (1.0 - alpha) + alpha * even;
+#endif
+      fl[r] = std::int64_t(floor(share[r] + 1e-9));
+    });
+    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+      std::int64_t sum = 0, ahead = 0;  // the floors' sum; rows whose remainder goes first
+      const double mine = share[r] - double(fl[r]);
+      for (std::int64_t q = 0; q < rows; ++q) {
+        const double rem = share[q] - double(fl[q]);
+        sum += fl[q];
+        ahead += rem > mine || (rem == mine && q < r) ? 1 : 0;
       }
-      // Largest remainder first, ties to the lower row (insertion sort: rows are few).
-      for (std::int64_t r = 1; r < rows; ++r)
-        for (std::int64_t k = r; k > 0; --k) {
-          const auto x = std::int64_t(idx[k]), y = std::int64_t(idx[k - 1]);
-          const double rx = wins[x] - double(out[x]), ry = wins[y] - double(out[y]);
-          if (!(rx > ry || (rx == ry && x < y))) break;
-          idx[k] = double(y), idx[k - 1] = double(x);
-        }
-      for (std::int64_t k = 0; sum < total && k < rows; ++k, ++sum) ++out[std::int64_t(idx[k])];
-      for (std::int64_t r = 0; r < rows; ++r) out[r] += prot;
+      caps[r] = fl[r] + (ahead < total - sum ? 1 : 0) + prot;
     });
   }
 
   /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
-  /// best by `keep_before`, as one radix sort of (unit, score, tie rank) keys over all units;
-  /// then the kept slots in increasing order (a second sort). s.data null keeps every slot.
+  /// best by `keep_before`, found per unit by a radix select of (descending score bits, tie rank)
+  /// keys; the tie rank comes from the time order (no sort). The kept slots are flagged per (unit,
+  /// slot) and an exclusive scan of the flags places them, increasing, in out.slots. s.data null
+  /// keeps every slot.
   void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
               std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
     const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
     check_sort_bits(units, n);
-    const int ub = detail::bits_for(units), rb = detail::bits_for(n);
+    const int rb = detail::bits_for(n);
     std::int64_t* offsets = out.offsets;
     std::int64_t* slots = out.slots;
-    if (s.data == nullptr) {
+    if (s.data == nullptr || n == 0) {
       launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = u * n; });
       launch.for_each(units * n, [=] INFKV_HOST_DEVICE(std::int64_t x) { slots[x] = x % n; });
       return;
     }
     status_word* st = status_of(scratch);
     const token* t = tokens.data();
-    const std::int64_t items = units * n;
+    // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
+    const std::int64_t items = units * n, room = units * cap, guarded = std::min(n, sinks + recent);
     detail::carver c{scratch.data(), 64};
-    const auto w = detail::sort_scratch::carve(c, items, n, units);
-    std::uint64_t *keys = w.keys, *kout = w.kout;
-    std::int64_t *vals = w.vals, *vout = w.vout, *rank = w.rank, *kept = w.kept;  // kept: offsets of each unit's slots
-    const auto sorter = launch.sort_scratch(scratch.subspan(c.size()));
-    // Tie rank: newer position first, then the lower slot (a stable sort of inverted positions).
-    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) { keys[j] = ~std::uint64_t(t[j].pos), vals[j] = j; });
-    sorter.sort_pairs(keys, kout, vals, vout, n, 64);
-    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t k) { rank[vout[k]] = k; });
-    launch.for_each(1, [=] INFKV_HOST_DEVICE(std::int64_t) {
-      kept[0] = 0;
-      for (std::int64_t u = 0; u < units; ++u) kept[u + 1] = kept[u] + (caps ? caps[u] : cap);  // <= n each
+    const auto w = detail::select_scratch::carve(c, items, n, units);
+    const auto temp = launch.temp(scratch.subspan(c.size()));
+    std::int64_t *start = w.start, *group = w.group, *first = w.first, *rank = w.rank;
+    std::int64_t *kept = w.kept, *index = w.index, *need = w.radix.need;
+    std::uint64_t* keys = w.keys;
+    // Tie rank, newer position first, then the lower slot: the slot at time index i, whose group of
+    // equal positions spans [b, e) of the time order, ranks (n - e) + (i - b).
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      start[i] = i == 0 || t[order[i]].pos != t[order[i - 1]].pos ? 1 : 0;
+    });
+    temp.exclusive_scan(start, group, n);  // time index i is in group group[i] + start[i] - 1
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      if (start[i]) first[group[i]] = i;
+      if (i == n - 1) first[group[i] + start[i]] = n;  // the end of the last group
+    });
+    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+      const std::int64_t g = group[i] + start[i] - 1;
+      rank[order[i]] = (n - first[g + 1]) + (i - first[g]);
+    });
+    launch.for_each(units, [=] INFKV_HOST_DEVICE(std::int64_t u) {  // candidates wanted: <= 0 is none
+      const std::int64_t want = caps ? caps[u] : cap;
+      need[u] = (want < n ? want : n) - guarded;
     });
     launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t u = x / n, i = x % n, slot = order[i];
       const float v = s(u, slot);
       if (v != v) detail::record(st, encode(fault::nan_score, u, 0, slot));
-      const bool protect = i < sinks || i >= n - recent;
-      const std::uint64_t score_part = protect ? 0 : std::uint64_t(detail::descending_bits(v)) + 1;
-      keys[x] = (std::uint64_t(u) << (32 + rb)) | (score_part << rb) | std::uint64_t(rank[slot]);
-      vals[x] = slot;
+      keys[x] = i < sinks || i >= n - recent
+                    ? detail::no_key
+                    : (std::uint64_t(detail::descending_bits(v)) << rb) | std::uint64_t(rank[slot]);
     });
-    sorter.sort_pairs(keys, kout, vals, vout, items, ub + 32 + rb);
-    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {  // the first caps[u] of unit u
-      const std::int64_t u = x / n, k = x % n;
-      if (k >= kept[u + 1] - kept[u]) return;
-      keys[kept[u] + k] = (std::uint64_t(u) << rb) | std::uint64_t(vout[x]);
-      vals[kept[u] + k] = vout[x];
+    radix_select(keys, units, n, 32 + rb, w.radix);
+    const std::uint64_t* bound = w.radix.bound;
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t u = x / n, i = x % n;
+      kept[u * n + order[i]] = i < sinks || i >= n - recent || keys[x] < bound[u] ? 1 : 0;
     });
-    launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = kept[u]; });
-    // units x cap slots in all: AdaKV's capacities add up to it (allocate guarantees it).
-    sorter.sort_pairs(keys, kout, vals, slots, units * cap, ub + rb);
+    temp.exclusive_scan(kept, index, items);
+    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      if (x % n == 0) offsets[x / n] = index[x];
+      if (x == items - 1) offsets[units] = index[x] + kept[x];
+      if (kept[x] && index[x] < room) slots[index[x]] = x % n;
+    });
   }
 };
 
