@@ -8,8 +8,9 @@
 // (no float atomics; integer atomics count). Sorting and scanning are the launcher's other
 // primitives (CUB's radix sort and scan on a GPU, a stable sort and std::exclusive_scan on the
 // host). Device code never throws: a bad value (a NaN key, a negative position, a NaN score, an
-// inconsistent keep set or page table) is recorded in a status word at the start of the scratch,
-// the smallest code wins, and the host wrapper raises naming it.
+// inconsistent keep set) is recorded in the caller's status word (the smallest code wins), and
+// cuda::check raises it by name when the caller asks. (The scratch's first 64 bytes, where the
+// word used to live, are left unused.)
 //
 // A launcher L provides:
 //   l.for_each(n, f)                    f(i) for every i in [0, n)
@@ -38,14 +39,14 @@ struct basic_backend {
   /// Where the steps record faults (device memory of the caller; see cuda::backend::status).
   status_word* status = nullptr;
 
-  /// Bytes of the status word and the largest scratch of any primitive for layers of `shape`.
+  /// Bytes of the largest scratch of any primitive for layers of `shape` (after 64 unused bytes).
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
     check_sort_bits(units, n);
     const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);  // score rows at most
     std::size_t need = 0;
     const auto consider = [&](auto&& carve) {
-      detail::carver c{nullptr, 64};  // after the status word
+      detail::carver c{nullptr, 64};
       carve(c);
       need = std::max(need, c.size());
     };
