@@ -97,7 +97,7 @@ TEST_CASE("cuda (stub runtime): infkv::run of every score source only queues wor
     }
 }
 
-TEST_CASE("cuda (stub runtime): compaction, re-rotation and H2O's steps only queue work; check is the one wait") {
+TEST_CASE("cuda (stub runtime): compaction, re-rotation and H2O's steps only queue work, check is the one wait") {
   auto* status = dev<cuda::status_word>(1);
   const std::int64_t n = 5000, kept = 3000;
   const tensor_view k = nhd(dev<std::uint16_t>(n * 8 * 128), dtype::f16, n, 8, 128),
@@ -153,7 +153,8 @@ TEST_CASE("cuda (stub runtime): entry checks name misaligned workspaces and host
   CHECK_THROWS_WITH_AS(cuda::compact(k, {}, tokens, keep, 50, {ws + 8, bytes}, status, stream),
                        doctest::Contains("ws.data()"), invalid_argument);
   std::vector<std::byte> host_ws(bytes + 64);
-  CHECK_THROWS_WITH_AS(cuda::compact(k, {}, tokens, keep, 50, {host_ws.data(), bytes}, status, stream),
+  auto* aligned = host_ws.data() + (64 - reinterpret_cast<std::uintptr_t>(host_ws.data()) % 64) % 64;
+  CHECK_THROWS_WITH_AS(cuda::compact(k, {}, tokens, keep, 50, {aligned, bytes}, status, stream),
                        doctest::Contains("is host memory"), invalid_argument);
   cuda::status_word host_status = cuda::status_ok;
   CHECK_THROWS_WITH_AS(cuda::compact(k, {}, tokens, keep, 50, {ws, bytes}, &host_status, stream),
