@@ -71,7 +71,8 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
     fixed.tokens = in.tokens, fixed.accumulated = scores.view();
     const policy_spec spec{
         .name = "fixed", .source = score_source::accumulated, .protect_recent = pol.spec().protect_recent};
-    const infkv_test::host_cuda_backend gb{};
+    cuda::status_word status = cuda::status_ok;
+    const infkv_test::host_cuda_backend gb{{}, &status};
     const plan gp = make_plan(gb, spec, b, shape_of(fixed), {.g = g});
     cpu::workspace gws(gp.workspace_bytes);
     std::vector<std::int64_t> offsets(std::size_t(gp.offsets_size())), slots(std::size_t(gp.kept_total));
@@ -82,6 +83,7 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
       std::fputs(e.what(), stderr);
       INFKV_FUZZ_ASSERT(false);  // the CPU accepted these scores
     }
+    INFKV_FUZZ_ASSERT(cuda::decode(status).ok());  // the CPU found nothing wrong either
     INFKV_FUZZ_ASSERT(keep_set::from_view(out) == k);
   });
 }

@@ -24,7 +24,8 @@ for t in "${targets[@]}"; do
   src=fuzz/fuzz_$t.cpp bin=$out/fuzz_$t
   if [ ! -x "$bin" ] || [ -n "$(find "$src" fuzz/input.hpp include backends tools/common -newer "$bin" -print -quit)" ]; then
     echo "fuzz: building $t" >&2
-    "$cxx" "${flags[@]}" "$src" -o "$bin" -lfmt -lpthread
+    # shellcheck disable=SC2046  # pkg-config's words are separate flags
+    "$cxx" "${flags[@]}" $(pkg-config --cflags openblas) "$src" -o "$bin" -lfmt -lpthread $(pkg-config --libs openblas)
   fi
   mkdir -p "$out/corpus/$t" "fuzz/corpus/$t"
   log=$out/fuzz_$t.log

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything infkv checks on a machine with an NVIDIA GPU, in one command of at most ~6.5 minutes:
 # the GPU, a Release build of only what runs (for its architecture, every core), the GPU parity
-# tests (REQUIRE_GPU=1: a missing device fails), the CUDA steps' host tests, compute-sanitizer
+# tests (REQUIRE_GPU=1: a missing device fails), the no-sync test (stub runtime), compute-sanitizer
 # memcheck, initcheck and synccheck on small shapes (INFKV_GPU_SMALL=1), the paged-engine example
 # and the benchmarks (medians of 3 beside a device copy and a cuBLAS GEMM).
 #
@@ -251,15 +251,16 @@ if [ -f "$b/CMakeCache.txt" ] && ! { grep -qx "CMAKE_GENERATOR:INTERNAL=$gen" "$
 requires build
 step configure 60 cmake -S . -B "$b" -G "$gen" -DCMAKE_BUILD_TYPE=Release -DINFKV_WITH_CUDA=ON \
   -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" -DINFKV_BUILD_TESTS=ON -DINFKV_BUILD_EXAMPLES=ON \
-  -DINFKV_BUILD_TOOLS=OFF -DINFKV_BUILD_BENCH=ON -DINFKV_NVCC_HEADER_CHECK=OFF "${prefix_arg[@]}" ||
+  -DINFKV_BUILD_TOOLS=OFF -DINFKV_BUILD_BENCH=ON -DINFKV_NVCC_HEADER_CHECK=OFF -DINFKV_HOST_STEPS_TESTS=OFF \
+  "${prefix_arg[@]}" ||
   build_blocked="configure ${statuses[-1]}"
 requires build
-step build "${GPU_CHECK_BUILD_LIMIT_S:-200}" cmake --build "$b" -j "$jobs" --target infkv_gpu_tests infkv_tests infkv_bench_cuda infkv_example_cuda_paged ||
+step build "${GPU_CHECK_BUILD_LIMIT_S:-200}" cmake --build "$b" -j "$jobs" --target infkv_gpu_tests infkv_nosync_tests infkv_bench_cuda infkv_example_cuda_paged ||
   build_blocked="build ${statuses[-1]}"
 requires gpu build
 step gpu_tests 60 "${gpu[@]}" "$b"/tests/infkv_gpu_tests --duration=true
-requires build  # host code: runs without a GPU too
-step host_steps 30 "$b"/tests/infkv_tests --test-case='cuda steps*'
+requires build  # the library built here against the stub runtime: runs without a GPU too
+step nosync 30 "$b"/tests/infkv_nosync_tests
 requires gpu build
 step example 20 "${gpu[@]}" "$b"/examples/infkv-example-cuda-paged 8192
 requires gpu build sanitizer

@@ -3,7 +3,7 @@
 # Idempotent: does nothing when everything is already installed.
 set -euo pipefail
 packages=(cmake ninja-build g++ python3 python3-dev python3-venv python3-numpy python3-pip doctest-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev libfmt-dev clang clang-format gnuplot-nox)
+          nlohmann-json3-dev libfmt-dev libopenblas-dev pkg-config clang clang-format gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -3,10 +3,13 @@
 // host memory or allocates; every launch, copy and memset goes to the caller's stream (so a
 // capture of that stream holds the whole step); no host code dereferences device memory (the
 // stub's device memory cannot be read by the host: a dereference crashes this test); and the
-// entry checks refuse misaligned workspaces and host memory by name. Runs in CI, no GPU needed.
+// entry checks refuse misaligned workspaces and host memory by name. cuBLAS is stubbed the same
+// way: its handle is created when planning (flagged there: it allocates), never in a run. Runs in
+// CI, no GPU needed.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -63,6 +66,32 @@ struct device_layer {
 };
 
 }  // namespace
+
+TEST_CASE("cuda (stub runtime): the cuBLAS handle is created when planning, once; runs only use it") {
+  auto* status = dev<cuda::status_word>(1);
+  const cuda::backend be{stream, status};
+  const device_layer ly(3000);
+  const budget b{.capacity = 1024, .sinks = 4, .recent = 32};
+  stub::clear();
+  const plan p = make_plan(be, snapkv{.window = 8}, b, shape_of(ly.in()));
+  const auto planning = stub::calls();
+  CHECK(stub::handles_created() == 1);  // one device: one handle for the whole program
+  CHECK(std::ranges::none_of(planning, [](const stub::call& c) { return c.name.starts_with("cublasGemm"); }));
+  stub::clear();
+  make_plan(be, tova{}, b, shape_of(ly.in()));
+  cuda::h2o_scratch_bytes(shape_of(ly.in()));
+  CHECK(stub::handles_created() == 1);
+  CHECK(std::ranges::none_of(stub::calls(), [](const stub::call& c) { return c.name == "cublasCreate"; }));
+  auto* ws = dev<std::byte>(std::int64_t(p.workspace_bytes));
+  const keep_view out{dev<std::int64_t>(p.kept_total), dev<std::int64_t>(p.offsets_size()), p.units, ly.n};
+  stub::clear();
+  run(p, be, ly.in(), {ws, p.workspace_bytes}, out);
+  const auto calls = stub::calls();
+  // Two passes over the keys, one GEMM per tile each (3000 keys x 32 window rows: one tile).
+  CHECK(std::ranges::count_if(calls, [](const stub::call& c) { return c.name == "cublasGemmStridedBatchedEx"; }) == 2);
+  CHECK(std::ranges::count_if(calls, [](const stub::call& c) { return c.name == "cublasSetWorkspace"; }) == 2);
+  expect_queued_only("snapkv through cuBLAS");
+}
 
 TEST_CASE("cuda (stub runtime): infkv::run of every score source only queues work on the caller's stream") {
   auto* status = dev<cuda::status_word>(1);
@@ -125,7 +154,8 @@ TEST_CASE("cuda (stub runtime): compaction, re-rotation and H2O's steps only que
 
   const device_layer ly(2000);
   const cuda::h2o_state_view st{dev<float>(2 * 2048), dev<float>(2 * 2048), dev<float>(2 * 2048), 2, ly.n, 2048};
-  const std::size_t hb = cuda::h2o_scratch_bytes(shape_of(ly.in()));
+  const std::size_t hb = cuda::h2o_scratch_bytes(shape_of(ly.in()));  // planning: may create the cuBLAS handle
+  stub::clear();
   cuda::h2o_observe(st, h2o{}, ly.in(), {dev<std::byte>(std::int64_t(hb)), hb}, status, stream);
   expect_queued_only("h2o_observe");
   cuda::h2o_state_view next = st;

@@ -4,6 +4,7 @@
 // layers), compaction byte-identical, re-rotation within rounding, and every device fault
 // recorded and described. No GPU needed: this is what CI runs of the CUDA code.
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -710,5 +711,114 @@ TEST_CASE("cuda steps (host): H2O's accumulation step and eviction follow cpu::h
     for (std::int64_t h = 0; h < 2; ++h)
       for (std::int64_t j = 0; j < got.n_slots; ++j) g(h, j) = got.scores()(h, j);
     check_close(g, as_ref(want.scores()), 1e-4, 1e-6, "h2o after eviction");
+  }
+}
+
+TEST_CASE("cuda steps (host): the GEMM stand-in computes cuBLAS's strided batched GEMM (float64 reference)") {
+  std::mt19937_64 gen(77);
+  std::uniform_int_distribution<int> size(1, 9), pad(0, 4), coin(0, 1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int trial = 0; trial < 200; ++trial) {
+    const dtype t = std::array{dtype::f32, dtype::f16, dtype::bf16}[std::size_t(trial % 3)];
+    const auto ta = coin(gen) ? cuda::blas_op::t : cuda::blas_op::n,
+               tb = coin(gen) ? cuda::blas_op::t : cuda::blas_op::n;
+    const std::int64_t m = size(gen), n = size(gen), k = trial % 17 == 0 ? 0 : size(gen), batch = 1 + trial % 3;
+    const std::int64_t ar = ta == cuda::blas_op::n ? m : k, ac = ta == cuda::blas_op::n ? k : m;
+    const std::int64_t br = tb == cuda::blas_op::n ? k : n, bc = tb == cuda::blas_op::n ? n : k;
+    const std::int64_t lda = std::max<std::int64_t>(ar, 1) + pad(gen), ldb = std::max<std::int64_t>(br, 1) + pad(gen),
+                       ldc = m + pad(gen);
+    // Strides: past the matrix by a few elements, or (sometimes) 0, every batch entry reading the same A.
+    const std::int64_t sa = trial % 7 == 0 ? 0 : lda * ac + pad(gen), sb = ldb * bc + pad(gen), sc = ldc * n + pad(gen);
+    const float alpha = 0.5f + float(trial % 4), beta = trial % 5 == 0 ? 0.f : 0.25f * float(trial % 3);
+    const auto es = std::size_t(size_of(t));
+    // At least one element each (k = 0 leaves A or B empty; no element is read then).
+    std::vector<float> a_val(std::size_t(std::max<std::int64_t>(1, sa * (batch - 1) + lda * ac))),
+        b_val(std::size_t(std::max<std::int64_t>(1, sb * (batch - 1) + ldb * bc)));
+    for (float& x : a_val) x = round_to(t, normal(gen));
+    for (float& x : b_val) x = round_to(t, normal(gen));
+    std::vector<std::byte> a(a_val.size() * es), b(b_val.size() * es);
+    from_f32(t, a_val.data(), a.data(), a_val.size());
+    from_f32(t, b_val.data(), b.data(), b_val.size());
+    std::vector<float> c(std::size_t(sc * (batch - 1) + ldc * n));
+    for (float& x : c) x = normal(gen);
+    std::vector<float> want = c;
+    for (std::int64_t x = 0; x < batch; ++x)
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          double s = 0;
+          for (std::int64_t l = 0; l < k; ++l) {
+            const double av = ta == cuda::blas_op::n ? a_val[std::size_t(x * sa + l * lda + i)]
+                                                     : a_val[std::size_t(x * sa + i * lda + l)];
+            const double bv = tb == cuda::blas_op::n ? b_val[std::size_t(x * sb + j * ldb + l)]
+                                                     : b_val[std::size_t(x * sb + l * ldb + j)];
+            s += av * bv;
+          }
+          float& w = want[std::size_t(x * sc + j * ldc + i)];
+          w = float(double(alpha) * s + (beta == 0.f ? 0.0 : double(beta) * double(w)));
+        }
+    host_gemm_strided_batched(ta, tb, m, n, k, alpha, a.data(), t, lda, sa, b.data(), t, ldb, sb, beta, c.data(),
+                              dtype::f32, ldc, sc, batch);
+    INFO("trial ", trial, " ", to_string(t), " m ", m, " n ", n, " k ", k, " lda ", lda, " ldb ", ldb, " ldc ", ldc);
+    for (std::size_t i = 0; i < c.size(); ++i) CHECK(c[i] == doctest::Approx(want[i]).epsilon(1e-5).scale(10.0));
+  }
+  // cuBLAS's argument checks: a leading dimension below the rows stored, a C that is not f32.
+  std::vector<float> a(64), b(64), c(64);
+  CHECK_THROWS_WITH_AS(
+      host_gemm_strided_batched(cuda::blas_op::t, cuda::blas_op::n, 4, 4, 4, 1.f, a.data(), dtype::f32, 3, 16, b.data(),
+                                dtype::f32, 4, 16, 0.f, c.data(), dtype::f32, 4, 16, 1),
+      doctest::Contains("lda"), invalid_argument);
+  CHECK_THROWS_WITH_AS(
+      host_gemm_strided_batched(cuda::blas_op::n, cuda::blas_op::t, 4, 4, 4, 1.f, a.data(), dtype::f32, 4, 16, b.data(),
+                                dtype::f32, 3, 16, 0.f, c.data(), dtype::f32, 4, 16, 1),
+      doctest::Contains("ldb"), invalid_argument);
+  CHECK_THROWS_WITH_AS(
+      host_gemm_strided_batched(cuda::blas_op::n, cuda::blas_op::n, 4, 4, 4, 1.f, a.data(), dtype::f32, 4, 16, b.data(),
+                                dtype::f32, 4, 16, 0.f, c.data(), dtype::f16, 4, 16, 1),
+      doctest::Contains("Ctype"), invalid_argument);
+}
+
+TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CPU, several tiles, scalar paths too") {
+  const cpu::backend cpu_be{};
+  int i = 0;
+  for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+    for (const layout lay : {layout::nhd, layout::hnd, layout::strided, layout::paged}) {
+      // 1100 keys, 2 KV heads of 3 query heads each: 4096 bytes of logits per tile is the least,
+      // one 256-key tile; 40000 bytes give 256 keys for 6 x 5 rows too; 1 << 20 one tile of all.
+      const problem p = make_problem(900 + std::uint64_t(i++), 1100, 2, 3, 16, 7, t);
+      const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
+      for (const std::int64_t limit : {std::int64_t(4096), std::int64_t(1) << 20}) {
+        host_cuda_backend gpu_be{host_launcher{.block = 29}};
+        gpu_be.window_tile_limit = limit;
+        keys.visit([&](const auto& k) {
+          using R = std::decay_t<decltype(k)>;
+          const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+          for (const policy_spec& spec :
+               {snapkv{.window = 5, .kernel = 3}.spec(), tova{}.spec(), inf_mllm{.window = 7, .kernel = 1}.spec()}) {
+            const std::int64_t before = host_launcher::gemm_calls;
+            const auto got = finished(gpu_be, spec, in);
+            const std::int64_t calls = host_launcher::gemm_calls - before;
+            const std::int64_t w = std::min<std::int64_t>(spec.queries, p.nq), rows = p.hq * w;
+            const std::int64_t tile = cuda::detail::window_tile_keys(rows, p.n, limit), tiles = (p.n + tile - 1) / tile;
+            const std::string what =
+                std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " limit " + std::to_string(limit);
+            INFO(what);
+            CHECK(calls == (lay == layout::paged ? 0 : 2 * tiles));  // paged keys: the scalar path
+            if (limit == 4096) CHECK(tiles >= 4);
+            check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6, what);
+          }
+        });
+      }
+    }
+  SUBCASE("queries of another type than the keys take the scalar path, with the same result") {
+    const problem p = make_problem(950, 700, 2, 2, 16, 6, dtype::f16);
+    const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd),
+                 q32 = store(p.q, p.nq, p.hq, p.d, dtype::f32, layout::nhd);  // the f16 values, exactly, as f32
+    const layer_inputs<> in{keys.tensor, {}, q32.tensor, p.qpos, p.tokens, 0.f};
+    host_cuda_backend gpu_be{};
+    gpu_be.window_tile_limit = 4096;
+    const std::int64_t before = host_launcher::gemm_calls;
+    const auto got = finished(gpu_be, snapkv{.window = 6}.spec(), in);
+    CHECK(host_launcher::gemm_calls == before);
+    check_close(got, as_ref(finished(cpu_be, snapkv{.window = 6}.spec(), in)), 2e-4, 2e-6, "mixed types");
   }
 }

@@ -4,8 +4,14 @@
 // copy to pageable host memory, or allocate. "Device memory" is an address range mapped without
 // access rights, so host code that dereferences a device pointer crashes the test. Only the
 // calls infkv::cuda uses are defined: a new runtime call in the library fails to link here, and
-// then belongs in this file, allowed or flagged.
+// then belongs in this file, allowed or flagged. The same holds for the cuBLAS calls the library
+// makes (the test links no cuBLAS): creating a handle is flagged (it allocates), setting a
+// handle's stream and workspace is not, and a GEMM is flagged when its operands or workspace are
+// not device memory or when its handle has no workspace of the caller (cuBLAS would then
+// allocate its own).
 #include "stub_runtime.hpp"
+
+#include <cublas_v2.h>
 
 #include <sys/mman.h>
 
@@ -20,6 +26,7 @@ std::byte* region = nullptr;
 std::size_t used = 0;
 std::vector<call> log_;
 std::mutex mu;
+int handles = 0;
 
 std::byte* base() {
   if (region == nullptr) {
@@ -58,6 +65,11 @@ std::vector<call> calls() {
 void clear() {
   std::lock_guard lock(mu);
   log_.clear();
+}
+
+int handles_created() {
+  std::lock_guard lock(mu);
+  return handles;
 }
 
 }  // namespace stub
@@ -194,5 +206,50 @@ cudaError_t cudaFree(void*) {
   note("cudaFree", nullptr, true);
   return cudaSuccess;
 }
+
+}  // extern "C"
+
+// cuBLAS: a handle remembers its stream and the workspace set since that stream was set.
+struct cublasContext {
+  cudaStream_t stream = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+extern "C" {
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t* handle) {
+  *handle = new cublasContext{};
+  {
+    std::lock_guard lock(stub::mu);
+    ++stub::handles;
+  }
+  note("cublasCreate", nullptr, true, "allocates");
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
+  handle->stream = stream, handle->workspace = nullptr, handle->workspace_bytes = 0;  // as cuBLAS resets it
+  note("cublasSetStream", stream, false);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t bytes) {
+  handle->workspace = workspace, handle->workspace_bytes = bytes;
+  const bool bad = bytes > 0 && (!stub::is_device(workspace) || reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0);
+  note("cublasSetWorkspace", handle->stream, bad, std::to_string(bytes) + " bytes");
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t, cublasOperation_t, int m, int n,
+                                          int k, const void*, const void* a, cudaDataType, int, long long,
+                                          const void* b, cudaDataType, int, long long, const void*, void* c,
+                                          cudaDataType, int, long long, int batch, cublasComputeType_t,
+                                          cublasGemmAlgo_t) {
+  const bool bad = !stub::is_device(a) || !stub::is_device(b) || !stub::is_device(c) || handle->workspace_bytes == 0;
+  note("cublasGemmStridedBatchedEx", handle->stream, bad,
+       std::to_string(m) + " x " + std::to_string(n) + " x " + std::to_string(k) + ", batch " + std::to_string(batch) +
+           (handle->workspace_bytes == 0 ? ", no workspace of the caller" : ""));
+  return CUBLAS_STATUS_SUCCESS;
+}
+const char* cublasGetStatusName(cublasStatus_t) { return "CUBLAS_STATUS_STUB"; }
+const char* cublasGetStatusString(cublasStatus_t) { return "stub cuBLAS"; }
 
 }  // extern "C"

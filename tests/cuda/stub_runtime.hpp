@@ -26,4 +26,7 @@ bool is_device(const void* p);
 std::vector<call> calls();
 void clear();
 
+/// cuBLAS handles created so far (never cleared).
+int handles_created();
+
 }  // namespace stub

@@ -1,5 +1,6 @@
 // infkv CUDA backend: the device launcher that runs the steps of cuda/steps.hpp, one kernel per
-// step, and its sort and scan (CUB's radix sort and exclusive sum, compiled in sort.cu only).
+// step, its sort and scan (CUB's radix sort and exclusive sum, compiled in sort.cu only) and its
+// GEMM (cuBLAS's strided batched GEMM, called in blas.cu only).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <infkv/cuda/detail/common.hpp>
 #include <infkv/error.hpp>
 
 namespace infkv::cuda::detail {
@@ -29,6 +31,21 @@ cudaError_t radix_sort_pairs(void* temp, std::size_t& bytes, const std::uint64_t
 /// CUB's DeviceScan::ExclusiveSum of n int64; `temp` null: sets `bytes` to the scratch needed.
 cudaError_t exclusive_sum(void* temp, std::size_t& bytes, const std::int64_t* in, std::int64_t* out, std::int64_t n,
                           cudaStream_t stream);
+
+/// Creates the cuBLAS handle of the current device unless it exists (once per device, kept for
+/// the process's life). Called when planning: never inside a run that may be captured.
+void blas_prepare();
+/// cuBLAS workspace bytes for the current device (32 MiB on compute capability 9 and later, else
+/// 4 MiB: cuBLAS's recommendation); nothing is created.
+std::size_t blas_workspace_bytes();
+/// cublasGemmStridedBatchedEx (CUBLAS_COMPUTE_32F) on `stream` with `workspace` (256-byte
+/// aligned) as cuBLAS's workspace, through the current device's handle (blas_prepare first:
+/// raises invalid_argument otherwise).
+void gemm_strided_batched(cudaStream_t stream, std::span<std::byte> workspace, blas_op transa, blas_op transb,
+                          std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const void* a, dtype atype,
+                          std::int64_t lda, std::int64_t stride_a, const void* b, dtype btype, std::int64_t ldb,
+                          std::int64_t stride_b, float beta, void* c, dtype ctype, std::int64_t ldc,
+                          std::int64_t stride_c, std::int64_t batch);
 
 template <class F>
 __global__ void __launch_bounds__(256) for_each_kernel(std::int64_t n, F f) {
@@ -78,10 +95,31 @@ struct device_launcher {
     return std::max(sort, scan) + 256;  // room to align the temporaries
   }
   temp_space temp(std::span<std::byte> s) const {
-    auto at = reinterpret_cast<std::uintptr_t>(s.data());
-    const std::uintptr_t aligned = (at + 255) / 256 * 256;
-    const std::size_t skip = std::min<std::size_t>(aligned - at, s.size());
-    return {s.data() + skip, s.size() - skip, stream};
+    const std::span<std::byte> a = aligned(s);
+    return {a.data(), a.size(), stream};
+  }
+
+  struct gemmer {
+    std::span<std::byte> workspace;
+    cudaStream_t stream;
+    void gemm_strided_batched(blas_op transa, blas_op transb, std::int64_t m, std::int64_t n, std::int64_t k,
+                              float alpha, const void* a, dtype atype, std::int64_t lda, std::int64_t stride_a,
+                              const void* b, dtype btype, std::int64_t ldb, std::int64_t stride_b, float beta, void* c,
+                              dtype ctype, std::int64_t ldc, std::int64_t stride_c, std::int64_t batch) const {
+      detail::gemm_strided_batched(stream, workspace, transa, transb, m, n, k, alpha, a, atype, lda, stride_a, b, btype,
+                                   ldb, stride_b, beta, c, ctype, ldc, stride_c, batch);
+    }
+  };
+  static void prepare_gemm() { blas_prepare(); }
+  static std::size_t gemm_scratch_bytes() { return blas_workspace_bytes() + 256; }  // room to align
+  gemmer gemm_scratch(std::span<std::byte> s) const { return {aligned(s), stream}; }
+
+  /// `s` from its first 256-byte boundary on.
+  static std::span<std::byte> aligned(std::span<std::byte> s) {
+    const auto at = reinterpret_cast<std::uintptr_t>(s.data());
+    const std::uintptr_t to = (at + 255) / 256 * 256;
+    const std::size_t skip = std::min<std::size_t>(to - at, s.size());
+    return s.subspan(skip);
   }
 };
 

@@ -41,6 +41,9 @@ enum class fault : std::uint8_t {
   nan_score = 8,         ///< a = row, b = column
 };
 
+/// Whether a GEMM operand is used as stored or transposed (BLAS's column-major convention).
+enum class blas_op : std::uint8_t { n, t };
+
 /// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
 using status_word = unsigned long long;
 inline constexpr status_word status_ok = ~status_word{0};
@@ -190,6 +193,37 @@ struct softmax_scratch {
   float *tmax, *tsum, *rmax, *rcoef;
   static softmax_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
     return {c.take<float>(rows * tiles(n)), c.take<float>(rows * tiles(n)), c.take<float>(rows), c.take<float>(rows)};
+  }
+};
+/// Bytes of f32 logits one GEMM tile of the window attention may hold (all KV heads together).
+inline constexpr std::int64_t window_tile_limit = std::int64_t(8) << 20;
+/// Keys per GEMM tile of the window attention: a multiple of key_tile (each statistics tile lies
+/// in one GEMM tile), as many as `limit` bytes of logits allow for `rows` query rows (all heads),
+/// at least key_tile, at most the keys rounded up to key_tile.
+inline std::int64_t window_tile_keys(std::int64_t rows, std::int64_t n, std::int64_t limit) {
+  const std::int64_t per_key = 4 * std::max<std::int64_t>(rows, 1);
+  const std::int64_t fit = std::max<std::int64_t>(limit / per_key / key_tile, 1) * key_tile;
+  return std::max<std::int64_t>(std::min(fit, tiles(n) * key_tile), key_tile);
+}
+/// The window attention: its softmax statistics, then (GEMM path) the window queries packed per
+/// KV head ([heads][rows / heads][d] of `elem` bytes each), one tile of logits ([heads][rows /
+/// heads][keys of the tile], f32) and the GEMM's own scratch (`gemm_bytes`, the launcher's).
+/// Sizing passes elem = 4 (the keys' type is not known when planning): the steps' layout for
+/// 2-byte elements is then smaller, never larger.
+struct window_scratch {
+  softmax_scratch stats;
+  std::byte* queries;
+  float* logits;
+  std::span<std::byte> gemm;
+  std::int64_t tile;  ///< keys per GEMM tile
+  static window_scratch carve(carver& c, std::int64_t rows, std::int64_t n, std::int64_t d, std::int64_t elem,
+                              std::size_t gemm_bytes, std::int64_t limit) {
+    const softmax_scratch stats = softmax_scratch::carve(c, rows, n);
+    const std::int64_t tile = window_tile_keys(rows, n, limit);
+    std::byte* queries = c.take<std::byte>(rows * d * elem);
+    float* logits = c.take<float>(rows * std::min(tile, n));
+    std::byte* gemm = c.take<std::byte>(std::int64_t(gemm_bytes));
+    return {stats, queries, logits, {gemm, gemm ? gemm_bytes : 0}, tile};
   }
 };
 /// KeyDiff: per (head, chunk) sums of unit keys, the anchors, their inverse norms.

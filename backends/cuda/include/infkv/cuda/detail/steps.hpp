@@ -12,6 +12,11 @@
 // cuda::check raises it by name when the caller asks. (The scratch's first 64 bytes, where the
 // word used to live, are left unused.)
 //
+// Window attention's logits go through the launcher's third primitive, a strided batched GEMM
+// with cuBLAS's arguments and semantics (column-major, f32 accumulation): cuBLAS on a GPU, a
+// stand-in on the host that calls a CPU BLAS with the very same arguments, so that the
+// arguments themselves (transposes, leading dimensions, strides) are tested without a GPU.
+//
 // A launcher L provides:
 //   l.for_each(n, f)                    f(i) for every i in [0, n)
 //   l.temp(std::span<std::byte>)        the sort and the scan, with that scratch as their temp:
@@ -21,6 +26,14 @@
 //     .exclusive_scan(in, out, n)       out[i] = in[0] + ... + in[i - 1] (int64; out[0] = 0),
 //                                       in and out not overlapping
 //   L::temp_bytes(n)                    the temp either needs for n items (the larger)
+//   L::prepare_gemm()                   readies the GEMM library (when planning only)
+//   L::gemm_scratch_bytes()             scratch one GEMM call needs
+//   l.gemm_scratch(std::span<std::byte>)
+//                                       an object whose gemm_strided_batched(transa,
+//                                       transb, m, n, k, alpha, A, Atype, lda, strideA,
+//                                       B, Btype, ldb, strideB, beta, C, Ctype, ldc,
+//                                       strideC, batch) is cublasGemmStridedBatchedEx's
+//                                       (Ctype f32, f32 compute; strides in elements)
 //
 // Per eviction the time order is the one sort; the selection and AdaKV's allocation find their
 // thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
@@ -38,6 +51,8 @@ struct basic_backend {
   L launch{};
   /// Where the steps record faults (device memory of the caller; see cuda::backend::status).
   status_word* status = nullptr;
+  /// Bytes of f32 logits per GEMM tile of the window attention (smaller in tests: several tiles).
+  std::int64_t window_tile_limit = detail::window_tile_limit;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape` (after 64 unused bytes).
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
@@ -52,11 +67,14 @@ struct basic_backend {
     };
     if (spec.source == score_source::key_diversity)
       consider([&](detail::carver& c) { detail::keydiff_scratch::carve(c, hkv, n, shape.head_dim); });
-    if (spec.source == score_source::window_attention || spec.source == score_source::last_query)
+    if (spec.source == score_source::window_attention || spec.source == score_source::last_query) {
+      L::prepare_gemm();  // when planning: never inside a run, which may be captured into a graph
       consider([&](detail::carver& c) {
-        detail::softmax_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n);
         if (spec.source == score_source::last_query) c.take<float>(hkv * n);
+        detail::window_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n,
+                                      shape.head_dim, 4, L::gemm_scratch_bytes(), window_tile_limit);
       });
+    }
     if (spec.source == score_source::expected_attention)
       consider([&](detail::carver& c) {
         const std::int64_t m = std::min(spec.queries, shape.n_queries);
@@ -128,15 +146,14 @@ struct basic_backend {
         return;
       case score_source::window_attention:
         detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, spec.pools_per_query_head(), out,
-                                       scratch, 64);
+                                       scratch, 64, window_tile_limit);
         return;
       case score_source::last_query: {  // every KV head's mass, then the mean over the heads
         const std::int64_t hkv = in.keys.n_heads;
-        detail::carver c{scratch.data(), 64};  // after window_attention's statistics
-        detail::softmax_scratch::carve(c, std::int64_t(in.queries.n_heads) * std::min(spec.queries, in.queries.n_slots),
-                                       n);
+        detail::carver c{scratch.data(), 64};  // window_attention's scratch follows
         const score_view heads{c.take<float>(hkv * n), hkv, n, n};
-        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, false, heads, scratch, 64);
+        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, false, heads, scratch, c.size(),
+                                       window_tile_limit);
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
           float s = 0.f;
           for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
