@@ -40,7 +40,7 @@
 #pragma once
 
 #include "common.hpp"
-#include "score_steps.hpp"
+#include "window_steps.hpp"
 
 namespace infkv::cuda {
 

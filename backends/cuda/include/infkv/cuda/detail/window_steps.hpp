@@ -1,0 +1,223 @@
+// infkv CUDA backend: window attention as steps run by a launcher L (see steps.hpp): the mass
+// the last window queries give each cached key, for SnapKV, Inf-MLLM, TOVA's last query and H2O's
+// step. Strided keys whose queries have their type go through the launcher's GEMM (cuBLAS on a
+// GPU), everything else through scalar steps; basic_backend::score and h2o_observe_steps call it.
+#pragma once
+
+#include "score_steps.hpp"
+
+namespace infkv::cuda::detail {
+
+/// The window attention's row layout: row r = query head * w + i (query q0 + i); its KV head is
+/// (r / w) / group, so the rows of KV head h are [h * group * w, (h + 1) * group * w).
+struct window_rows {
+  std::int64_t n, d, hkv, hq, group, w, q0, rows;
+  float scale;
+  template <row_source R>
+  static window_rows of(const layer_inputs<R>& in, std::int64_t window) {
+    const std::int64_t n = in.keys.n_slots, d = in.keys.head_dim, hkv = in.keys.n_heads, hq = in.queries.n_heads;
+    const std::int64_t w = std::min(window, in.queries.n_slots);
+    return {n,
+            d,
+            hkv,
+            hq,
+            hq / hkv,
+            w,
+            in.queries.n_slots - w,
+            hq * w,
+            in.scale > 0.f ? in.scale : 1.f / std::sqrt(float(d))};
+  }
+  /// Key j's (at position `pos`) attention mass under KV head h: over its group's query heads and
+  /// the window's queries that see the key, exp(logit(qh, i) - rmax[r]) x rcoef[r], r = qh * w + i;
+  /// written per query head, or the group's mean per KV head.
+  template <class Logit>
+  INFKV_HOST_DEVICE void key_mass(std::int64_t h, std::int64_t j, std::int64_t pos, const std::int64_t* qpos,
+                                  const float* rmax, const float* rcoef, bool per_query_head, score_view out,
+                                  Logit logit) const {
+    float total = 0.f;
+    for (std::int64_t gg = 0; gg < group; ++gg) {
+      const std::int64_t qh = h * group + gg;
+      float mass = 0.f;
+      for (std::int64_t i = 0; i < w; ++i) {
+        const std::int64_t r = qh * w + i;
+        if (pos > qpos[q0 + i] || rcoef[r] == 0.f) continue;
+        mass += expf(logit(qh, i) - rmax[r]) * rcoef[r];
+      }
+      if (per_query_head) out(qh, j) = mass;
+      total += mass;
+    }
+    if (!per_query_head) out(h, j) = total / float(group);
+  }
+};
+
+/// Per query row: the combination of its tiles' maxima and normalisers; queries are checked here.
+template <class L>
+void window_row_statistics(const L& launch, status_word* st, const const_tensor_view& q, const window_rows& g,
+                           const softmax_scratch& s) {
+  const std::int64_t tiles = detail::tiles(g.n), w = g.w, q0 = g.q0, d = g.d;
+  float *tmax = s.tmax, *tsum = s.tsum, *rmax = s.rmax, *rcoef = s.rcoef;
+  launch.for_each(g.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
+    const std::int64_t qh = r / w, i = r % w;
+    const void* qr = q.row(q0 + i, std::int32_t(qh));
+    for (std::int64_t e = 0; e < d; ++e)
+      if (!detail::finite(detail::load(q.type, qr, e)))
+        detail::record(st, encode(fault::query_not_finite, qh, e, q0 + i));
+    float m = -INFINITY, sum = 0.f;
+    for (std::int64_t t = 0; t < tiles; ++t) m = fmaxf(m, tmax[r * tiles + t]);
+    for (std::int64_t t = 0; t < tiles; ++t)
+      if (tsum[r * tiles + t] > 0.f) sum += tsum[r * tiles + t] * expf(tmax[r * tiles + t] - m);
+    rmax[r] = m, rcoef[r] = sum > 0.f ? 1.f / sum : 0.f;
+  });
+}
+
+/// The window attention as scalar steps (paged keys, queries of another type than the keys, or
+/// strides a GEMM cannot describe): per (query row, key tile) the running max and normaliser,
+/// per query row their combination, per (KV head, key) the mass, each logit a dot product
+/// (computed twice).
+template <class L, row_source R>
+void window_attention_scalar(const L& launch, status_word* st, const layer_inputs<R>& in, const window_rows& g,
+                             bool per_query_head, score_view out, const softmax_scratch& stats) {
+  const R keys = in.keys;
+  const const_tensor_view q = in.queries;
+  const std::int64_t n = g.n, d = g.d, group = g.group, w = g.w, q0 = g.q0, tiles = detail::tiles(n);
+  const float scale = g.scale;
+  const token* tok = in.tokens.data();
+  const std::int64_t* qpos = in.query_pos.data();
+  float *tmax = stats.tmax, *tsum = stats.tsum, *rmax = stats.rmax, *rcoef = stats.rcoef;
+  launch.for_each(g.rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t r = x / tiles, t = x % tiles, qh = r / w, i = r % w;
+    const auto h = std::int32_t(qh / group);
+    const void* qr = q.row(q0 + i, std::int32_t(qh));
+    const std::int64_t qp = qpos[q0 + i];
+    float m = -INFINITY, s = 0.f;
+    for (std::int64_t j = t * detail::key_tile; j < std::min(n, (t + 1) * detail::key_tile); ++j) {
+      if (tok[j].pos > qp) continue;
+      const float l = scale * detail::dot(q.type, qr, keys.type, keys.row(j, h), d);
+      if (l > m) {
+        s = s * expf(m - l) + 1.f;
+        m = l;
+      } else {
+        s += expf(l - m);
+      }
+    }
+    tmax[r * tiles + t] = m, tsum[r * tiles + t] = s;
+  });
+  window_row_statistics(launch, st, q, g, stats);
+  launch.for_each(g.hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const auto h = std::int32_t(x / n);
+    const std::int64_t j = x % n;
+    const void* kr = keys.row(j, h);
+    for (std::int64_t e = 0; e < d; ++e)
+      if (!detail::finite(detail::load(keys.type, kr, e))) detail::record(st, encode(fault::key_not_finite, h, e, j));
+    g.key_mass(h, j, tok[j].pos, qpos, rmax, rcoef, per_query_head, out, [&](std::int64_t qh, std::int64_t i) {
+      return scale * detail::dot(q.type, q.row(q0 + i, std::int32_t(qh)), keys.type, kr, d);
+    });
+  });
+}
+
+/// Whether strided keys can be read in place as a GEMM operand with the window queries: the same
+/// element type, each key row contiguous (lda = slot_stride >= head_dim), a non-negative head
+/// stride, sizes within cuBLAS's 32-bit ints.
+template <row_source R>
+bool window_gemm_fits(const layer_inputs<R>& in, const window_rows& g, std::int64_t tile) {
+  if constexpr (requires { in.keys.slot_stride; }) {
+    constexpr std::int64_t most = std::numeric_limits<std::int32_t>::max();
+    const auto& k = in.keys;
+    return in.queries.type == k.type && k.slot_stride >= g.d && k.slot_stride <= most && k.head_stride >= 0 &&
+           (g.rows / g.hkv) * g.d <= most && tile * (g.rows / g.hkv) <= most && g.d >= 1;
+  } else {
+    return false;
+  }
+}
+
+/// Attention mass the last `window` queries give each cached key (softmax over the visible
+/// keys), per KV head (mean over its G query heads) or per query head. Nothing of size queries x
+/// keys is materialised. Strided keys whose queries have their type (window_gemm_fits): the
+/// window queries are packed per KV head, then per tile of keys (window_tile_keys: at most
+/// `limit` bytes of logits) one strided batched GEMM over the KV heads gives the tile's logits
+/// (keys read in place: lda = slot_stride, strideA = head_stride; the logits of KV head h are a
+/// keys x rows column-major matrix) and the per (query row, 256-key tile) running max and
+/// normaliser are read from it; per query row their combination; a second pass of GEMMs gives
+/// each (KV head, key) its mass. Keys and queries are checked by elementwise steps. Other inputs
+/// go through window_attention_scalar. `offset` is where the step's scratch starts (after the
+/// status word and anything kept).
+template <class L, row_source R>
+void window_attention_steps(const L& launch, status_word* st, const layer_inputs<R>& in, std::int64_t window,
+                            bool per_query_head, score_view out, std::span<std::byte> scratch, std::size_t offset,
+                            std::int64_t limit = window_tile_limit) {
+  check_query_inputs(in);
+  const window_rows g = window_rows::of(in, window);
+  const std::int64_t elem = std::int64_t(size_of(in.queries.type));
+  detail::carver c{scratch.data(), offset};
+  const auto ws = detail::window_scratch::carve(c, g.rows, g.n, g.d, elem, L::gemm_scratch_bytes(), limit);
+  if (!window_gemm_fits(in, g, ws.tile)) {
+    window_attention_scalar(launch, st, in, g, per_query_head, out, ws.stats);
+    return;
+  }
+  if constexpr (requires { in.keys.slot_stride; }) {
+    const auto keys = in.keys;
+    const const_tensor_view q = in.queries;
+    const std::int64_t n = g.n, d = g.d, hkv = g.hkv, w = g.w, q0 = g.q0, tiles = detail::tiles(n);
+    const std::int64_t per_head = g.rows / hkv;  // query rows of one KV head
+    const token* tok = in.tokens.data();
+    const std::int64_t* qpos = in.query_pos.data();
+    float *tmax = ws.stats.tmax, *tsum = ws.stats.tsum, *rmax = ws.stats.rmax, *rcoef = ws.stats.rcoef;
+    std::byte* packed = ws.queries;
+    float* logits = ws.logits;
+    const auto gemm = launch.gemm_scratch(ws.gemm);
+    // Packed queries: row r of the window (KV head r / per_head), its d elements contiguous.
+    launch.for_each(g.rows * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t r = x / d, e = x % d, qh = r / w, i = r % w;
+      const auto* src = static_cast<const std::byte*>(q.row(q0 + i, std::int32_t(qh))) + e * elem;
+      memcpy(packed + x * elem, src, std::size_t(elem));
+    });
+    launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const auto h = std::int32_t(x / n);
+      const std::int64_t j = x % n;
+      const void* kr = keys.row(j, h);
+      for (std::int64_t e = 0; e < d; ++e)
+        if (!detail::finite(detail::load(keys.type, kr, e))) detail::record(st, encode(fault::key_not_finite, h, e, j));
+    });
+    // Logits of keys [j0, j0 + m), all KV heads in one batch: A_h is the d x m column-major view
+    // of KV head h's keys in place (lda = slot_stride, strideA = head_stride), op(A_h) = A_h^T;
+    // B_h the d x per_head packed queries (ldb = d); C_h = scale op(A_h) B_h, m x per_head
+    // column-major (ldc = m), so that row r of the window finds key j0 + jl at r * m + jl.
+    const auto tile_logits = [&](std::int64_t j0, std::int64_t m) {
+      gemm.gemm_strided_batched(blas_op::t, blas_op::n, m, per_head, d, g.scale, keys.row(j0, 0), keys.type,
+                                keys.slot_stride, keys.head_stride, packed, q.type, d, per_head * d, 0.f, logits,
+                                dtype::f32, m, m * per_head, hkv);
+    };
+    for (std::int64_t j0 = 0; j0 < n; j0 += ws.tile) {
+      const std::int64_t m = std::min(ws.tile, n - j0), sub = detail::tiles(m), t0 = j0 / detail::key_tile;
+      tile_logits(j0, m);
+      launch.for_each(g.rows * sub, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+        const std::int64_t r = x / sub, tl = x % sub, qp = qpos[q0 + r % w];
+        const float* lr = logits + r * m;
+        float mx = -INFINITY, s = 0.f;
+        for (std::int64_t jl = tl * detail::key_tile; jl < std::min(m, (tl + 1) * detail::key_tile); ++jl) {
+          if (tok[j0 + jl].pos > qp) continue;
+          const float l = lr[jl];
+          if (l > mx) {
+            s = s * expf(mx - l) + 1.f;
+            mx = l;
+          } else {
+            s += expf(l - mx);
+          }
+        }
+        tmax[r * tiles + t0 + tl] = mx, tsum[r * tiles + t0 + tl] = s;
+      });
+    }
+    window_row_statistics(launch, st, q, g, ws.stats);
+    for (std::int64_t j0 = 0; j0 < n; j0 += ws.tile) {
+      const std::int64_t m = std::min(ws.tile, n - j0);
+      tile_logits(j0, m);
+      launch.for_each(hkv * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+        const std::int64_t h = x / m, jl = x % m, j = j0 + jl;
+        g.key_mass(h, j, tok[j].pos, qpos, rmax, rcoef, per_query_head, out,
+                   [&](std::int64_t qh, std::int64_t i) { return logits[(qh * w + i) * m + jl]; });
+      });
+    }
+  }
+}
+
+}  // namespace infkv::cuda::detail
