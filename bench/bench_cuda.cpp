@@ -51,7 +51,7 @@ void timed(benchmark::State& state, F&& f) {
   cudaEventDestroy(a), cudaEventDestroy(b);
 }
 
-double g_copy_bw = 0, g_gemm_flops = 0;
+double g_copy_bw = 0, g_gemm_flops = 0, g_sgemm_flops = 0;
 infkv::cuda::status_word* g_status = nullptr;  // every benchmark's status word (checked at the end)
 
 /// A kernel's memory traffic (bytes read + written) per iteration as a fraction of the copy's
@@ -61,14 +61,16 @@ benchmark::Counter of_copy(double traffic) {
 }
 
 /// Rates of a kernel against the cost model's least traffic and FLOPs: bytes/s and the fraction
-/// of the copy bandwidth; flop/s and the fraction of the GEMM peak where it computes.
+/// of the copy bandwidth; flop/s and the fraction of the GEMM peak where it computes (the f16
+/// tensor-core GEMM's, or the f32 GEMM's for a kernel whose products are f32).
 void report(benchmark::State& state, const infkv_bench::cost& c) {
   using benchmark::Counter;
   state.counters["bytes_per_s"] = Counter(c.bytes, Counter::kIsIterationInvariantRate);
   state.counters["of_copy"] = of_copy(c.bytes);
   if (c.flops > 0) {
     state.counters["flop_per_s"] = Counter(c.flops, Counter::kIsIterationInvariantRate);
-    state.counters["of_gemm"] = Counter(c.flops / g_gemm_flops, Counter::kIsIterationInvariantRate);
+    state.counters["of_gemm"] =
+        Counter(c.flops / (c.f32 ? g_sgemm_flops : g_gemm_flops), Counter::kIsIterationInvariantRate);
   }
 }
 
@@ -98,13 +100,16 @@ double copy_bandwidth() {
   return double(bytes) / (double(best) / 1e3);
 }
 
-/// Tensor-core GEMM flop/s (cuBLAS f16 inputs, f32 accumulate, 8192^3, best of 10).
-double gemm_flops() {
+/// GEMM flop/s of cuBLAS, 8192^3, best of 10: f16 inputs on tensor cores (f32 accumulate), or f32
+/// throughout (CUBLAS_COMPUTE_32F: no TF32).
+double gemm_flops(bool f32) {
   const int n = 8192;
-  auto* a = dmalloc<std::uint16_t>(std::size_t(n) * n);
-  auto* b = dmalloc<std::uint16_t>(std::size_t(n) * n);
+  const std::size_t elem = f32 ? 4 : 2;
+  const cudaDataType_t type = f32 ? CUDA_R_32F : CUDA_R_16F;
+  auto* a = dmalloc<char>(std::size_t(n) * n * elem);
+  auto* b = dmalloc<char>(std::size_t(n) * n * elem);
   auto* c = dmalloc<float>(std::size_t(n) * n);
-  ok(cudaMemset(a, 0, std::size_t(n) * n * 2)), ok(cudaMemset(b, 0, std::size_t(n) * n * 2));
+  ok(cudaMemset(a, 0, std::size_t(n) * n * elem)), ok(cudaMemset(b, 0, std::size_t(n) * n * elem));
   cublasHandle_t h;
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) return 0;
   const float one = 1, zero = 0;
@@ -113,8 +118,8 @@ double gemm_flops() {
   float best = 1e30f;
   for (int i = 0; i < 10; ++i) {
     ok(cudaEventRecord(e0));
-    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16F, n, b, CUDA_R_16F, n, &zero, c, CUDA_R_32F,
-                 n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, type, n, b, type, n, &zero, c, CUDA_R_32F, n,
+                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     ok(cudaEventRecord(e1));
     ok(cudaEventSynchronize(e1));
     float ms = 0;
@@ -334,11 +339,13 @@ int main(int argc, char** argv) {
     return 77;
   }
   g_copy_bw = copy_bandwidth();
-  g_gemm_flops = gemm_flops();
+  g_gemm_flops = gemm_flops(false);
+  g_sgemm_flops = gemm_flops(true);
   g_status = dmalloc<infkv::cuda::status_word>(1);
   infkv::cuda::reset_status(g_status, nullptr);
   benchmark::AddCustomContext("copy_bytes_per_s", std::to_string(g_copy_bw));
   benchmark::AddCustomContext("gemm_f16_flop_per_s", std::to_string(g_gemm_flops));
+  benchmark::AddCustomContext("gemm_f32_flop_per_s", std::to_string(g_sgemm_flops));
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -24,8 +24,12 @@ struct layer_case {
 struct cost {
   std::string kernel, what;
   double bytes = 0, flops = 0;
-  /// The roofline time in seconds on a GPU of `bandwidth` bytes/s and `peak` FLOP/s.
-  double roofline(double bandwidth, double peak) const { return std::max(bytes / bandwidth, flops / peak); }
+  bool f32 = false;  ///< its products are f32 GEMMs (CUDA cores), not f16 / bf16 ones on tensor cores
+  /// The roofline time in seconds on a GPU of `bandwidth` bytes/s, `peak` FLOP/s on tensor cores
+  /// and `peak_f32` in f32.
+  double roofline(double bandwidth, double peak, double peak_f32) const {
+    return std::max(bytes / bandwidth, flops / (f32 ? peak_f32 : peak));
+  }
 };
 
 /// Window queries against every key: logits twice (softmax statistics, then the mass), keys read
@@ -39,10 +43,16 @@ inline cost keydiff(const layer_case& c) {
   return {"keydiff", "two passes over the keys", 2 * c.key_bytes() + double(c.hkv * c.n) * 4,
           4.0 * double(c.hkv * c.n * c.d)};
 }
-/// Expected Attention: one pass over the keys, a d x d quadratic form per (key, query head).
+/// Expected Attention: one pass over the keys; per (key, query head) the product with mu' and the
+/// covariance term in the cheaper form (the m centred queries' projections, or k^T Sigma' k with
+/// Sigma' one d x d x m GEMM per query head), f32 GEMMs (the operands are derived statistics).
 inline cost expected_attention(const layer_case& c) {
-  return {"expected attention", "one pass over the keys, q.k and k^T S k per query head",
-          c.key_bytes() + double(c.hkv * c.n) * 4, 2.0 * double(c.hq * c.n) * double(c.d * c.d + c.d)};
+  const bool matrix = c.d * (c.m + c.n) < c.n * c.m;  // covariance_as_matrix
+  const double rows = double(1 + (matrix ? c.d : c.m)), sigma = matrix ? 2.0 * double(c.hq * c.d * c.d * c.m) : 0.0;
+  return {"expected attention",
+          matrix ? "one pass over the keys, q.k and k^T S k per query head, f32"
+                 : "one pass over the keys, q.k and the window's projections per query head, f32",
+          c.key_bytes() + double(c.hkv * c.n) * 4, 2.0 * double(c.hq * c.n) * double(c.d) * rows + sigma, true};
 }
 /// H2O's step for one decode token: its logits against every key (one pass), the state's three
 /// f32 rows read and written.

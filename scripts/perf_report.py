@@ -318,12 +318,13 @@ def cuda_cost_section(gpu_dir, md):
     md.append(f"One layer of {c['n']} slots, {c['kv_heads']} KV heads, head_dim {c['head_dim']}, "
               f"{c['element_bytes']}-byte elements, a window of {c['window']} queries of {c['q_heads']} query "
               f"heads, {c['kept']} slots kept per head; roofline on a GPU of {g['copy_bytes_per_s'] / 1e12:.1f} TB/s "
-              f"and {g['peak_flop_per_s'] / 1e12:.0f} TFLOP/s (an H200). Computed at commit {cost['commit']}: "
+              f"and {g['peak_flop_per_s'] / 1e12:.0f} TFLOP/s on tensor cores, {g['peak_f32_flop_per_s'] / 1e12:.0f} TFLOP/s "
+              f"in f32 (an H200). Computed at commit {cost['commit']}: "
               f"{cost['protocol']}. The \"before\" column: {review['source']}.\n")
     rows = []
     for k in cost["kernels"]:
         r = review["kernels"].get(k["kernel"], {})
-        rows.append([k["kernel"], k["what"], fmt(k["bytes"] / 1e6, 0), fmt(k["flops"] / 1e9, 1),
+        rows.append([k["kernel"], k["what"], fmt(k["bytes"] / 1e6, 0), fmt(k["flops"] / 1e9, 1) + (" (f32)" if k.get("f32") else ""),
                      fmt(k["roofline_us"], 0), r.get("before") or "-", r.get("target") or "-"])
     md.append(table(["kernel", "least work", "MB moved", "GFLOP", "roofline (us)", "before (review estimate)",
                      "target"], rows) + "\n")

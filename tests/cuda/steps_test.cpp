@@ -822,3 +822,42 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
     check_close(got, as_ref(finished(cpu_be, snapkv{.window = 6}.spec(), in)), 2e-4, 2e-6, "mixed types");
   }
 }
+
+TEST_CASE("cuda steps (host): Expected Attention's logits through GEMM tiles match the CPU, every layout and form") {
+  const cpu::backend cpu_be{};
+  int i = 0;
+  for (const dtype t : {dtype::f32, dtype::f16, dtype::bf16})
+    for (const layout lay : {layout::nhd, layout::hnd, layout::strided, layout::paged}) {
+      // 1100 keys, 2 KV heads of 3 query heads each, 7 queries: 4096 bytes per tile is the least,
+      // one 256-key tile (5 tiles); 1 << 20 bytes hold every key in one tile.
+      const problem p = make_problem(960 + std::uint64_t(i++), 1100, 2, 3, 16, 7, t);
+      const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
+      for (const std::int64_t limit : {std::int64_t(4096), std::int64_t(1) << 20}) {
+        host_cuda_backend gpu_be{host_launcher{.block = 31}};
+        gpu_be.window_tile_limit = limit;
+        keys.visit([&](const auto& k) {
+          using R = std::decay_t<decltype(k)>;
+          const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+          for (const bool cov : {false, true})
+            for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
+              if (!cov && form == covariance_form::matrix) continue;
+              policy_spec spec = expected_attention{.window = 7, .sinks = 3, .covariance = cov}.spec();
+              spec.expect.form = form;
+              spec.value_norm = false;
+              const bool matrix = cov && form == covariance_form::matrix;
+              const std::int64_t rq = matrix ? p.d + 1 : cov ? p.nq + 1 : 1;
+              const std::int64_t tile = cuda::detail::window_tile_keys(p.hkv * ((p.hq / p.hkv) * rq + p.d), p.n, limit);
+              const std::int64_t tiles = (p.n + tile - 1) / tile, before = host_launcher::gemm_calls;
+              const auto got = finished(gpu_be, spec, in);
+              const std::string what = std::string(to_string(t)) + " " + to_string(lay) + " limit " +
+                                       std::to_string(limit) +
+                                       (cov ? matrix ? " matrix" : " projections" : " mean only");
+              INFO(what);
+              CHECK(host_launcher::gemm_calls - before == tiles + (matrix ? 1 : 0));  // Sigma': one more
+              if (limit == 4096) CHECK(tiles >= 4);
+              check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-5, 2e-6, what);
+            }
+        });
+      }
+    }
+}

@@ -195,7 +195,8 @@ struct softmax_scratch {
     return {c.take<float>(rows * tiles(n)), c.take<float>(rows * tiles(n)), c.take<float>(rows), c.take<float>(rows)};
   }
 };
-/// Bytes of f32 logits one GEMM tile of the window attention may hold (all KV heads together).
+/// Bytes of f32 logits (Expected Attention: and f32 keys) one GEMM tile of the window attention
+/// or Expected Attention may hold (all KV heads together).
 inline constexpr std::int64_t window_tile_limit = std::int64_t(8) << 20;
 /// Keys per GEMM tile of the window attention: a multiple of key_tile (each statistics tile lies
 /// in one GEMM tile), as many as `limit` bytes of logits allow for `rows` query rows (all heads),
@@ -259,19 +260,36 @@ struct bias_scratch {
 struct expected_scratch {
   float* table;
   double* mu;
-  float* stats;
-  double *sigma, *z, *pmax, *psum, *rmax, *rinv;
-  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t m, std::int64_t d, std::int64_t n,
-                                bool matrix) {
-    return {c.take<float>((m + 1) * d),
-            c.take<double>(hq * d),
-            c.take<float>(hq * (m + 1) * d),
-            c.take<double>(matrix ? hq * d * d : 0),
-            c.take<double>(hq * n),
-            c.take<double>(hq * chunks(n)),
-            c.take<double>(hq * chunks(n)),
-            c.take<double>(hq),
-            c.take<double>(hq)};
+  float* stats;  ///< per query head mu' and (covariance) the centred queries c'_i, d floats each
+  float* ops;    ///< matrix form: per query head mu' and the d rows of Sigma' (else the stats are the operand)
+  double *z, *pmax, *psum, *rmax, *rinv;
+  float *keys, *logits;  ///< one tile: its keys in f32 ([KV head][element][key]), the GEMM's result
+  std::span<std::byte> gemm;
+  std::int64_t tile;  ///< keys per GEMM tile
+  /// Rows of the statistics and of the GEMM operand per query head.
+  static std::int64_t stat_rows(std::int64_t m, bool cov) { return cov ? m + 1 : 1; }
+  static std::int64_t op_rows(std::int64_t m, std::int64_t d, bool cov, bool matrix) {
+    return matrix ? d + 1 : stat_rows(m, cov);
+  }
+  static expected_scratch carve(carver& c, std::int64_t hq, std::int64_t hkv, std::int64_t m, std::int64_t d,
+                                std::int64_t n, bool cov, bool matrix, std::size_t gemm_bytes, std::int64_t limit) {
+    const std::int64_t rq = op_rows(m, d, cov, matrix), cols = (hq / std::max<std::int64_t>(hkv, 1)) * rq;
+    expected_scratch s{};
+    s.table = c.take<float>((m + 1) * d);
+    s.mu = c.take<double>(hq * d);
+    s.stats = c.take<float>(hq * stat_rows(m, cov) * d);
+    s.ops = c.take<float>(matrix ? hq * rq * d : 0);
+    s.z = c.take<double>(hq * n);
+    s.pmax = c.take<double>(hq * chunks(n));
+    s.psum = c.take<double>(hq * chunks(n));
+    s.rmax = c.take<double>(hq);
+    s.rinv = c.take<double>(hq);
+    s.tile = window_tile_keys(hkv * (cols + d), n, limit);
+    s.keys = c.take<float>(hkv * std::min(s.tile, n) * d);
+    s.logits = c.take<float>(hkv * std::min(s.tile, n) * cols);
+    std::byte* gemm = c.take<std::byte>(std::int64_t(gemm_bytes));
+    s.gemm = {gemm, gemm ? gemm_bytes : 0};
+    return s;
   }
 };
 /// The time order: positions as keys, slots as values, the sorted keys; the launcher's temp follows.

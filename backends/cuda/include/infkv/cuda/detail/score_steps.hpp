@@ -1,6 +1,7 @@
 // infkv CUDA backend: the score sources with their own multi-step algorithms, as steps run by a
 // launcher L (see steps.hpp): the checks of window queries, KeyDiff's key diversity and Expected
-// Attention (window attention: window_steps.hpp). basic_backend::score calls them.
+// Attention, whose logits go through the launcher's GEMM (window attention: window_steps.hpp).
+// basic_backend::score calls them.
 #pragma once
 
 #include "common.hpp"
@@ -81,30 +82,39 @@ void keydiff_steps(const L& launch, status_word* st, const R& keys, score_view o
 }
 
 /// Expected Attention (cpu::expected_attention_into's semantics) over every query of `in`: the
-/// rotation tables, each query head's mean before RoPE (double), mu' and the centred queries
-/// under the mean rotation, the covariance term as the same form the CPU chooses (a d x d matrix
-/// per query head, or squared projections; sums in double), the logits (double), the sinks left
-/// out, a chunked softmax per query head, the group mean. `offset` is where the step's scratch
-/// starts.
+/// rotation tables, each query head's mean before RoPE (double), mu' and the centred queries c'_i
+/// under the mean rotation, then the logits through the launcher's GEMM (cuBLAS on a GPU), in f32:
+/// each query head's operand rows are mu' and, for the covariance term, either the centred
+/// queries (squared projections) or the d rows of Sigma' = s^2 / 2m C'^T C' (itself one GEMM per
+/// query head; the form the CPU chooses). Per tile of keys (at most `limit` bytes of logits and
+/// keys, all KV heads together) the keys are widened to f32 (the operands are derived
+/// statistics: rounding them to f16 / bf16 would change the scores) and checked, one strided
+/// batched GEMM over the KV heads gives every key's product with every operand row of its
+/// group's query heads, and an elementwise step combines them into the logit (double). Then the
+/// sinks are left out, a chunked softmax per query head (double), the group mean. `offset` is
+/// where the step's scratch starts.
 template <class L, row_source R>
 void expected_attention_steps(const L& launch, status_word* st, const layer_inputs<R>& in, const expectation& e,
                               const std::int64_t* order, score_view out, std::span<std::byte> scratch,
-                              std::size_t offset) {
+                              std::size_t offset, std::int64_t limit = window_tile_limit) {
   check_query_inputs(in);
   const R keys = in.keys;
   const const_tensor_view q = in.queries;
-  const std::int64_t n = keys.n_slots, d = keys.head_dim, hq = q.n_heads, group = hq / keys.n_heads, m = q.n_slots;
-  const std::int64_t nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, hq = q.n_heads, group = hq / hkv;
+  const std::int64_t m = q.n_slots, nc = detail::chunks(n), sinks = std::min(e.sinks, n), future = e.future;
   const rope rot = in.rotary.value_or(e.rotary);  // the layer's own RoPE wins
   const std::int32_t dims = in.rotary || e.rotated ? rot.checked_dims(std::int32_t(d)) : 0, half = dims / 2;
   const double scale = in.scale > 0.f ? in.scale : 1.0 / sqrt(double(d));
   const double cov_coef = e.covariance ? scale * scale / (2.0 * double(m)) : 0.0;
   const bool cov = e.covariance, matrix = e.matrix(m, d, n);
+  const std::int64_t srows = expected_scratch::stat_rows(m, cov), rq = expected_scratch::op_rows(m, d, cov, matrix);
+  const std::int64_t cols = group * rq;  // operand rows of one KV head's query heads
   const std::int64_t* qpos = in.query_pos.data();
   detail::carver c{scratch.data(), offset};
-  const auto w = detail::expected_scratch::carve(c, hq, m, d, n, matrix);
-  float *table = w.table, *stats = w.stats;
-  double *mu = w.mu, *sigma = w.sigma, *z = w.z, *pmax = w.pmax, *psum = w.psum, *rmax = w.rmax, *rinv = w.rinv;
+  const auto w = detail::expected_scratch::carve(c, hq, hkv, m, d, n, cov, matrix, L::gemm_scratch_bytes(), limit);
+  float *table = w.table, *stats = w.stats, *ops = matrix ? w.ops : w.stats, *kt = w.keys, *lg = w.logits;
+  double *mu = w.mu, *z = w.z, *pmax = w.pmax, *psum = w.psum, *rmax = w.rmax, *rinv = w.rinv;
+  const auto gemm = launch.gemm_scratch(w.gemm);
   // Element el of query i of head qh turned back to before RoPE.
   const auto pre = [=] INFKV_HOST_DEVICE(std::int64_t i, std::int64_t qh, std::int64_t el) {
     const void* row = q.row(i, std::int32_t(qh));
@@ -144,8 +154,8 @@ void expected_attention_steps(const L& launch, status_word* st, const layer_inpu
     mu[x] = s / double(m);
   });
   // Row 0 of each query head: mu'; row i: c'_i (centred query i - 1 under the mean rotation).
-  launch.for_each(hq * (cov ? m + 1 : 1) * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    const std::int64_t rows = cov ? m + 1 : 1, qh = x / (rows * d), r = (x / d) % rows, el = x % d;
+  launch.for_each(hq * srows * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    const std::int64_t qh = x / (srows * d), r = (x / d) % srows, el = x % d;
     const auto centred = [&](std::int64_t k) {
       return r == 0 ? mu[qh * d + k] : double(pre(r - 1, qh, k)) - mu[qh * d + k];
     };
@@ -157,48 +167,49 @@ void expected_attention_steps(const L& launch, status_word* st, const layer_inpu
       const double xa = centred(a), xb = centred(b), cs = table[m * d + p], sn = table[m * d + half + p];
       v = el == a ? xa * cs - xb * sn : xa * sn + xb * cs;
     }
-    stats[(qh * (m + 1) + r) * d + el] = float(v);
+    stats[x] = float(v);
   });
-  if (matrix)  // Sigma' (times s^2 / 2m) per query head
-    launch.for_each(hq * d * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t qh = x / (d * d), a = (x / d) % d, b = x % d;
-      const float* s0 = stats + qh * (m + 1) * d;
-      double s = 0.0;
-      for (std::int64_t i = 1; i <= m; ++i) s += double(s0[i * d + a]) * double(s0[i * d + b]);
-      sigma[x] = s * cov_coef;
+  if (matrix) {  // operand rows: mu', then Sigma' (times s^2 / 2m) row by row
+    launch.for_each(hq * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      ops[(x / d) * rq * d + x % d] = stats[(x / d) * srows * d + x % d];
     });
-  launch.for_each(hq * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    const std::int64_t qh = x / n, j = x % n;
-    const auto h = std::int32_t(qh / group);
-    const void* kr = keys.row(j, h);
-    const float* s0 = stats + qh * (m + 1) * d;
-    double lin = 0.0, quad = 0.0;
-    for (std::int64_t el = 0; el < d; ++el) {
-      const float k = detail::load(keys.type, kr, el);
+    // Per query head: C'^T is the d x m column-major matrix of its centred queries (ld d);
+    // Sigma' = cov_coef C'^T (C'^T)^T, d x d, symmetric, so its columns are its rows.
+    gemm.gemm_strided_batched(blas_op::n, blas_op::t, d, d, m, float(cov_coef), stats + d, dtype::f32, d, srows * d,
+                              stats + d, dtype::f32, d, srows * d, 0.f, ops + d, dtype::f32, d, rq * d, hq);
+  }
+  for (std::int64_t j0 = 0; j0 < n; j0 += w.tile) {
+    const std::int64_t mt = std::min(w.tile, n - j0);
+    // The tile's keys in f32: KV head h's is the mt x d column-major matrix at kt + h mt d.
+    launch.for_each(hkv * d * mt, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t h = x / (d * mt), el = (x / mt) % d, j = j0 + x % mt;
+      const float k = detail::load(keys.type, keys.row(j, std::int32_t(h)), el);
       if (!detail::finite(k)) detail::record(st, encode(fault::key_not_finite, h, el, j));
-      lin += double(s0[el]) * k;
-    }
-    if (matrix) {
-      const double* sg = sigma + qh * d * d;
-      for (std::int64_t a = 0; a < d; ++a) {
-        double t = 0.0;
-        for (std::int64_t b = 0; b < d; ++b) t += sg[a * d + b] * detail::load(keys.type, kr, b);
-        quad += t * detail::load(keys.type, kr, a);
+      kt[x] = k;
+    });
+    // Per KV head: the mt x cols products of its keys with its query heads' operand rows (d x cols,
+    // ld d), column-major (ldc mt): operand row r of query head h G + g at lg + h mt cols + (g rq + r) mt.
+    gemm.gemm_strided_batched(blas_op::n, blas_op::n, mt, cols, d, 1.f, kt, dtype::f32, mt, mt * d, ops, dtype::f32, d,
+                              cols * d, 0.f, lg, dtype::f32, mt, mt * cols, hkv);
+    launch.for_each(hq * mt, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t qh = x / mt, jl = x % mt, j = j0 + jl, h = qh / group;
+      const float* col = lg + (h * cols + (qh % group) * rq) * mt + jl;  // operand row r at col[r mt]
+      double quad = 0.0;
+      if (matrix) {
+        const float* k = kt + h * mt * d + jl;
+        for (std::int64_t a = 0; a < d; ++a) quad += double(col[(1 + a) * mt]) * double(k[a * mt]);
+      } else {
+        for (std::int64_t i = 1; i < srows; ++i) quad += double(col[i * mt]) * double(col[i * mt]);
+        quad *= cov_coef;
       }
-    } else {
-      for (std::int64_t i = 1; cov && i <= m; ++i) {
-        const double proj = detail::dot(dtype::f32, s0 + i * d, keys.type, kr, d);
-        quad += proj * proj;
+      const double zx = z[qh * n + j] = scale * double(col[0]) + quad;
+      if (!detail::finite(float(zx))) {  // sinks are left out of the softmax: their logits do not matter
+        bool sink = false;
+        for (std::int64_t r = 0; r < sinks; ++r) sink = sink || order[r] == j;
+        if (!sink) detail::record(st, encode(fault::logit_overflow, h, qh, j));
       }
-      quad *= cov_coef;
-    }
-    const double zx = z[x] = scale * lin + quad;
-    if (!detail::finite(float(zx))) {  // sinks are left out of the softmax: their logits do not matter
-      bool sink = false;
-      for (std::int64_t r = 0; r < sinks; ++r) sink = sink || order[r] == j;
-      if (!sink) detail::record(st, encode(fault::logit_overflow, h, qh, j));
-    }
-  });
+    });
+  }
   launch.for_each(sinks * hq, [=] INFKV_HOST_DEVICE(std::int64_t x) { z[(x % hq) * n + order[x / hq]] = -INFINITY; });
   launch.for_each(hq * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
     const std::int64_t qh = x / nc, cc = x % nc;

@@ -51,7 +51,8 @@ struct basic_backend {
   L launch{};
   /// Where the steps record faults (device memory of the caller; see cuda::backend::status).
   status_word* status = nullptr;
-  /// Bytes of f32 logits per GEMM tile of the window attention (smaller in tests: several tiles).
+  /// Bytes of f32 logits per GEMM tile of the window attention and Expected Attention (smaller in
+  /// tests: several tiles).
   std::int64_t window_tile_limit = detail::window_tile_limit;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape` (after 64 unused bytes).
@@ -75,12 +76,15 @@ struct basic_backend {
                                       shape.head_dim, 4, L::gemm_scratch_bytes(), window_tile_limit);
       });
     }
-    if (spec.source == score_source::expected_attention)
+    if (spec.source == score_source::expected_attention) {
+      L::prepare_gemm();
       consider([&](detail::carver& c) {
         const std::int64_t m = std::min(spec.queries, shape.n_queries);
-        detail::expected_scratch::carve(c, shape.q_heads, m, shape.head_dim, n,
-                                        spec.expect.matrix(m, shape.head_dim, n));
+        detail::expected_scratch::carve(c, shape.q_heads, hkv, m, shape.head_dim, n, spec.expect.covariance,
+                                        spec.expect.matrix(m, shape.head_dim, n), L::gemm_scratch_bytes(),
+                                        window_tile_limit);
       });
+    }
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
     consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
@@ -163,7 +167,7 @@ struct basic_backend {
       }
       case score_source::expected_attention:
         detail::expected_attention_steps(launch, status_of(scratch), detail::last_queries(in, spec.queries),
-                                         spec.expect, order, out, scratch, 64);
+                                         spec.expect, order, out, scratch, 64, window_tile_limit);
         return;
     }
   }
