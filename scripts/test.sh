@@ -23,7 +23,7 @@ trap 'kill -- -$python_env 2>/dev/null || true' EXIT
 scripts/model.sh >/dev/null   # the real model and text of the infkv-stream smoke test
 scripts/kjv.sh >/dev/null
 for preset in release sanitize; do
-  echo "== infkv tests: $preset ==" >&2
+  echo "== infkv tests: $preset (${SECONDS} s) ==" >&2
   extra=()
   [ "$preset" = release ] && extra=(-DINFKV_WITH_LLAMA_CPP=ON "-DCMAKE_PREFIX_PATH=$llama_prefix")
   [ "$preset" = release ] && [ -n "$nvcc" ] && extra+=(-DINFKV_WITH_CUDA=ON "-DCMAKE_CUDA_COMPILER=$nvcc")
@@ -31,8 +31,9 @@ for preset in release sanitize; do
   cmake --build --preset "$preset" -j "$jobs"
   ctest --preset "$preset" -j "$jobs"
 done
-echo "== infkv fuzz targets: 20 s each ==" >&2
+echo "== infkv fuzz targets: 20 s each (${SECONDS} s) ==" >&2
 scripts/fuzz.sh 20
-echo "== infkv Python package ==" >&2
+echo "== infkv Python package (${SECONDS} s) ==" >&2
 wait $python_env || { cat build/python_env.log >&2; exit 1; }
 scripts/python_test.sh
+echo "== infkv tests: all passed (${SECONDS} s) ==" >&2

@@ -1,5 +1,5 @@
 # Runs infkv-compare (EXE). MODE smoke: a small workload (KIND trace: the built-in recorded trace, the
-# default; KIND synthetic: --synthetic) must succeed and write OUT, a JSON record per (policy,
+# default; KIND synthetic: --synthetic) of TOKENS tokens must succeed and write OUT, a JSON record per (policy,
 # budget) with mass kept in [0, 1]. MODE bad_flag: bad values must fail with a message.
 if(MODE STREQUAL "smoke")
   file(REMOVE ${OUT})
@@ -9,7 +9,7 @@ if(MODE STREQUAL "smoke")
   elseif(NOT KIND STREQUAL "trace")
     message(FATAL_ERROR "unknown KIND ${KIND}")
   endif()
-  execute_process(COMMAND ${EXE} ${kind_args} --tokens 1536 --budget 256,512 --block 128 --probes 16 --json ${OUT}
+  execute_process(COMMAND ${EXE} ${kind_args} --tokens ${TOKENS} --budget 256,512 --block 128 --probes 16 --json ${OUT}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "infkv-compare failed (${rc}):\n${out}\n${err}")
