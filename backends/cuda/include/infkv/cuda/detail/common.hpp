@@ -263,7 +263,7 @@ struct expected_scratch {
   float* stats;  ///< per query head mu' and (covariance) the centred queries c'_i, d floats each
   float* ops;    ///< matrix form: per query head mu' and the d rows of Sigma' (else the stats are the operand)
   double *z, *pmax, *psum, *rmax, *rinv;
-  float *keys, *logits;  ///< one tile: its keys in f32 ([KV head][element][key]), the GEMM's result
+  float *keys, *logits;  ///< one tile: its keys in f32 ([KV head][key][element]), the GEMM's result
   std::span<std::byte> gemm;
   std::int64_t tile;  ///< keys per GEMM tile
   /// Rows of the statistics and of the GEMM operand per query head.

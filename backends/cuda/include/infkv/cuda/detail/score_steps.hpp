@@ -180,24 +180,25 @@ void expected_attention_steps(const L& launch, status_word* st, const layer_inpu
   }
   for (std::int64_t j0 = 0; j0 < n; j0 += w.tile) {
     const std::int64_t mt = std::min(w.tile, n - j0);
-    // The tile's keys in f32: KV head h's is the mt x d column-major matrix at kt + h mt d.
-    launch.for_each(hkv * d * mt, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t h = x / (d * mt), el = (x / mt) % d, j = j0 + x % mt;
+    // The tile's keys in f32, rows of d elements (adjacent threads read and write adjacent
+    // elements): KV head h's is the d x mt column-major matrix at kt + h mt d.
+    launch.for_each(hkv * mt * d, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+      const std::int64_t h = x / (mt * d), j = j0 + (x / d) % mt, el = x % d;
       const float k = detail::load(keys.type, keys.row(j, std::int32_t(h)), el);
       if (!detail::finite(k)) detail::record(st, encode(fault::key_not_finite, h, el, j));
       kt[x] = k;
     });
     // Per KV head: the mt x cols products of its keys with its query heads' operand rows (d x cols,
     // ld d), column-major (ldc mt): operand row r of query head h G + g at lg + h mt cols + (g rq + r) mt.
-    gemm.gemm_strided_batched(blas_op::n, blas_op::n, mt, cols, d, 1.f, kt, dtype::f32, mt, mt * d, ops, dtype::f32, d,
+    gemm.gemm_strided_batched(blas_op::t, blas_op::n, mt, cols, d, 1.f, kt, dtype::f32, d, mt * d, ops, dtype::f32, d,
                               cols * d, 0.f, lg, dtype::f32, mt, mt * cols, hkv);
     launch.for_each(hq * mt, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t qh = x / mt, jl = x % mt, j = j0 + jl, h = qh / group;
       const float* col = lg + (h * cols + (qh % group) * rq) * mt + jl;  // operand row r at col[r mt]
       double quad = 0.0;
       if (matrix) {
-        const float* k = kt + h * mt * d + jl;
-        for (std::int64_t a = 0; a < d; ++a) quad += double(col[(1 + a) * mt]) * double(k[a * mt]);
+        const float* k = kt + (h * mt + jl) * d;
+        for (std::int64_t a = 0; a < d; ++a) quad += double(col[(1 + a) * mt]) * double(k[a]);
       } else {
         for (std::int64_t i = 1; i < srows; ++i) quad += double(col[i * mt]) * double(col[i * mt]);
         quad *= cov_coef;

@@ -135,10 +135,11 @@ bool window_gemm_fits(const layer_inputs<R>& in, const window_rows& g, std::int6
 /// keys is materialised. Strided keys whose queries have their type (window_gemm_fits): the
 /// window queries are packed per KV head, then per tile of keys (window_tile_keys: at most
 /// `limit` bytes of logits) one strided batched GEMM over the KV heads gives the tile's logits
-/// (keys read in place: lda = slot_stride, strideA = head_stride; the logits of KV head h are a
-/// keys x rows column-major matrix) and the per (query row, 256-key tile) running max and
-/// normaliser are read from it; per query row their combination; a second pass of GEMMs gives
-/// each (KV head, key) its mass. Keys and queries are checked by elementwise steps. Other inputs
+/// (keys read in place: ld = slot_stride, batch stride = head_stride; the logits of KV head h a
+/// rows x keys column-major matrix, so that threads of adjacent query rows read adjacent logits)
+/// and the per (query row, 256-key tile) running max and normaliser are read from it; per query
+/// row their combination; a second pass of GEMMs (the logits now keys x rows, adjacent keys
+/// adjacent) gives each (KV head, key) its mass. Keys and queries are checked by elementwise steps. Other inputs
 /// go through window_attention_scalar. `offset` is where the step's scratch starts (after the
 /// status word and anything kept).
 template <class L, row_source R>
@@ -178,25 +179,34 @@ void window_attention_steps(const L& launch, status_word* st, const layer_inputs
       for (std::int64_t e = 0; e < d; ++e)
         if (!detail::finite(detail::load(keys.type, kr, e))) detail::record(st, encode(fault::key_not_finite, h, e, j));
     });
-    // Logits of keys [j0, j0 + m), all KV heads in one batch: A_h is the d x m column-major view
-    // of KV head h's keys in place (lda = slot_stride, strideA = head_stride), op(A_h) = A_h^T;
-    // B_h the d x per_head packed queries (ldb = d); C_h = scale op(A_h) B_h, m x per_head
-    // column-major (ldc = m), so that row r of the window finds key j0 + jl at r * m + jl.
-    const auto tile_logits = [&](std::int64_t j0, std::int64_t m) {
+    // Logits of keys [j0, j0 + m), all KV heads in one batch. K_h is the d x m column-major view
+    // of KV head h's keys in place (ld slot_stride, batch stride head_stride), Q_h the d x
+    // per_head packed queries (ld d). For the softmax statistics (a thread per query row and
+    // sub-tile) C_h = scale Q_h^T K_h, per_head x m (ldc per_head): key j0 + jl of window row
+    // r = h per_head + rr at (h m + jl) per_head + rr, adjacent rows adjacent. For the mass (a
+    // thread per key) C_h = scale K_h^T Q_h, m x per_head (ldc m): at r m + jl, adjacent keys
+    // adjacent.
+    const auto row_logits = [&](std::int64_t j0, std::int64_t m) {
+      gemm.gemm_strided_batched(blas_op::t, blas_op::n, per_head, m, d, g.scale, packed, q.type, d, per_head * d,
+                                keys.row(j0, 0), keys.type, keys.slot_stride, keys.head_stride, 0.f, logits, dtype::f32,
+                                per_head, per_head * m, hkv);
+    };
+    const auto key_logits = [&](std::int64_t j0, std::int64_t m) {
       gemm.gemm_strided_batched(blas_op::t, blas_op::n, m, per_head, d, g.scale, keys.row(j0, 0), keys.type,
                                 keys.slot_stride, keys.head_stride, packed, q.type, d, per_head * d, 0.f, logits,
                                 dtype::f32, m, m * per_head, hkv);
     };
     for (std::int64_t j0 = 0; j0 < n; j0 += ws.tile) {
       const std::int64_t m = std::min(ws.tile, n - j0), sub = detail::tiles(m), t0 = j0 / detail::key_tile;
-      tile_logits(j0, m);
-      launch.for_each(g.rows * sub, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-        const std::int64_t r = x / sub, tl = x % sub, qp = qpos[q0 + r % w];
-        const float* lr = logits + r * m;
+      const std::int64_t rows = g.rows;
+      row_logits(j0, m);
+      launch.for_each(rows * sub, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+        const std::int64_t r = x % rows, tl = x / rows, qp = qpos[q0 + r % w];
+        const float* lr = logits + (r / per_head) * per_head * m + r % per_head;  // key jl at lr[jl per_head]
         float mx = -INFINITY, s = 0.f;
         for (std::int64_t jl = tl * detail::key_tile; jl < std::min(m, (tl + 1) * detail::key_tile); ++jl) {
           if (tok[j0 + jl].pos > qp) continue;
-          const float l = lr[jl];
+          const float l = lr[jl * per_head];
           if (l > mx) {
             s = s * expf(mx - l) + 1.f;
             mx = l;
@@ -210,7 +220,7 @@ void window_attention_steps(const L& launch, status_word* st, const layer_inputs
     window_row_statistics(launch, st, q, g, ws.stats);
     for (std::int64_t j0 = 0; j0 < n; j0 += ws.tile) {
       const std::int64_t m = std::min(ws.tile, n - j0);
-      tile_logits(j0, m);
+      key_logits(j0, m);
       launch.for_each(hkv * m, [=] INFKV_HOST_DEVICE(std::int64_t x) {
         const std::int64_t h = x / m, jl = x % m, j = j0 + jl;
         g.key_mass(h, j, tok[j].pos, qpos, rmax, rcoef, per_query_head, out,
