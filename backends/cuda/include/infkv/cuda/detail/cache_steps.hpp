@@ -52,7 +52,7 @@ void h2o_observe_steps(const L& launch, status_word* status, const h2o_state_vie
   detail::carver c{scratch.data(), after};
   const score_view mass{c.take<float>(st.heads * n), st.heads, n, n};
   float* seen = c.take<float>(n);
-  detail::window_attention_steps(launch, status, in, nq, false, mass, scratch, 64, be.window_tile_limit);
+  detail::window_attention_steps(launch, status, in, nq, false, mass, scratch, 0, be.window_tile_limit);
   const token* t = in.tokens.data();
   const std::int64_t* qpos = in.query_pos.data();
   launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {

@@ -46,7 +46,7 @@ template <class L, row_source R>
 void keydiff_steps(const L& launch, status_word* st, const R& keys, score_view out, std::span<std::byte> scratch) {
   validate(keys, "keys");
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
-  detail::carver c{scratch.data(), 64};
+  detail::carver c{scratch.data(), 0};
   const auto w = detail::keydiff_scratch::carve(c, hkv, n, d);
   float *part = w.part, *anchor = w.anchor, *inv_an = w.inv_an;
   launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {

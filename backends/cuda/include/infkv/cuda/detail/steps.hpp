@@ -9,8 +9,7 @@
 // primitives (CUB's radix sort and scan on a GPU, a stable sort and std::exclusive_scan on the
 // host). Device code never throws: a bad value (a NaN key, a negative position, a NaN score, an
 // inconsistent keep set) is recorded in the caller's status word (the smallest code wins), and
-// cuda::check raises it by name when the caller asks. (The scratch's first 64 bytes, where the
-// word used to live, are left unused.)
+// cuda::check raises it by name when the caller asks.
 //
 // Window attention's logits go through the launcher's third primitive, a strided batched GEMM
 // with cuBLAS's arguments and semantics (column-major, f32 accumulation): cuBLAS on a GPU, a
@@ -55,14 +54,14 @@ struct basic_backend {
   /// tests: several tiles).
   std::int64_t window_tile_limit = detail::window_tile_limit;
 
-  /// Bytes of the largest scratch of any primitive for layers of `shape` (after 64 unused bytes).
+  /// Bytes of the largest scratch of any primitive for layers of `shape`.
   std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
     check_sort_bits(units, n);
     const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);  // score rows at most
     std::size_t need = 0;
     const auto consider = [&](auto&& carve) {
-      detail::carver c{nullptr, 64};
+      detail::carver c{nullptr, 0};
       carve(c);
       need = std::max(need, c.size());
     };
@@ -107,9 +106,8 @@ struct basic_backend {
                   " units (units x slots must fit in 2^32)");
   }
 
-  /// The status word (the scratch argument is not used: the word is the caller's, kept across
-  /// calls until the caller resets it).
-  status_word* status_of(std::span<std::byte>) const {
+  /// The status word (the caller's, kept across calls until the caller resets it).
+  status_word* checked_status() const {
     INFKV_REQUIRE(status != nullptr, "backend.status", "null",
                   "the steps record faults in a device status word of the caller (cuda::backend::status)");
     return status;
@@ -118,9 +116,9 @@ struct basic_backend {
   /// Time order (position, then slot).
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
     const auto n = std::int64_t(tokens.size());
-    status_word* st = status_of(scratch);
+    status_word* st = checked_status();
     if (n == 0) return;
-    detail::carver c{scratch.data(), 64};
+    detail::carver c{scratch.data(), 0};
     const auto w = detail::order_scratch::carve(c, n);
     const token* t = tokens.data();
     std::uint64_t* keys = w.keys;
@@ -145,18 +143,16 @@ struct basic_backend {
         launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
         return;
       }
-      case score_source::key_diversity:
-        detail::keydiff_steps(launch, status_of(scratch), in.keys, out, scratch);
-        return;
+      case score_source::key_diversity: detail::keydiff_steps(launch, checked_status(), in.keys, out, scratch); return;
       case score_source::window_attention:
-        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, spec.pools_per_query_head(), out,
-                                       scratch, 64, window_tile_limit);
+        detail::window_attention_steps(launch, checked_status(), in, spec.queries, spec.pools_per_query_head(), out,
+                                       scratch, 0, window_tile_limit);
         return;
       case score_source::last_query: {  // every KV head's mass, then the mean over the heads
         const std::int64_t hkv = in.keys.n_heads;
-        detail::carver c{scratch.data(), 64};  // window_attention's scratch follows
+        detail::carver c{scratch.data(), 0};  // window_attention's scratch follows
         const score_view heads{c.take<float>(hkv * n), hkv, n, n};
-        detail::window_attention_steps(launch, status_of(scratch), in, spec.queries, false, heads, scratch, c.size(),
+        detail::window_attention_steps(launch, checked_status(), in, spec.queries, false, heads, scratch, c.size(),
                                        window_tile_limit);
         launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
           float s = 0.f;
@@ -166,8 +162,8 @@ struct basic_backend {
         return;
       }
       case score_source::expected_attention:
-        detail::expected_attention_steps(launch, status_of(scratch), detail::last_queries(in, spec.queries),
-                                         spec.expect, order, out, scratch, 64, window_tile_limit);
+        detail::expected_attention_steps(launch, checked_status(), detail::last_queries(in, spec.queries), spec.expect,
+                                         order, out, scratch, 0, window_tile_limit);
         return;
     }
   }
@@ -180,7 +176,7 @@ struct basic_backend {
                   "value norms weight ", s.rows, " score rows of ", s.cols,
                   " slots; values.n_heads = ", values.n_heads);
     const std::int64_t n = s.cols, per = s.rows / values.n_heads, dv = values.head_dim;
-    status_word* st = status_of(scratch);
+    status_word* st = checked_status();
     launch.for_each(values.n_heads * n, [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const auto h = std::int32_t(x / n);
       const std::int64_t j = x % n;
@@ -194,7 +190,7 @@ struct basic_backend {
   void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
     const std::int64_t n = s.cols, len = n - std::min(spec.pool_tail, n), half = spec.kernel / 2;
     if (spec.pool == pooling::none || spec.kernel == 1 || len == 0) return;
-    detail::carver c{scratch.data(), 64};
+    detail::carver c{scratch.data(), 0};
     float* tmp = c.take<float>(s.rows * len);
     launch.for_each(s.rows * len, [=] INFKV_HOST_DEVICE(std::int64_t x) { tmp[x] = s(x / len, order[x % len]); });
     const pooling kind = spec.pool;
@@ -224,7 +220,7 @@ struct basic_backend {
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
     const std::int64_t n = s.cols, len = n - std::min(tail, n), nc = detail::chunks(len);
     if (len == 0 || len == n) return;
-    detail::carver c{scratch.data(), 64};
+    detail::carver c{scratch.data(), 0};
     const auto w = detail::tail_scratch::carve(c, s.rows, len);
     double* part = w.part;
     float* mean = w.mean;
@@ -252,7 +248,7 @@ struct basic_backend {
     const std::int64_t n = std::int64_t(tokens.size()), nc = detail::chunks(n);
     if (b.beta == 0.0 || s.cols == 0) return;
     const token* t = tokens.data();
-    detail::carver c{scratch.data(), 64};
+    detail::carver c{scratch.data(), 0};
     const auto w = detail::bias_scratch::carve(c, s.rows, n);
     double *when = w.when, *lo = w.lo, *hi = w.hi, *range = w.range, *row_part = w.row_part, *row_inv = w.row_inv;
     std::int64_t* counts = w.counts;  // new positions per chunk, then the ranks before it
@@ -403,8 +399,8 @@ struct basic_backend {
     const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
     check_sort_bits(rows, n);
     const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
-    status_word* st = status_of(scratch);
-    detail::carver c{scratch.data(), 64};
+    status_word* st = checked_status();
+    detail::carver c{scratch.data(), 0};
     const auto w = detail::allocate_scratch::carve(c, items, rows);
     std::uint64_t* keys = w.keys;
     std::int64_t *need = w.radix.need, *fl = w.floor;
@@ -472,11 +468,11 @@ struct basic_backend {
       launch.for_each(units * n, [=] INFKV_HOST_DEVICE(std::int64_t x) { slots[x] = x % n; });
       return;
     }
-    status_word* st = status_of(scratch);
+    status_word* st = checked_status();
     const token* t = tokens.data();
     // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
     const std::int64_t items = units * n, room = units * cap, guarded = std::min(n, sinks + recent);
-    detail::carver c{scratch.data(), 64};
+    detail::carver c{scratch.data(), 0};
     const auto w = detail::select_scratch::carve(c, items, n, units);
     const auto temp = launch.temp(scratch.subspan(c.size()));
     std::int64_t *start = w.start, *group = w.group, *first = w.first, *rank = w.rank;

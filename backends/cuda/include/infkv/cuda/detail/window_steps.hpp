@@ -140,8 +140,8 @@ bool window_gemm_fits(const layer_inputs<R>& in, const window_rows& g, std::int6
 /// and the per (query row, 256-key tile) running max and normaliser are read from it; per query
 /// row their combination; a second pass of GEMMs (the logits now keys x rows, adjacent keys
 /// adjacent) gives each (KV head, key) its mass. Keys and queries are checked by elementwise steps. Other inputs
-/// go through window_attention_scalar. `offset` is where the step's scratch starts (after the
-/// status word and anything kept).
+/// go through window_attention_scalar. `offset` is where the step's scratch starts (after
+/// anything the caller keeps there).
 template <class L, row_source R>
 void window_attention_steps(const L& launch, status_word* st, const layer_inputs<R>& in, std::int64_t window,
                             bool per_query_head, score_view out, std::span<std::byte> scratch, std::size_t offset,
