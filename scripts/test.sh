@@ -7,7 +7,7 @@
 # SmolLM2 included). Installs what it needs first; llama.cpp is built once into ~/.cache/infkv
 # (about 6 minutes on 2 cores) and the Python environment (torch, transformers, kvpress: about
 # 3 GB, downloaded while the C++ builds) is created once there; the model and text are fetched
-# once; all are reused afterwards.
+# once (SmolLM2 and Gemma 3 270M); all are reused afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -21,6 +21,7 @@ setsid scripts/python_env.sh > build/python_env.log 2>&1 &
 python_env=$!   # its own process group: pip goes with it
 trap 'kill -- -$python_env 2>/dev/null || true' EXIT
 scripts/model.sh >/dev/null   # the real model and text of the infkv-stream smoke test
+scripts/model.sh gemma3 >/dev/null   # the text model of the mtmd check (a random projector is written for it)
 scripts/kjv.sh >/dev/null
 for preset in release sanitize; do
   echo "== infkv tests: $preset (${SECONDS} s) ==" >&2
