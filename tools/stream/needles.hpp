@@ -67,18 +67,18 @@ inline constexpr std::size_t number_candidates = 8;
 
 /// The needle kinds, in the order a stream's kinds are taken from them by default.
 inline constexpr std::array<needle_kind, 12> needle_kinds{{
-    {"number", "{name}'s magic number is", ".", "What is {name}'s magic number?", {}, 5},
-    {"word", "{name}'s secret word is", ".", "What is {name}'s secret word?", detail::words},
-    {"fact", "{name} lives in", ".", "Where does {name} live?", detail::cities},
-    {"colour", "{name}'s favourite colour is", ".", "What is {name}'s favourite colour?", detail::colours},
-    {"pet", "{name}'s pet is a", ".", "What is {name}'s pet?", detail::pets},
-    {"car", "{name} drives a", ".", "What car does {name} drive?", detail::cars},
-    {"job", "{name} works as a", ".", "What is {name}'s job?", detail::jobs},
-    {"sport", "{name} plays", " every week.", "Which sport does {name} play every week?", detail::sports},
-    {"code", "{name}'s door code is", ".", "What is {name}'s door code?", {}, 4},
-    {"language", "{name} speaks", ".", "Which language does {name} speak?", detail::languages},
-    {"drink", "{name}'s favourite drink is", ".", "What is {name}'s favourite drink?", detail::drinks},
-    {"fruit", "{name}'s favourite fruit is", ".", "What is {name}'s favourite fruit?", detail::fruits},
+    {"number", "The magic number of {name} is", ".", "What is the magic number of {name}?", {}, 5},
+    {"word", "The secret word of {name} is", ".", "What is the secret word of {name}?", detail::words},
+    {"fact", "The home town of {name} is", ".", "What is the home town of {name}?", detail::cities},
+    {"colour", "The favourite colour of {name} is", ".", "What is the favourite colour of {name}?", detail::colours},
+    {"pet", "The pet of {name} is a", ".", "What is the pet of {name}?", detail::pets},
+    {"car", "The car of {name} is a", ".", "What is the car of {name}?", detail::cars},
+    {"job", "The job of {name} is a", ".", "What is the job of {name}?", detail::jobs},
+    {"sport", "The sport of {name} is", ".", "What is the sport of {name}?", detail::sports},
+    {"code", "The door code of {name} is", ".", "What is the door code of {name}?", {}, 4},
+    {"language", "The language of {name} is", ".", "What is the language of {name}?", detail::languages},
+    {"drink", "The favourite drink of {name} is", ".", "What is the favourite drink of {name}?", detail::drinks},
+    {"fruit", "The favourite fruit of {name} is", ".", "What is the favourite fruit of {name}?", detail::fruits},
 }};
 
 /// The people needles are about (the needles of one stream are about different people).

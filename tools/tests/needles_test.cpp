@@ -155,7 +155,10 @@ TEST_CASE("a statement stands on its own line and the question ends with its own
     CHECK(p.question[p.question.size() - p.prefix.size() - 1] == nl[0]);
     CHECK(p.question.front() == nl[0]);
     const std::string stmt = detok(pieces, p.statement);
-    CHECK(stmt.find(n.person) == 1);  // the name at the line start, as in the question's last line
+    const stream::needle_kind* nk = stream::find_needle_kind(n.kind);
+    REQUIRE(nk != nullptr);
+    CHECK(stmt.find(stream::fill_name(nk->prefix, n.person)) == 1);  // the prefix at the line start
+    CHECK(stmt.find(n.person) != std::string::npos);
     CHECK(stmt.find(" " + n.value) != std::string::npos);
     CHECK(detok(pieces, p.question).find("Question: ") == 1);
     // One choice per candidate, the true one the value's; the others are the other values.
