@@ -126,6 +126,10 @@ def cases(a, tmp):
     out.append((a.stream, nd + ["--needles", "3", "--needle-kind", "word,fact"], "--needles", None))  # more than kinds
     ints(a.stream, nd, "--needle-gap", ["-1", "0", HUGE, "abc"])
     out.append((a.stream, st + ["--needles", "3"], "--needles", None))  # without --needle
+    ints(a.stream, nd, "--people", ["-1", "0", "9", HUGE, "abc"])  # a kind offers 8 values
+    out.append((a.stream, st + ["--people", "2"], "--people", None))  # without --needle
+    out.append((a.stream, nd + ["--needles", "7", "--people", "3", "--needle-kind", "word,fact"], "--needles",
+                None))  # 7 needles of 3 people per kind take 3 kinds
     out.append((a.stream, nd + ["--needles", "3", "--needle-gap", "1000000"], "--needle", None))  # beyond the text
     for opt, ext in (("--json", ".json"), ("--csv", ".csv"), ("--plot", ".png")):
         out.append((a.stream, st + [opt, unwritable + ext], opt, unwritable + ext))

@@ -6,7 +6,8 @@ last 10% of the blocks after warm-up, and, where a reference policy (default: re
 sliding window with recompute) ran on slices of the same text, each policy's perplexity on exactly
 the reference's blocks divided by the reference's. Retrieval CSVs (--passkey or --needle runs,
 concatenated): success rate and share of the key statement's tokens still cached at the question,
-per policy and distance; for needles of several kinds, then the success per kind.
+per policy and distance; for needles with the forced choice, its successes beside the greedy ones;
+for needles of several kinds, then the success per kind.
 
     scripts/eval_summary.py docs/evaluation/kjv200k.csv [--reference recompute] [--warmup 1152]
     scripts/eval_summary.py docs/evaluation/passkey.csv
@@ -65,6 +66,19 @@ def passkey_table(rows):
                 both = [int(r["success"]) for r in rows if r["policy"] == name and r["distance_k"] == d
                         and full.get((r["trial"], r["distance"]))]
                 line += f" {sum(both)}/{len(both)} |" if both else " |"
+            print(line)
+    # Needle CSVs with the forced choice: per policy and distance, the questions whose true value
+    # ranks first among its kind's candidates, beside the greedy successes.
+    if rows and rows[0].get("forced_success") not in (None, ""):
+        print()
+        print("| policy | " + " | ".join(f"{d}K: forced choice, greedy" for d in distances) + " |")
+        print("|---|" + "---|" * len(distances))
+        for name in cells:
+            line = f"| {name} |"
+            for d in distances:
+                sel = [r for r in rows if r["policy"] == name and r["distance_k"] == d and r["forced_success"] != ""]
+                line += (f" {sum(int(r['forced_success']) for r in sel)}/{len(sel)}, "
+                         f"{sum(int(r['success']) for r in sel)}/{len(sel)} |") if sel else " |"
             print(line)
     kinds = sorted({r.get("kind", "passkey") for r in rows})
     if 1 < len(kinds) <= 3:  # beyond three kinds (one of each per stream), too few questions per kind

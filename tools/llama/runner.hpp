@@ -67,10 +67,10 @@ inline void check_cells(const llama_model* m, std::string_view flag, std::int64_
         flag, value, who, cells, cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
 }
 
-/// A question's answer: the greedy text, and the log-probability of the expected answer.
+/// A question's answer: the greedy text, and the log-probability of each candidate answer.
 struct answer {
   std::string text;
-  double expected_logprob = 0.0;
+  std::vector<double> logprobs;
 };
 
 /// One context streaming one token sequence. `feed` decodes the next tokens with logits for
@@ -104,11 +104,12 @@ class runner {
   /// sequence 0 (llama_memory_seq_cp copies nothing in the one shared cache), at the positions
   /// after the stream's (see answer_on), then removes sequence 1: its own cells are freed, the
   /// shared ones stay sequence 0's. The session never sees these decodes: nothing is captured,
-  /// scored or tracked. Needs settings::ask_room >= question + expected + gen.
-  virtual answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) {
+  /// scored or tracked. Needs settings::ask_room >= question + the longest candidate + gen.
+  virtual answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
+                     std::int64_t gen) {
     llama_memory_t mem = llama_get_memory(ctx_.get());
     llama_memory_seq_cp(mem, 0, 1, -1, -1);
-    answer a = answer_on(1, question, expected, next_pos(), gen);
+    answer a = answer_on(1, question, candidates, next_pos(), gen);
     if (!llama_memory_seq_rm(mem, 1, -1, -1) || llama_memory_seq_pos_max(mem, 1) != -1)
       infkv_tools::engine_fail(
           "infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
@@ -116,6 +117,10 @@ class runner {
           llama_memory_seq_pos_max(mem, 1));
     return a;
   }
+
+  /// Whether a feed computes the logits of every token it decodes (perplexity needs them; the
+  /// retrieval streams do not, and the full cache then computes the last token's only).
+  bool stream_logits = true;
 
   /// Logits of the i-th token of the last feed.
   std::span<const float> logits(std::int64_t i) const {
@@ -134,26 +139,33 @@ class runner {
   /// The position the stream's next token takes.
   virtual std::int64_t next_pos() const = 0;
 
-  /// Decodes `question` followed by `expected` on sequence `seq` from position `pos0` in one
-  /// batch: the log-probability of `expected` after the question (teacher forcing), and the
-  /// first greedy answer token; then drops the `expected` tokens again and decodes up to `gen`
-  /// greedy tokens in all (stopping at end of generation).
-  answer answer_on(llama_seq_id seq, std::span<const llama_token> question, std::span<const llama_token> expected,
-                   std::int64_t pos0, std::int64_t gen) {
+  /// Decodes `question` on sequence `seq` from position `pos0`, then each candidate answer after
+  /// it (teacher forcing: its log-probability after the question; its cells are removed again
+  /// before the next), then up to `gen` greedy tokens in all (stopping at end of generation).
+  answer answer_on(llama_seq_id seq, std::span<const llama_token> question,
+                   std::span<const std::vector<llama_token>> candidates, std::int64_t pos0, std::int64_t gen) {
     INFKV_REQUIRE(!question.empty(), "infkv-stream: question tokens", question.size(), "must not be empty");
     const llama_vocab* vocab = llama_model_get_vocab(model_);
-    std::vector<llama_token> next(question.begin(), question.end());
-    next.insert(next.end(), expected.begin(), expected.end());
     const auto q = std::int64_t(question.size());
-    plain_decode(next, pos0, q - 1, seq);
-    answer a;
-    for (std::size_t i = 0; i < expected.size(); ++i)
-      a.expected_logprob -= token_nll(logits(std::int64_t(i)), expected[i]);
-    llama_token t = argmax(logits(0));
+    plain_decode(question, pos0, q - 1, seq);
+    const auto l = logits(0);
+    const std::vector<float> after(l.begin(), l.end());  // the next token's logits after the question
+    llama_token t = argmax(after);
     pos0 += q;
-    if (!expected.empty() && !llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
-      infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false", seq,
-                               pos0);
+    answer a;
+    for (const auto& c : candidates) {
+      INFKV_REQUIRE(!c.empty(), "infkv-stream: candidate answer tokens", c.size(), "must not be empty");
+      double lp = -token_nll(after, c[0]);
+      if (c.size() > 1) {
+        plain_decode(std::span(c).first(c.size() - 1), pos0, 0, seq);
+        for (std::size_t i = 1; i < c.size(); ++i) lp -= token_nll(logits(std::int64_t(i - 1)), c[i]);
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
+          infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false",
+                                   seq, pos0);
+      }
+      a.logprobs.push_back(lp);
+    }
+    std::vector<llama_token> next;
     for (std::int64_t g = 0; g < gen && !llama_vocab_is_eog(vocab, t); ++g) {
       a.text += piece(model_, t);
       if (g + 1 == gen) break;
@@ -291,7 +303,7 @@ class full_runner final : public runner {
     if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", total);
   }
   void feed(std::span<const llama_token> toks, bool) override {
-    plain_decode(toks, n_, 0);
+    plain_decode(toks, n_, stream_logits ? 0 : std::int64_t(toks.size()) - 1);
     n_ += std::int64_t(toks.size());
     note_fed(toks.size());
   }
@@ -333,10 +345,11 @@ class recompute_runner final : public runner {
   std::int64_t next_pos() const override { return n_; }
   /// The question goes after the last `budget` tokens of the stream in a rebuilt cache, as a
   /// block would; the next feed rebuilds the cache anyway.
-  answer ask(std::span<const llama_token> question, std::span<const llama_token> expected, std::int64_t gen) override {
+  answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
+             std::int64_t gen) override {
     const std::int64_t prefix = rebuild({});
     n_ = 0;  // nothing of the stream to extend: the next feed starts afresh
-    return answer_on(0, question, expected, prefix, gen);
+    return answer_on(0, question, candidates, prefix, gen);
   }
 
  private:

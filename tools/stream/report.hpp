@@ -152,9 +152,14 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
   j["runs"] = nlohmann::json::array();
   for (const auto& r : runs) {
     nlohmann::json trials = nlohmann::json::array();
-    for (const auto& t : r.trials)
+    for (const auto& t : r.trials) {
+      nlohmann::json cands = nlohmann::json::array();
+      for (std::size_t c = 0; c < t.p.candidates.size(); ++c)
+        cands.push_back({{"value", t.p.candidates[c]}, {"logprob", num(t.logprobs[c])}});
       trials.push_back({{"trial", t.p.trial},
+                        {"stream", t.p.stream},
                         {"kind", t.p.kind},
+                        {"person", t.p.person},
                         {"needle", t.p.needle},
                         {"prefix", t.p.prefix},
                         {"key_at", t.p.key_at},
@@ -164,41 +169,55 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
                         {"key_tokens", t.p.key_tokens()},
                         {"key_kept", t.key_kept},
                         {"needle_logprob", num(t.needle_logprob)},
+                        {"forced_success", t.p.forced() ? nlohmann::json(t.forced_success) : nlohmann::json(nullptr)},
+                        {"rank", t.rank},
+                        {"candidates", std::move(cands)},
                         {"answer", t.answer},
                         {"success", t.success},
                         {"seconds", t.seconds}});
+    }
     j["runs"].push_back({{"policy", r.policy},
                          {"note", r.note},
                          {"seconds", r.seconds},
                          {"success_rate", num(r.trials.empty() ? NAN : success_rate(r.trials))},
+                         {"forced_rate", num(r.trials.empty() ? NAN : forced_rate(r.trials))},
                          {"trials", std::move(trials)}});
   }
   return j;
 }
 
+/// Per question: success is the greedy grade (answer_matches), forced_success the forced choice
+/// (empty for the passkey, which has no alternatives), rank the true value's among its
+/// candidates, best_other the best-scoring other candidate.
 inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
-  os << "policy,trial,kind,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,needle_logprob,seconds,"
-        "answer\n";
+  os << "policy,trial,stream,kind,person,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,"
+        "forced_success,rank,candidates,needle_logprob,best_other,best_other_logprob,seconds,answer\n";
+  const auto clean = [](std::string a) {
+    for (auto& c : a)
+      if (c == '"' || c == '\n' || c == ',' || c == '\r') c = ' ';
+    return a;
+  };
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
-      std::string a = t.answer;
-      for (auto& c : a)
-        if (c == '"' || c == '\n' || c == ',') c = ' ';
-      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{:.4f},{:.3f},\"{}\"\n", r.policy, t.p.trial, t.p.kind,
-                        t.p.needle, t.p.key_at, t.p.distance(), t.p.at + std::int64_t(t.p.question.size()),
-                        t.p.key_tokens(), t.key_kept, int(t.success), t.needle_logprob, t.seconds, a);
+      const bool f = t.p.forced();
+      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.4f},{},{},{:.3f},\"{}\"\n", r.policy,
+                        t.p.trial, t.p.stream, t.p.kind, t.p.person, clean(t.p.needle), t.p.key_at, t.p.distance(),
+                        t.p.at + std::int64_t(t.p.question.size()), t.p.key_tokens(), t.key_kept, int(t.success),
+                        f ? std::to_string(int(t.forced_success)) : std::string(), f ? std::to_string(t.rank) : "",
+                        t.p.candidates.size(), t.needle_logprob, f ? clean(t.p.candidates[t.best_other]) : "",
+                        f ? fmt::format("{:.4f}", t.best_other_logprob()) : "", t.seconds, clean(t.answer));
     }
   return os.str();
 }
 
-/// Per policy and distance asked: questions, successes, key tokens cached, mean log-probability
-/// of the needle after the question.
+/// Per policy and distance asked: questions, forced-choice and greedy successes, key tokens
+/// cached, mean log-probability of the needle after the question.
 inline void print_passkey_table(const std::vector<passkey_run>& runs) {
-  fmt::print("{:<18} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}\n", "policy", "distance", "questions", "success", "key_kept",
-             "logp", "s/run");
+  fmt::print("{:<18} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8}\n", "policy", "distance", "questions", "forced",
+             "greedy", "key_kept", "logp", "s/run");
   struct tally {
-    double n = 0, ok = 0, kept = 0, lp = 0;
+    double n = 0, forced_n = 0, forced = 0, ok = 0, kept = 0, lp = 0;
   };
   for (const auto& r : runs) {
     if (r.trials.empty()) fmt::print("{:<18} {:>8} {:9}{}\n", r.policy, "-", 0, note_suffix(r.note));
@@ -206,12 +225,18 @@ inline void print_passkey_table(const std::vector<passkey_run>& runs) {
     for (const auto& t : r.trials) {
       auto& c = by_distance[t.p.distance()];
       ++c.n, c.ok += t.success, c.kept += double(t.key_kept) / double(t.p.key_tokens()), c.lp += t.needle_logprob;
+      if (t.p.forced()) ++c.forced_n, c.forced += t.forced_success;
     }
     for (const auto& [d, c] : by_distance)
-      fmt::print("{:<18} {:8} {:9.0f} {:>7.0f}% {:>8.0f}% {} {}{}\n", r.policy, d, c.n, 100.0 * c.ok / c.n,
-                 100.0 * c.kept / c.n, cell(c.lp / c.n, 9, 2), cell(r.seconds, 8, 1), note_suffix(r.note));
+      fmt::print("{:<18} {:8} {:9.0f} {:>8} {:>7.0f}% {:>8.0f}% {} {}{}\n", r.policy, d, c.n,
+                 c.forced_n > 0 ? fmt::format("{:.0f}%", 100.0 * c.forced / c.forced_n) : std::string("-"),
+                 100.0 * c.ok / c.n, 100.0 * c.kept / c.n, cell(c.lp / c.n, 9, 2), cell(r.seconds, 8, 1),
+                 note_suffix(r.note));
   }
-  fmt::print("logp: mean log-probability of the needle after the question (teacher forcing)\n");
+  fmt::print(
+      "forced: the true value's log-probability ranks first among its kind's candidates (teacher forcing); "
+      "greedy: the greedy answer begins with the value (whole words, any case); logp: mean log-probability of "
+      "the true value after the question\n");
 }
 
 /// Plots the CSV at `csv` into `png` with gnuplot (the script of examples/plot_stream.gp).

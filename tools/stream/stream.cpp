@@ -22,6 +22,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <infkv/version.hpp>
+
 #include "cli_util.hpp"
 
 #include "report.hpp"
@@ -41,7 +43,8 @@ struct options {
   std::string model, text, json, csv, plot;
   std::vector<std::string> policy_names;
   stream::settings s;
-  std::int64_t tokens = 0, skip = 0, trials = 10, gen = 8, smooth = 8, progress = 10, needles = 1, needle_gap = 1024;
+  std::int64_t tokens = 0, skip = 0, trials = 10, gen = 8, smooth = 8, progress = 10, needles = 1, needle_gap = 1024,
+               people = 1;
   std::vector<std::int64_t> passkey, needle;  ///< retrieval distances
   std::vector<std::string> needle_kinds;
   bool retrieval() const { return !passkey.empty() || !needle.empty(); }
@@ -119,9 +122,13 @@ void add_options(CLI::App& app, options& o) {
       ->delimiter(',')
       ->check(CLI::IsMember(kind_names));
   app.add_option("--needles", o.needles,
-                 "needles planted in one stream, each about its own person and of its own kind "
-                 "(at most the kinds cycled through)")
+                 "needles planted in one stream, each about its own person (--people of each kind; at most "
+                 "--people times the kinds given)")
       ->check(at_least(1, true, 12));
+  app.add_option("--people", o.people,
+                 "needles of one kind in a stream, about different people with different values, so that an answer "
+                 "must bind the value to its person")
+      ->check(at_least(1, true, stream::max_people_per_kind()));
   app.add_option("--needle-gap", o.needle_gap, "tokens of prose between two needles of a stream")->check(pos);
   app.add_option("--trials", o.trials, "retrieval keys per policy, each asked at every distance (seeded)")->check(pos);
   app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(at_least(1, true, 256));
@@ -142,6 +149,8 @@ std::vector<stream::policy_info> check(const options& o) {
   if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
   if (o.needles > 1 && o.needle.empty())
     usage_error(fmt::format("--needles = {}: only with --needle DISTANCE", o.needles));
+  if (o.people > 1 && o.needle.empty())
+    usage_error(fmt::format("--people = {}: only with --needle DISTANCE", o.people));
   if (const std::string why = infkv_tools::knobs_problem(o.s); !why.empty()) usage_error(why);
   if (std::set<std::string>(o.needle_kinds.begin(), o.needle_kinds.end()).size() != o.needle_kinds.size())
     usage_error(fmt::format("--needle-kind = {}: a kind is listed twice", fmt::join(o.needle_kinds, ",")));
@@ -277,15 +286,16 @@ std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const 
     return streams;
   }
   stream::needle_layout lay{
-      .distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .gap = o.needle_gap};
-  if (lay.kinds.empty())  // number, word, fact; a stream of more needles cycles through more kinds
-    for (std::int64_t i = 0; i < std::max<std::int64_t>(3, o.needles); ++i)
+      .distances = o.needle, .kinds = o.needle_kinds, .per_stream = o.needles, .people = o.people, .gap = o.needle_gap};
+  const std::int64_t kinds_needed = stream::kinds_in_stream(o.needles, o.people);
+  if (lay.kinds.empty())  // number, word, fact; a stream of more kinds takes more
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(3, kinds_needed); ++i)
       lay.kinds.emplace_back(stream::needle_kinds[std::size_t(i)].name);
-  if (o.needles > std::int64_t(lay.kinds.size()))
+  if (kinds_needed > std::int64_t(lay.kinds.size()))
     usage_error(
-        fmt::format("--needles = {}: more than the {} --needle-kind given ({}): each needle of a stream is of its "
-                    "own kind",
-                    o.needles, lay.kinds.size(), fmt::join(lay.kinds, ",")));
+        fmt::format("--needles = {}: with --people {} a stream takes {} kinds, more than the {} --needle-kind given "
+                    "({})",
+                    o.needles, o.people, kinds_needed, lay.kinds.size(), fmt::join(lay.kinds, ",")));
   const auto text = stream::tokenize_file(m, o.text, 0);
   if (std::int64_t(text.size()) <= lay.text_needed())
     usage_error(
@@ -323,7 +333,7 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
     const auto t0 = std::chrono::steady_clock::now();
     for (const auto& whole : streams) {
       // The full cache asks only the questions within the model's trained context.
-      const std::int64_t limit = sh.n_ctx_train - stream::ask_room(m, whole, o.gen);
+      const std::int64_t limit = sh.n_ctx_train - stream::ask_room(whole, o.gen);
       const auto rs = p.k == stream::kind::full ? stream::within(whole, limit) : whole;
       if (rs.probes.size() < whole.probes.size())
         run.note = fmt::format("questions beyond the trained context ({} tokens) not asked", sh.n_ctx_train);
@@ -331,10 +341,15 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
       auto got = stream::run_retrieval(m, p.k, o.s, rs, o.gen, [&](const stream::passkey_trial& t) {
         if (o.progress > 0)
           fmt::print(stderr,
-                     "[{}] key {}: {} {} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
-                     "log p(needle) {:.2f}: \"{}\" {}\n",
-                     p.name, t.p.trial, t.p.kind, t.p.needle, t.p.key_at, t.p.at, t.p.distance(), t.key_kept,
-                     t.p.key_tokens(), t.needle_logprob, t.answer, t.success ? "ok" : "miss");
+                     "[{}] key {}: {} {}{}{} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
+                     "log p(needle) {:.2f}{}: \"{}\" {}\n",
+                     p.name, t.p.trial, t.p.kind, t.p.person, t.p.person.empty() ? "" : " ", t.p.needle, t.p.key_at,
+                     t.p.at, t.p.distance(), t.key_kept, t.p.key_tokens(), t.needle_logprob,
+                     t.p.forced()
+                         ? fmt::format(", rank {} (best other {} {:.2f}) {}", t.rank, t.p.candidates[t.best_other],
+                                       t.best_other_logprob(), t.forced_success ? "chosen" : "not chosen")
+                         : std::string(),
+                     t.answer, t.success ? "ok" : "miss");
       });
       run.trials.insert(run.trials.end(), got.begin(), got.end());
     }
@@ -345,8 +360,8 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
   if (!o.json.empty()) {
     auto j = stream::passkey_json(head(o, m, load0), runs);
     j[o.passkey.empty() ? "needle" : "passkey"] = {
-        {"distances", distances},          {"trials", o.trials},        {"gen", o.gen}, {"seed", o.seed},
-        {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}};
+        {"distances", distances},          {"trials", o.trials},         {"gen", o.gen},      {"seed", o.seed},
+        {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}, {"people", o.people}};
     j["load_average_end"] = stream::num(load_average());
     infkv_tools::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -362,6 +377,7 @@ int main(int argc, char** argv) {
       "bounded to --budget + --block cells, evicted by infkv policies"};
   app.name("infkv-stream");
   app.option_defaults()->always_capture_default();
+  app.set_version_flag("--version", fmt::format("infkv-stream {} (llama.cpp {})", infkv::version, llama_version()));
   options o;
   o.s.threads = int(std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   add_options(app, o);
