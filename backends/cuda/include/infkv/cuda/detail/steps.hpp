@@ -170,7 +170,7 @@ struct basic_backend {
 
   /// Scores times the value norms of their KV head: row r belongs to head r / (rows / heads).
   template <row_source R>
-  void value_norm(score_view s, const R& values, std::span<std::byte> scratch) const {
+  void value_norm(score_view s, const R& values, std::span<std::byte> /*scratch: none needed*/) const {
     validate(values, "values");
     INFKV_REQUIRE(s.cols == values.n_slots && s.rows % values.n_heads == 0, "values.n_slots", values.n_slots,
                   "value norms weight ", s.rows, " score rows of ", s.cols,
