@@ -20,6 +20,23 @@ import sys
 from collections import OrderedDict
 
 
+def wilson(k, n, z=1.959964):
+    """The Wilson score interval (95% by default) of k successes in n trials, as (low, high)."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def rate(k, n):
+    """k/n with its 95% Wilson interval in percent: "10/12 (55-95%)"."""
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} ({100 * lo:.0f}-{100 * hi:.0f}%)"
+
+
 def ppl(rows):
     nll = sum(float(r["nll"]) for r in rows)
     n = sum(int(r["scored"]) for r in rows)
@@ -71,14 +88,14 @@ def passkey_table(rows):
     # ranks first among its kind's candidates, beside the greedy successes.
     if rows and rows[0].get("forced_success") not in (None, ""):
         print()
-        print("| policy | " + " | ".join(f"{d}K: forced choice, greedy" for d in distances) + " |")
+        print("| policy | " + " | ".join(f"{d}K: forced choice, greedy (95% Wilson intervals)" for d in distances) + " |")
         print("|---|" + "---|" * len(distances))
         for name in cells:
             line = f"| {name} |"
             for d in distances:
                 sel = [r for r in rows if r["policy"] == name and r["distance_k"] == d and r["forced_success"] != ""]
-                line += (f" {sum(int(r['forced_success']) for r in sel)}/{len(sel)}, "
-                         f"{sum(int(r['success']) for r in sel)}/{len(sel)} |") if sel else " |"
+                line += (f" {rate(sum(int(r['forced_success']) for r in sel), len(sel))}, "
+                         f"{rate(sum(int(r['success']) for r in sel), len(sel))} |") if sel else " |"
             print(line)
     kinds = sorted({r.get("kind", "passkey") for r in rows})
     if 1 < len(kinds) <= 3:  # beyond three kinds (one of each per stream), too few questions per kind
@@ -95,15 +112,35 @@ def passkey_table(rows):
     return 0
 
 
+def self_test():
+    """Wilson 95% intervals against values published with the method (Newcombe 1998, Statistics in
+    Medicine 17:857, table I: 0/10 -> 0-0.2775, 1/29 -> 0.0061-0.1718, 81/263 -> 0.2553-0.3662,
+    15/148 -> 0.0624-0.1605)."""
+    bad = 0
+    for k, n, lo, hi in [(0, 10, 0.0, 0.2775), (1, 29, 0.0061, 0.1718), (81, 263, 0.2553, 0.3662),
+                         (15, 148, 0.0624, 0.1605)]:
+        got = wilson(k, n)
+        if abs(got[0] - lo) > 5e-5 or abs(got[1] - hi) > 5e-5:
+            print(f"wilson({k}, {n}) = {got}, published ({lo}, {hi})")
+            bad += 1
+    print("eval_summary self-test: " + ("ok" if bad == 0 else f"{bad} failed"))
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", help="infkv-stream --csv output(s), concatenated (one header or many)")
+    ap.add_argument("csv", nargs="?", help="infkv-stream --csv output(s), concatenated (one header or many)")
+    ap.add_argument("--self-test", action="store_true", help="check the interval arithmetic against published values")
     ap.add_argument("--reference", action="append",
                     help="policy whose blocks define matched slices (repeatable; default: recompute and full)")
     ap.add_argument("--warmup", type=int, default=1152,
                     help="blocks ending at or before this many tokens after a stream's start are warm-up")
     a = ap.parse_args()
     a.reference = a.reference or ["recompute", "full"]
+    if a.self_test:
+        return self_test()
+    if not a.csv:
+        ap.error("the csv argument is required")
 
     with open(a.csv, newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["policy"] != "policy"]
