@@ -29,6 +29,10 @@
 
 namespace stream {
 
+/// The needle protocol's version, recorded in infkv-stream's JSON: 2 is the layout above with
+/// several people per kind and the forced choice (docs/evaluation.md, "The needle protocol").
+inline constexpr int needle_protocol = 2;
+
 /// A kind of needle: a statement about a person, "{name}" + `prefix` + " " + value + `suffix`,
 /// and the question line that asks it back. Values are drawn from `values`, or are random
 /// numbers of `digits` digits when it is empty.

@@ -182,11 +182,14 @@ void check_memory(const options& o, const std::vector<stream::policy_info>& chos
   }
 }
 
+std::string version_line() { return fmt::format("infkv-stream {} (llama.cpp {})", infkv::version, llama_version()); }
+
 nlohmann::json head(const options& o, const llama_model* m, double load) {
   const stream::model_shape sh(m);
   char desc[256];
   llama_model_desc(m, desc, sizeof desc);
   return {{"program", "infkv-stream"},
+          {"version", version_line()},
           {"model", o.model},
           {"model_desc", desc},
           {"model_shape",
@@ -362,6 +365,7 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
     j[o.passkey.empty() ? "needle" : "passkey"] = {
         {"distances", distances},          {"trials", o.trials},         {"gen", o.gen},      {"seed", o.seed},
         {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}, {"people", o.people}};
+    if (o.passkey.empty()) j["needle"]["protocol"] = stream::needle_protocol;
     j["load_average_end"] = stream::num(load_average());
     infkv_tools::write_file("--json", o.json, j.dump(1) + "\n");
   }
@@ -377,7 +381,7 @@ int main(int argc, char** argv) {
       "bounded to --budget + --block cells, evicted by infkv policies"};
   app.name("infkv-stream");
   app.option_defaults()->always_capture_default();
-  app.set_version_flag("--version", fmt::format("infkv-stream {} (llama.cpp {})", infkv::version, llama_version()));
+  app.set_version_flag("--version", version_line());
   options o;
   o.s.threads = int(std::max(1u, std::min(8u, std::thread::hardware_concurrency())));
   add_options(app, o);

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Runs infkv-stream's needle test over a grid (models x seeds x policies) and writes one CSV of
+every question with a JSON record of where it came from, for scripts/eval_report.py.
+
+  scripts/eval_needles.py --out docs/evaluation/needles_v2_policies [--models smollm2,gemma3]
+      [--seeds 1-4] [--policies full,streaming_llm,...] [--distance 2048] [--jobs 2] [-- EXTRA ARGS]
+
+Each run (model, seed, policy) is one infkv-stream process with one thread; --jobs run at once.
+Runs already in the work folder (--work, default ~/.cache/infkv/eval/NAME) are not repeated, so a
+sweep resumes where it stopped and grows by seeds; a run made by another program build or other
+settings is refused rather than mixed in. OUT.csv: the columns model, people, seed, then
+infkv-stream's --csv columns. OUT.json: the commit the program was built from, its version line,
+each model's and the text's SHA-256, the settings, the command and one record per run (its
+seconds and the machine's load average)."""
+import argparse
+import concurrent.futures
+import csv
+import datetime
+import hashlib
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICIES = ("full,streaming_llm,window,context_shift,h2o,tova,snapkv,keydiff,recent_keydiff,inf_mllm,inf_mllm_bias,"
+            "inf_mllm_v,expected_attention")
+# Files whose change changes the program (scripts and docs do not).
+CODE = ["include", "tools", "CMakeLists.txt", "cmake", "CMakePresets.json"]
+
+
+def git(*args):
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def last_line(cmd):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def seeds(spec):
+    out = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="OUT.csv and OUT.json are written (no extension)")
+    ap.add_argument("--work", help="per-run files (default ~/.cache/infkv/eval/<basename of --out>)")
+    ap.add_argument("--program", default=os.path.join(ROOT, "build/release/tools/infkv-stream"))
+    ap.add_argument("--models", default="smollm2,gemma3", help="names scripts/model.sh takes")
+    ap.add_argument("--seeds", default="1-4", help="e.g. 1-4 or 1,3,5")
+    ap.add_argument("--policies", default=POLICIES)
+    ap.add_argument("--distance", default="2048", help="infkv-stream --needle (comma list)")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--needles", type=int, default=12)
+    ap.add_argument("--people", type=int, default=3)
+    ap.add_argument("--gap", type=int, default=128, help="--needle-gap")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--report-only", action="store_true", help="write OUT from the runs already made")
+    ap.add_argument("extra", nargs="*", help="more infkv-stream arguments, after --")
+    a = ap.parse_args()
+
+    name = os.path.basename(a.out)
+    work = a.work or os.path.join(os.environ.get("INFKV_CACHE", os.path.expanduser("~/.cache/infkv")), "eval", name)
+    os.makedirs(work, exist_ok=True)
+    text = last_line(["scripts/kjv.sh"])
+    models = {m: last_line(["scripts/model.sh", m]) for m in a.models.split(",")}
+    common = ["--text", text, "--needle", a.distance, "--needles", str(a.needles), "--people", str(a.people),
+              "--needle-gap", str(a.gap), "--trials", str(a.needles), "--budget", str(a.budget), "--threads", "1",
+              "--progress", "0", *a.extra]
+
+    # The sweep's program: a copy taken when the sweep starts (a rebuild during a sweep cannot
+    # change it), with the commit it was built from; later invocations must match.
+    manifest_path = os.path.join(work, "manifest.json")
+    program = os.path.join(work, "infkv-stream")
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        if manifest["common"] != common[2:] and not a.report_only:
+            sys.exit(f"eval_needles: {work} holds runs with other settings ({manifest['common']}); "
+                     f"use another --out or --work")
+    else:
+        if a.report_only:
+            sys.exit(f"eval_needles: --report-only: no runs in {work}")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+        if dirty:
+            sys.exit(f"eval_needles: the program's sources have uncommitted changes:\n{dirty}\n"
+                     "commit them and rebuild, so the results can name their commit")
+        # brought up to date with the committed sources (ninja: nothing to do when it is)
+        build = os.path.dirname(os.path.dirname(a.program))
+        if subprocess.run(["cmake", "--build", build, "--target", "infkv-stream"], stdout=subprocess.DEVNULL).returncode:
+            sys.exit(f"eval_needles: --program {a.program}: cmake --build {build} --target infkv-stream failed "
+                     "(configure it first: scripts/llama_env.sh)")
+        shutil.copy2(a.program, program)
+        manifest = {"commit": git("rev-parse", "HEAD"),
+                    "version": last_line([program, "--version"]),
+                    "common": common[2:]}
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=1)
+
+    runs = [(m, s, p) for s in seeds(a.seeds) for m in models for p in a.policies.split(",")]
+
+    def run(m, s, p):
+        base = os.path.join(work, f"{m}_s{s}_{p}")
+        if os.path.exists(base + ".json"):
+            return base, None
+        cmd = [program, "--model", models[m], *common, "--seed", str(s), "--policy", p,
+               "--csv", base + ".part.csv", "--json", base + ".part.json"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            return base, f"{shlex.join(cmd)}\nfailed ({r.returncode}):\n{r.stderr[-2000:]}"
+        os.replace(base + ".part.csv", base + ".csv")
+        os.replace(base + ".part.json", base + ".json")
+        print(f"eval_needles: {m} seed {s} {p}: done", file=sys.stderr, flush=True)
+        return base, None
+
+    failed = []
+    if not a.report_only:
+        with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+            for base, err in pool.map(lambda r: run(*r), runs):
+                if err:
+                    failed.append(err)
+                    print(err, file=sys.stderr)
+
+    # OUT.csv and OUT.json from the runs made so far (a grid cell not yet run is left out).
+    out_rows, records, header = [], [], None
+    for m, s, p in runs:
+        base = os.path.join(work, f"{m}_s{s}_{p}")
+        if not os.path.exists(base + ".json"):
+            continue
+        with open(base + ".json") as f:
+            j = json.load(f)
+        if j.get("version") != manifest["version"]:
+            sys.exit(f"eval_needles: {base}.json: made by {j.get('version')}, not {manifest['version']}")
+        with open(base + ".csv", newline="") as f:
+            rd = csv.reader(f)
+            h = next(rd)
+            header = header or h
+            out_rows += [[m, str(a.people), str(s), *row] for row in rd]
+        records.append({"model": m, "seed": s, "policy": p, "seconds": j["runs"][0].get("seconds"),
+                        "load_average": [j.get("load_average_start"), j.get("load_average_end")]})
+    if header is None:
+        sys.exit("eval_needles: no finished runs")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["model", "people", "seed", *header])
+    w.writerows(out_rows)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out + ".csv", "w") as f:
+        f.write(buf.getvalue())
+    record = {
+        "what": "infkv-stream needle test (docs/evaluation.md, \"The needle protocol\"), one row per question",
+        "commit": manifest["commit"],
+        "program": manifest["version"],
+        "protocol": {"needle_protocol": j["needle"].get("protocol"), "distances": j["needle"]["distances"],
+                     "needles_per_stream": a.needles, "people": a.people, "needle_gap": a.gap,
+                     "settings": j["settings"]},
+        "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": None} for m, p in models.items()},
+        "text": {"file": os.path.basename(text), "sha256": sha256(text)},
+        "command": "scripts/eval_needles.py " + shlex.join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "runs": records,
+    }
+    for m in models:  # the model description llama.cpp gives, from any run of the model
+        for r in records:
+            if r["model"] == m:
+                with open(os.path.join(work, f"{m}_s{r['seed']}_{r['policy']}.json")) as f:
+                    record["models"][m]["desc"] = json.load(f).get("model_desc")
+                break
+    with open(a.out + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"eval_needles: {len(records)} of {len(runs)} runs in {a.out}.csv / .json", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
