@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Writes the generated tables of docs/evaluation.md from the committed data they cite.
+
+  scripts/eval_report.py [--check] [DOC (docs/evaluation.md)]
+
+A generated table stands between the lines
+    <!-- eval_report: GENERATOR DATA -->      and      <!-- /eval_report -->
+where DATA is a CSV beside the document (e.g. evaluation/needles_v2_policies.csv) with its record
+DATA.json (commit, program version, models and text with their SHA-256, protocol, command: what
+scripts/eval_needles.py writes). The script replaces what lies between the lines, table and the
+provenance line under it, by what the data gives; --check only compares and fails naming the
+tables that differ, so a table cannot drift from its data (a ctest runs it). The prose around the
+tables is written for the committed data: rerun, then reread it.
+
+Generators:
+  needles_full      the full cache per model, --people and seed: forced choice and greedy
+                    successes with their 95% Wilson intervals, and how many misses are bound to
+                    another person's value of the kind
+  needles_policies  per model and policy, pooled over the seeds: forced-choice and greedy
+                    successes, the share of the full cache's forced successes kept, each with a
+                    95% Wilson interval, the per-seed forced successes and the statement tokens
+                    still cached at the question
+"""
+import argparse
+import csv
+import difflib
+import json
+import os
+import re
+import sys
+from collections import OrderedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eval_summary import wilson  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
+BEGIN = re.compile(r"^<!-- eval_report: (\S+) (\S+) -->$")
+END = "<!-- /eval_report -->"
+
+
+def rate(k, n):
+    """k/n and its 95% Wilson interval in percent: "10/12 (55-95%)"."""
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} ({100 * lo:.0f}-{100 * hi:.0f}%)"
+
+
+def table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def load(doc_dir, data):
+    path = os.path.join(doc_dir, data)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        record = json.load(f)
+    return rows, record
+
+
+def provenance(data, record):
+    models = ", ".join(f"{m['file']} (SHA-256 {m['sha256'][:12]})" for m in record["models"].values())
+    return [
+        "",
+        f"Data: [{data}]({data}), one row per question, with [{os.path.splitext(data)[0]}.json]"
+        f"({os.path.splitext(data)[0]}.json): commit {record['commit'][:7]}, {record['program']}, needle protocol "
+        f"{record['protocol']['needle_protocol']}; {models}; text {record['text']['file']} (SHA-256 "
+        f"{record['text']['sha256'][:12]}); made by `{record['command']}`.",
+    ]
+
+
+def bound(rows, r):
+    """Whether a forced-choice miss chose another person's value of the same kind in the stream."""
+    same = {o["needle"] for o in rows if o["model"] == r["model"] and o["people"] == r["people"]
+            and o["seed"] == r["seed"] and o["policy"] == r["policy"] and o["stream"] == r["stream"]
+            and o["kind"] == r["kind"] and o["person"] != r["person"]}
+    return r["best_other"] in same
+
+
+def needles_full(rows, record):
+    groups = OrderedDict()
+    for r in rows:
+        if r["policy"] == "full":
+            groups.setdefault((r["model"], r["people"], r["seed"]), []).append(r)
+    out = []
+    for (model, people, seed), g in groups.items():
+        n = len(g)
+        forced = sum(int(r["forced_success"]) for r in g)
+        greedy = sum(int(r["success"]) for r in g)
+        misses = [r for r in g if r["forced_success"] == "0"]
+        name = MODEL_NAMES.get(model, model) + (f", `--people {people}`" if people != "3" else "")
+        out.append([name, seed, rate(forced, n), rate(greedy, n),
+                    f"{sum(bound(rows, r) for r in misses)}/{len(misses)}" if people != "1" else "-"])
+    return table(["model", "seed", "forced choice (95% interval)", "greedy (95% interval)",
+                  "misses bound to another person"], out)
+
+
+def needles_policies(rows, record):
+    out_lines = []
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        seeds = sorted({int(r["seed"]) for r in mine})
+        # the questions the full cache answers (forced choice), by (seed, trial, distance)
+        full_ok = {(r["seed"], r["trial"], r["distance"]) for r in mine
+                   if r["policy"] == "full" and r["forced_success"] == "1"}
+        body = []
+        for policy in OrderedDict.fromkeys(r["policy"] for r in mine):
+            g = [r for r in mine if r["policy"] == policy]
+            by_seed = {s: [r for r in g if int(r["seed"]) == s] for s in seeds}
+            if any(not v for v in by_seed.values()):
+                continue  # a policy not yet run on every seed is left out of the pooled table
+            n = len(g)
+            forced = sum(int(r["forced_success"]) for r in g)
+            greedy = sum(int(r["success"]) for r in g)
+            kept = [r for r in g if (r["seed"], r["trial"], r["distance"]) in full_ok]
+            kept_ok = sum(int(r["forced_success"]) for r in kept)
+            cached = sum(int(r["key_kept"]) / int(r["key_tokens"]) for r in g) / n
+            body.append([f"`{policy}`", rate(forced, n), rate(greedy, n),
+                         rate(kept_ok, len(kept)) if policy != "full" else "-",
+                         ", ".join(str(sum(int(r["forced_success"]) for r in by_seed[s])) for s in seeds),
+                         f"{100 * cached:.0f}%"])
+        body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
+        distances = sorted({int(r["distance"]) for r in mine})
+        per_seed = len([r for r in mine if r["policy"] == "full" and int(r["seed"]) == seeds[0]])
+        out_lines += [f"**{MODEL_NAMES.get(model, model)}**, seeds {seeds[0]}-{seeds[-1]} "
+                      f"({per_seed} questions per seed, distance {', '.join(str(d) for d in distances)}):", ""]
+        out_lines += table(["policy", "forced choice", "greedy", "of the full cache's forced successes",
+                            "forced, per seed", "statement tokens cached"], body)
+        out_lines.append("")
+    return out_lines[:-1]
+
+
+GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies}
+
+
+def generate(doc_path):
+    doc_dir = os.path.dirname(os.path.abspath(doc_path))
+    with open(doc_path) as f:
+        lines = f.read().split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        m = BEGIN.match(lines[i])
+        out.append(lines[i])
+        i += 1
+        if not m:
+            continue
+        gen, data = m.group(1), m.group(2)
+        if gen not in GENERATORS:
+            sys.exit(f"eval_report: {doc_path}:{i}: unknown generator {gen!r} (known: {', '.join(GENERATORS)})")
+        j = i
+        while j < len(lines) and lines[j] != END:
+            j += 1
+        if j == len(lines):
+            sys.exit(f"eval_report: {doc_path}:{i}: no {END} after the table of {gen} {data}")
+        rows, record = load(doc_dir, data)
+        out += GENERATORS[gen](rows, record) + provenance(data, record)
+        i = j
+    return lines, out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("doc", nargs="?", default=os.path.join(ROOT, "docs/evaluation.md"))
+    ap.add_argument("--check", action="store_true", help="compare only; fail when a table differs from its data")
+    a = ap.parse_args()
+    old, new = generate(a.doc)
+    if old == new:
+        print(f"eval_report: {a.doc}: every generated table matches its data")
+        return 0
+    if a.check:
+        sys.stdout.writelines(difflib.unified_diff([l + "\n" for l in old], [l + "\n" for l in new],
+                                                   a.doc, a.doc + " (from the data)"))
+        print(f"eval_report: {a.doc}: tables differ from their data; run scripts/eval_report.py")
+        return 1
+    with open(a.doc, "w") as f:
+        f.write("\n".join(new))
+    print(f"eval_report: {a.doc}: tables written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
