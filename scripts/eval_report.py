@@ -20,6 +20,8 @@ Generators:
                     successes, the share of the full cache's forced successes kept, each with a
                     95% Wilson interval, the per-seed forced successes and the statement tokens
                     still cached at the question
+  trace_policies    infkv-compare's JSON (--json, with scripts/provenance.py's record): attention
+                    mass kept and output error per policy and budget on the recorded trace
 """
 import argparse
 import csv
@@ -52,7 +54,13 @@ def table(head, rows):
 
 
 def load(doc_dir, data):
+    """A CSV and its record DATA.json (scripts/eval_needles.py), or a JSON result with its
+    "provenance" (scripts/provenance.py)."""
     path = os.path.join(doc_dir, data)
+    if data.endswith(".json"):
+        with open(path) as f:
+            j = json.load(f)
+        return j, j["provenance"]
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     with open(os.path.splitext(path)[0] + ".json") as f:
@@ -61,6 +69,9 @@ def load(doc_dir, data):
 
 
 def provenance(data, record):
+    if "models" not in record:  # a JSON result: its own provenance record
+        return ["", f"Data: [{data}]({data}) with its provenance: commit {record['commit'][:7]}"
+                    f"{' (uncommitted changes)' if record['dirty'] else ''}, made by `{record['command']}`."]
     models = ", ".join(f"{m['file']} (SHA-256 {m['sha256'][:12]})" for m in record["models"].values())
     return [
         "",
@@ -132,7 +143,21 @@ def needles_policies(rows, record):
     return out_lines[:-1]
 
 
-GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies}
+def trace_policies(j, record):
+    """infkv-compare's JSON: per policy and budget, the attention mass kept and the output error,
+    mean over the recorded layers and evictions; the best of each column in bold."""
+    budgets = sorted({r["budget"] for r in j["results"]})
+    cell = {(r["policy"], r["budget"]): (r["mass_kept"]["mean"], r["output_rel_error"]["mean"]) for r in j["results"]}
+    policies = list(OrderedDict.fromkeys(r["policy"] for r in j["results"]))
+    best = {b: (max(cell[p, b][0] for p in policies), min(cell[p, b][1] for p in policies)) for b in budgets}
+
+    def show(v, top):
+        return f"**{v:.3f}**" if f"{v:.3f}" == f"{top:.3f}" else f"{v:.3f}"
+    head = ["policy"] + [f"{b}: {w}" for b in budgets for w in ("mass", "err")]
+    return table(head, [[f"`{p}`"] + [show(cell[p, b][i], best[b][i]) for b in budgets for i in (0, 1)] for p in policies])
+
+
+GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "trace_policies": trace_policies}
 
 
 def generate(doc_path):
