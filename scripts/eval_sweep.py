@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
-"""Runs infkv-stream's needle test over a grid (models x seeds x policies) and writes one CSV of
-every question with a JSON record of where it came from, for scripts/eval_report.py.
+"""Runs infkv-stream over a grid and writes one CSV of the results with a JSON record of where
+they came from, for scripts/eval_report.py. Two kinds of sweep:
 
-  scripts/eval_needles.py --out docs/evaluation/needles_v2_policies [--models smollm2,gemma3]
-      [--seeds 1-4] [--policies full,streaming_llm,...] [--distance 2048] [--jobs 2] [-- EXTRA ARGS]
+  scripts/eval_sweep.py needles --out docs/evaluation/needles_v2_policies [--seeds 1-4]
+      [--distance 2048] [--people 3] ...      the needle test, models x seeds x policies
+  scripts/eval_sweep.py ppl --out docs/evaluation/ppl_slices [--skips 0,200000,...]
+      [--tokens 10000] ...                    perplexity, models x disjoint slices x policies
 
-Each run (model, seed, policy) is one infkv-stream process with one thread; --jobs run at once.
-Runs already in the work folder (--work, default ~/.cache/infkv/eval/NAME) are not repeated, so a
-sweep resumes where it stopped and grows by seeds; a run made by another program build or other
-settings is refused rather than mixed in. OUT.csv: the columns model, people, seed, then
-infkv-stream's --csv columns. OUT.json: the commit the program was built from, its version line,
-each model's and the text's SHA-256, the settings, the command and one record per run (its
-seconds and the machine's load average)."""
+common: [--models smollm2,gemma3] [--policies full,streaming_llm,...] [--budget 1024] [--jobs 2]
+[-- MORE INFKV-STREAM ARGUMENTS]
+
+Each run (model, seed or slice, policy) is one infkv-stream process with one thread; --jobs run at
+once. Runs already in the work folder (--work, default ~/.cache/infkv/eval/NAME) are not repeated,
+so a sweep resumes where it stopped and grows by seeds or slices; a run made by another program
+build or other settings is refused rather than mixed in. OUT.csv: the columns model, then people
+and seed (needles) or skip (ppl), then infkv-stream's --csv columns. OUT.json: the commit the
+program was built from, its version line, each model's and the text's SHA-256, the settings, the
+command and one record per run (its seconds and the machine's load average)."""
 import argparse
 import concurrent.futures
 import csv
@@ -59,11 +64,15 @@ def seeds(spec):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["needles", "ppl"])
     ap.add_argument("--out", required=True, help="OUT.csv and OUT.json are written (no extension)")
     ap.add_argument("--work", help="per-run files (default ~/.cache/infkv/eval/<basename of --out>)")
     ap.add_argument("--program", default=os.path.join(ROOT, "build/release/tools/infkv-stream"))
     ap.add_argument("--models", default="smollm2,gemma3", help="names scripts/model.sh takes")
-    ap.add_argument("--seeds", default="1-4", help="e.g. 1-4 or 1,3,5")
+    ap.add_argument("--seeds", default="1-4", help="needles: streams, e.g. 1-4 or 1,3,5")
+    ap.add_argument("--skips", default="0,200000,400000,600000",
+                    help="ppl: where each slice starts, in tokens of the text (--skip)")
+    ap.add_argument("--tokens", type=int, default=10000, help="ppl: tokens per slice")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--distance", default="2048", help="infkv-stream --needle (comma list)")
     ap.add_argument("--budget", type=int, default=1024)
@@ -80,9 +89,19 @@ def main():
     os.makedirs(work, exist_ok=True)
     text = last_line(["scripts/kjv.sh"])
     models = {m: last_line(["scripts/model.sh", m]) for m in a.models.split(",")}
-    common = ["--text", text, "--needle", a.distance, "--needles", str(a.needles), "--people", str(a.people),
-              "--needle-gap", str(a.gap), "--trials", str(a.needles), "--budget", str(a.budget), "--threads", "1",
-              "--progress", "0", *a.extra]
+    if a.mode == "needles":
+        common = ["--text", text, "--needle", a.distance, "--needles", str(a.needles), "--people", str(a.people),
+                  "--needle-gap", str(a.gap), "--trials", str(a.needles)]
+        cells = [(f"s{s}", ["--seed", str(s)], [str(a.people), str(s)]) for s in seeds(a.seeds)]
+        lead = ["people", "seed"]
+    else:
+        common = ["--text", text, "--tokens", str(a.tokens)]
+        skips = [int(k) for k in a.skips.split(",")]
+        if any(y - x < a.tokens for x, y in zip(sorted(skips), sorted(skips)[1:])):
+            sys.exit(f"eval_sweep: --skips {a.skips}: slices of --tokens {a.tokens} overlap")
+        cells = [(f"k{k}", ["--skip", str(k)], [str(k)]) for k in skips]
+        lead = ["skip"]
+    common += ["--budget", str(a.budget), "--threads", "1", "--progress", "0", *a.extra]
 
     # The sweep's program: a copy taken when the sweep starts (a rebuild during a sweep cannot
     # change it), with the commit it was built from; later invocations must match.
@@ -92,19 +111,19 @@ def main():
         with open(manifest_path) as f:
             manifest = json.load(f)
         if manifest["common"] != common[2:] and not a.report_only:
-            sys.exit(f"eval_needles: {work} holds runs with other settings ({manifest['common']}); "
+            sys.exit(f"eval_sweep: {work} holds runs with other settings ({manifest['common']}); "
                      f"use another --out or --work")
     else:
         if a.report_only:
-            sys.exit(f"eval_needles: --report-only: no runs in {work}")
+            sys.exit(f"eval_sweep: --report-only: no runs in {work}")
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
         if dirty:
-            sys.exit(f"eval_needles: the program's sources have uncommitted changes:\n{dirty}\n"
+            sys.exit(f"eval_sweep: the program's sources have uncommitted changes:\n{dirty}\n"
                      "commit them and rebuild, so the results can name their commit")
         # brought up to date with the committed sources (ninja: nothing to do when it is)
         build = os.path.dirname(os.path.dirname(a.program))
         if subprocess.run(["cmake", "--build", build, "--target", "infkv-stream"], stdout=subprocess.DEVNULL).returncode:
-            sys.exit(f"eval_needles: --program {a.program}: cmake --build {build} --target infkv-stream failed "
+            sys.exit(f"eval_sweep: --program {a.program}: cmake --build {build} --target infkv-stream failed "
                      "(configure it first: scripts/llama_env.sh)")
         shutil.copy2(a.program, program)
         manifest = {"commit": git("rev-parse", "HEAD"),
@@ -113,20 +132,20 @@ def main():
         with open(manifest_path, "w") as f:
             json.dump(manifest, f, indent=1)
 
-    runs = [(m, s, p) for s in seeds(a.seeds) for m in models for p in a.policies.split(",")]
+    runs = [(m, c, p) for c in cells for m in models for p in a.policies.split(",")]
 
-    def run(m, s, p):
-        base = os.path.join(work, f"{m}_s{s}_{p}")
+    def run(m, c, p):
+        base = os.path.join(work, f"{m}_{c[0]}_{p}")
         if os.path.exists(base + ".json"):
             return base, None
-        cmd = [program, "--model", models[m], *common, "--seed", str(s), "--policy", p,
+        cmd = [program, "--model", models[m], *common, *c[1], "--policy", p,
                "--csv", base + ".part.csv", "--json", base + ".part.json"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             return base, f"{shlex.join(cmd)}\nfailed ({r.returncode}):\n{r.stderr[-2000:]}"
         os.replace(base + ".part.csv", base + ".csv")
         os.replace(base + ".part.json", base + ".json")
-        print(f"eval_needles: {m} seed {s} {p}: done", file=sys.stderr, flush=True)
+        print(f"eval_sweep: {m} {c[0]} {p}: done", file=sys.stderr, flush=True)
         return base, None
 
     failed = []
@@ -139,37 +158,43 @@ def main():
 
     # OUT.csv and OUT.json from the runs made so far (a grid cell not yet run is left out).
     out_rows, records, header = [], [], None
-    for m, s, p in runs:
-        base = os.path.join(work, f"{m}_s{s}_{p}")
+    for m, c, p in runs:
+        base = os.path.join(work, f"{m}_{c[0]}_{p}")
         if not os.path.exists(base + ".json"):
             continue
         with open(base + ".json") as f:
             j = json.load(f)
         if j.get("version") != manifest["version"]:
-            sys.exit(f"eval_needles: {base}.json: made by {j.get('version')}, not {manifest['version']}")
+            sys.exit(f"eval_sweep: {base}.json: made by {j.get('version')}, not {manifest['version']}")
         with open(base + ".csv", newline="") as f:
             rd = csv.reader(f)
             h = next(rd)
             header = header or h
-            out_rows += [[m, str(a.people), str(s), *row] for row in rd]
-        records.append({"model": m, "seed": s, "policy": p, "seconds": j["runs"][0].get("seconds"),
+            out_rows += [[m, *c[2], *row] for row in rd]
+        records.append({"model": m, "run": c[0], "policy": p, "file": os.path.basename(base) + ".json",
                         "load_average": [j.get("load_average_start"), j.get("load_average_end")]})
     if header is None:
-        sys.exit("eval_needles: no finished runs")
+        sys.exit("eval_sweep: no finished runs")
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["model", "people", "seed", *header])
+    w.writerow(["model", *lead, *header])
     w.writerows(out_rows)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".csv", "w") as f:
         f.write(buf.getvalue())
+    if a.mode == "needles":
+        what = "infkv-stream needle test (docs/evaluation.md, \"The needle protocol\"), one row per question"
+        protocol = {"needle_protocol": j["needle"].get("protocol"), "distances": j["needle"]["distances"],
+                    "needles_per_stream": a.needles, "people": a.people, "needle_gap": a.gap}
+    else:
+        what = "infkv-stream perplexity on disjoint slices of the text, one row per block of each run"
+        protocol = {"skips": skips, "tokens": a.tokens}
+    protocol["settings"] = j["settings"]
     record = {
-        "what": "infkv-stream needle test (docs/evaluation.md, \"The needle protocol\"), one row per question",
+        "what": what,
         "commit": manifest["commit"],
         "program": manifest["version"],
-        "protocol": {"needle_protocol": j["needle"].get("protocol"), "distances": j["needle"]["distances"],
-                     "needles_per_stream": a.needles, "people": a.people, "needle_gap": a.gap,
-                     "settings": j["settings"]},
+        "protocol": protocol,
         "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": None} for m, p in models.items()},
         "text": {"file": os.path.basename(text), "sha256": sha256(text)},
         "command": "scripts/eval_needles.py " + shlex.join(sys.argv[1:]),
@@ -179,13 +204,13 @@ def main():
     for m in models:  # the model description llama.cpp gives, from any run of the model
         for r in records:
             if r["model"] == m:
-                with open(os.path.join(work, f"{m}_s{r['seed']}_{r['policy']}.json")) as f:
+                with open(os.path.join(work, r["file"])) as f:
                     record["models"][m]["desc"] = json.load(f).get("model_desc")
                 break
     with open(a.out + ".json", "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
-    print(f"eval_needles: {len(records)} of {len(runs)} runs in {a.out}.csv / .json", file=sys.stderr)
+    print(f"eval_sweep: {len(records)} of {len(runs)} runs in {a.out}.csv / .json", file=sys.stderr)
     return 1 if failed else 0
 
 
