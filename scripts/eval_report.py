@@ -20,6 +20,9 @@ Generators:
                     successes, the share of the full cache's forced successes kept, each with a
                     95% Wilson interval, the per-seed forced successes and the statement tokens
                     still cached at the question
+  ppl_slices        per model and policy, perplexity on disjoint slices of the text and its ratio
+                    to StreamingLLM's on the same blocks, with the 95% t-interval over the
+                    slices' tenths (batch means) and each slice's ratio
   trace_policies    infkv-compare's JSON (--json, with scripts/provenance.py's record): attention
                     mass kept and output error per policy and budget on the recorded trace
 """
@@ -27,13 +30,14 @@ import argparse
 import csv
 import difflib
 import json
+import math
 import os
 import re
 import sys
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from eval_summary import wilson  # noqa: E402
+from eval_summary import batch_logs, t_interval, wilson  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
@@ -75,9 +79,10 @@ def provenance(data, record):
     models = ", ".join(f"{m['file']} (SHA-256 {m['sha256'][:12]})" for m in record["models"].values())
     return [
         "",
-        f"Data: [{data}]({data}), one row per question, with [{os.path.splitext(data)[0]}.json]"
-        f"({os.path.splitext(data)[0]}.json): commit {record['commit'][:7]}, {record['program']}, needle protocol "
-        f"{record['protocol']['needle_protocol']}; {models}; text {record['text']['file']} (SHA-256 "
+        f"Data: [{data}]({data}) with [{os.path.splitext(data)[0]}.json]({os.path.splitext(data)[0]}.json): "
+        f"commit {record['commit'][:7]}, {record['program']}"
+        + (f", needle protocol {record['protocol']['needle_protocol']}" if "needle_protocol" in record["protocol"] else "")
+        + f"; {models}; text {record['text']['file']} (SHA-256 "
         f"{record['text']['sha256'][:12]}); made by `{record['command']}`.",
     ]
 
@@ -143,6 +148,54 @@ def needles_policies(rows, record):
     return out_lines[:-1]
 
 
+def ppl_slices(rows, record, reference="streaming_llm", warmup=1152, batches=10):
+    """Per model and policy: perplexity over every slice, and its ratio to the reference's on the
+    same blocks after warm-up (blocks ending more than `warmup` tokens into the slice), over all
+    slices, with the 95% t-interval over the slices' tenths (each slice cut into `batches`
+    contiguous batches: batch_logs), and each slice's own ratio."""
+    out_lines = []
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        skips = sorted({int(r["skip"]) for r in mine}, key=int)
+        runs = OrderedDict()
+        for r in mine:
+            nll = math.log(float(r["block_ppl"])) * int(r["scored"])
+            runs.setdefault(r["policy"], {}).setdefault(int(r["skip"]), {})[int(r["tokens"])] = (nll, int(r["scored"]))
+        ref = runs[reference]
+        body = []
+        for policy, by_skip in runs.items():
+            if sorted(by_skip) != skips:
+                continue  # not yet run on every slice
+            logs, a, b, n, per_slice, all_nll, all_n = [], [], [], [], [], 0.0, 0
+            for k in skips:
+                blocks = by_skip[k]
+                all_nll += sum(v[0] for v in blocks.values())
+                all_n += sum(v[1] for v in blocks.values())
+                common = [t for t in sorted(ref[k]) if t - k > warmup and t in blocks and blocks[t][1] == ref[k][t][1]]
+                sa, sb, sn = ([blocks[t][0] for t in common], [ref[k][t][0] for t in common],
+                              [blocks[t][1] for t in common])
+                a += sa
+                b += sb
+                n += sn
+                logs += batch_logs(sa, sb, sn, batches)
+                per_slice.append(math.exp((sum(sa) - sum(sb)) / sum(sn)))
+            row = [f"`{policy}`", f"{math.exp(all_nll / all_n):.3f}"]
+            if policy == reference:
+                row += ["1", "-", "-"]
+            else:
+                lo, hi = t_interval(logs)
+                row += [f"{math.exp((sum(a) - sum(b)) / sum(n)):.4f}", f"{lo:.4f}-{hi:.4f}",
+                        ", ".join(f"{x:.3f}" for x in per_slice)]
+            body.append(row)
+        body.sort(key=lambda r: float(r[2]))
+        tokens = record["protocol"].get("tokens")
+        out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {len(skips)} slices of {tokens} tokens starting at token "
+                      f"{', '.join(f'{k:,}' for k in skips)}:", ""]
+        out_lines += table(["policy", "PPL", f"vs {reference}", "95% interval", "per slice"], body)
+        out_lines.append("")
+    return out_lines[:-1]
+
+
 def trace_policies(j, record):
     """infkv-compare's JSON: per policy and budget, the attention mass kept and the output error,
     mean over the recorded layers and evictions; the best of each column in bold."""
@@ -157,7 +210,8 @@ def trace_policies(j, record):
     return table(head, [[f"`{p}`"] + [show(cell[p, b][i], best[b][i]) for b in budgets for i in (0, 1)] for p in policies])
 
 
-GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "trace_policies": trace_policies}
+GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
+              "trace_policies": trace_policies}
 
 
 def generate(doc_path):

@@ -36,25 +36,38 @@ T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def ratio_interval(a, b, n, batches=10):
-    """Perplexity ratio of two runs over the same blocks and its 95% interval by batch means.
-    a, b: each block's summed negative log-likelihood in the two runs; n: its scored tokens. The
-    blocks, in stream order, are cut into `batches` contiguous batches (or each is a disjoint slice
-    of the text: pass one block per slice and batches = len(a)); each batch gives a log ratio, and
-    the interval is the t-interval of their mean, exponentiated. Neighbouring blocks share context,
-    so single blocks are not independent samples; batches of several cache lengths nearly are.
-    Returns (ratio over all tokens, low, high, the batches' lowest and highest ratios)."""
+def batch_logs(a, b, n, batches=10):
+    """The log perplexity ratio of two runs over the same blocks in each of `batches` contiguous
+    batches of the blocks (a, b: each block's summed negative log-likelihood in the two runs; n:
+    its scored tokens; in stream order)."""
     m = len(a)
     k = min(batches, m)
-    if k < 2:
-        raise ValueError(f"ratio_interval: {m} blocks, at least 2 needed")
     cuts = [round(i * m / k) for i in range(k + 1)]
-    logs = [sum(a[i] - b[i] for i in range(lo, hi)) / sum(n[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    return [sum(a[i] - b[i] for i in range(lo, hi)) / sum(n[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+
+
+def t_interval(logs):
+    """95% t-interval of the mean of independent log ratios, exponentiated: (low, high)."""
+    k = len(logs)
+    if k < 2:
+        raise ValueError(f"t_interval: {k} batches, at least 2 needed")
     mean = sum(logs) / k
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (k - 1))
-    half = T975[min(k - 1, len(T975)) - 1] * sd / math.sqrt(k)
-    total = math.exp((sum(a) - sum(b)) / sum(n))
-    return total, math.exp(mean - half), math.exp(mean + half), math.exp(min(logs)), math.exp(max(logs))
+    t = T975[k - 2] if k - 1 <= len(T975) else 1.96
+    return math.exp(mean - t * sd / math.sqrt(k)), math.exp(mean + t * sd / math.sqrt(k))
+
+
+def ratio_interval(a, b, n, batches=10):
+    """Perplexity ratio of two runs over the same blocks and its 95% interval by batch means: the
+    blocks after warm-up, in stream order, are cut into `batches` contiguous batches, each gives a
+    log ratio (batch_logs), and the interval is the t-interval of their mean (t_interval).
+    Neighbouring blocks share context, so single blocks are not independent samples; batches of
+    several cache lengths nearly are. Several disjoint slices of a text: batch_logs per slice,
+    t_interval over all their batches. Returns (ratio over all tokens, low, high, the batches'
+    lowest and highest ratios)."""
+    logs = batch_logs(a, b, n, batches)
+    lo, hi = t_interval(logs)
+    return math.exp((sum(a) - sum(b)) / sum(n)), lo, hi, math.exp(min(logs)), math.exp(max(logs))
 
 
 def rate(k, n):

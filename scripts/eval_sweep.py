@@ -197,7 +197,7 @@ def main():
         "protocol": protocol,
         "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": None} for m, p in models.items()},
         "text": {"file": os.path.basename(text), "sha256": sha256(text)},
-        "command": "scripts/eval_needles.py " + shlex.join(sys.argv[1:]),
+        "command": "scripts/eval_sweep.py " + shlex.join(sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "runs": records,
     }
