@@ -119,6 +119,13 @@ elseif(MODE STREQUAL "passkey")
   endif()
   run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
              --policy full,streaming_llm,expected_attention)
+  # The JSON names the program that made it and the needle protocol (scripts/eval_sweep.py's record).
+  execute_process(COMMAND ${EXE} --version OUTPUT_VARIABLE version OUTPUT_STRIP_TRAILING_WHITESPACE)
+  string(JSON json_version GET "${json}" version)
+  string(JSON protocol GET "${json}" needle protocol)
+  if(NOT json_version STREQUAL version OR NOT version MATCHES "^infkv-stream " OR NOT protocol EQUAL 2)
+    message(FATAL_ERROR "--needle JSON: version \"${json_version}\" (--version: \"${version}\"), protocol ${protocol} (2)")
+  endif()
   set(kinds number word fact)
   foreach(t RANGE 2)
     string(JSON kind GET "${json}" runs 0 trials ${t} kind)
