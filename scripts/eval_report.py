@@ -140,7 +140,8 @@ def needles_policies(rows, record):
         body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
         distances = sorted({int(r["distance"]) for r in mine})
         per_seed = len([r for r in mine if r["policy"] == "full" and int(r["seed"]) == seeds[0]])
-        out_lines += [f"**{MODEL_NAMES.get(model, model)}**, seeds {seeds[0]}-{seeds[-1]} "
+        which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+        out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
                       f"({per_seed} questions per seed, distance {', '.join(str(d) for d in distances)}):", ""]
         out_lines += table(["policy", "forced choice", "greedy", "of the full cache's forced successes",
                             "forced, per seed", "statement tokens cached"], body)

@@ -110,7 +110,7 @@ def main():
     if os.path.exists(manifest_path):
         with open(manifest_path) as f:
             manifest = json.load(f)
-        if manifest["common"] != common[2:] and not a.report_only:
+        if manifest["common"] != common[2:]:
             sys.exit(f"eval_sweep: {work} holds runs with other settings ({manifest['common']}); "
                      f"use another --out or --work")
     else:
@@ -197,7 +197,8 @@ def main():
         "protocol": protocol,
         "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": None} for m, p in models.items()},
         "text": {"file": os.path.basename(text), "sha256": sha256(text)},
-        "command": "scripts/eval_sweep.py " + shlex.join(sys.argv[1:]),
+        # the sweep's command (a --report-only pass collects the same runs)
+        "command": "scripts/eval_sweep.py " + shlex.join(x for x in sys.argv[1:] if x != "--report-only"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "runs": records,
     }
