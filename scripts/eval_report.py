@@ -139,10 +139,15 @@ def needles_policies(rows, record):
                          f"{100 * cached:.0f}%"])
         body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
         distances = sorted({int(r["distance"]) for r in mine})
-        per_seed = len([r for r in mine if r["policy"] == "full" and int(r["seed"]) == seeds[0]])
+        full = [r for r in mine if r["policy"] == "full"]
+        per_seed = len([r for r in full if int(r["seed"]) == seeds[0]])
+        # a guess uniform over the kind's candidates ranks the true value first with 1 / candidates
+        chance = sum(1 / int(r["candidates"]) for r in full)
         which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
         out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
-                      f"({per_seed} questions per seed, distance {', '.join(str(d) for d in distances)}):", ""]
+                      f"({per_seed} questions per seed, distance {', '.join(str(d) for d in distances)}; a uniform "
+                      f"guess among the candidates would be chosen right in {chance:.1f} of the {len(full)} "
+                      f"questions):", ""]
         out_lines += table(["policy", "forced choice", "greedy", "of the full cache's forced successes",
                             "forced, per seed", "statement tokens cached"], body)
         out_lines.append("")
