@@ -7,7 +7,7 @@ A generated table stands between the lines
     <!-- eval_report: GENERATOR DATA -->      and      <!-- /eval_report -->
 where DATA is a CSV beside the document (e.g. evaluation/needles_v2_policies.csv) with its record
 DATA.json (commit, program version, models and text with their SHA-256, protocol, command: what
-scripts/eval_needles.py writes). The script replaces what lies between the lines, table and the
+scripts/eval_sweep.py writes). The script replaces what lies between the lines, table and the
 provenance line under it, by what the data gives; --check only compares and fails naming the
 tables that differ, so a table cannot drift from its data (a ctest runs it). The prose around the
 tables is written for the committed data: rerun, then reread it.
@@ -58,9 +58,13 @@ def table(head, rows):
 
 
 def load(doc_dir, data):
-    """A CSV and its record DATA.json (scripts/eval_needles.py), or a JSON result with its
+    """A CSV and its record DATA.json (scripts/eval_sweep.py), or a JSON result with its
     "provenance" (scripts/provenance.py)."""
     path = os.path.join(doc_dir, data)
+    record_path = path if data.endswith(".json") else os.path.splitext(path)[0] + ".json"
+    for p in {path, record_path}:
+        if not os.path.exists(p):
+            sys.exit(f"eval_report: {data}: no {p} (a marker names data that is not committed)")
     if data.endswith(".json"):
         with open(path) as f:
             j = json.load(f)
