@@ -37,18 +37,12 @@ import sys
 from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from eval_summary import batch_logs, t_interval, wilson  # noqa: E402
+from eval_summary import batch_logs, rate, t_interval  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
 BEGIN = re.compile(r"^<!-- eval_report: (\S+) (\S+) -->$")
 END = "<!-- /eval_report -->"
-
-
-def rate(k, n):
-    """k/n and its 95% Wilson interval in percent: "10/12 (55-95%)"."""
-    lo, hi = wilson(k, n)
-    return f"{k}/{n} ({100 * lo:.0f}-{100 * hi:.0f}%)"
 
 
 def table(head, rows):
@@ -65,15 +59,12 @@ def load(doc_dir, data):
     for p in {path, record_path}:
         if not os.path.exists(p):
             sys.exit(f"eval_report: {data}: no {p} (a marker names data that is not committed)")
-    if data.endswith(".json"):
-        with open(path) as f:
-            j = json.load(f)
-        return j, j["provenance"]
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    with open(os.path.splitext(path)[0] + ".json") as f:
+    with open(record_path) as f:
         record = json.load(f)
-    return rows, record
+    if data.endswith(".json"):
+        return record, record["provenance"]
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f)), record
 
 
 def provenance(data, record):
@@ -166,7 +157,7 @@ def ppl_slices(rows, record, reference="streaming_llm", warmup=1152, batches=10)
     out_lines = []
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        skips = sorted({int(r["skip"]) for r in mine}, key=int)
+        skips = sorted({int(r["skip"]) for r in mine})
         runs = OrderedDict()
         for r in mine:
             nll = math.log(float(r["block_ppl"])) * int(r["scored"])

@@ -157,13 +157,14 @@ def main():
                     print(err, file=sys.stderr)
 
     # OUT.csv and OUT.json from the runs made so far (a grid cell not yet run is left out).
-    out_rows, records, header = [], [], None
+    out_rows, records, header, desc = [], [], None, {}
     for m, c, p in runs:
         base = os.path.join(work, f"{m}_{c[0]}_{p}")
         if not os.path.exists(base + ".json"):
             continue
         with open(base + ".json") as f:
             j = json.load(f)
+        desc.setdefault(m, j.get("model_desc"))  # the model as llama.cpp describes it
         if j.get("version") != manifest["version"]:
             sys.exit(f"eval_sweep: {base}.json: made by {j.get('version')}, not {manifest['version']}")
         with open(base + ".csv", newline="") as f:
@@ -195,19 +196,13 @@ def main():
         "commit": manifest["commit"],
         "program": manifest["version"],
         "protocol": protocol,
-        "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": None} for m, p in models.items()},
+        "models": {m: {"file": os.path.basename(p), "sha256": sha256(p), "desc": desc.get(m)} for m, p in models.items()},
         "text": {"file": os.path.basename(text), "sha256": sha256(text)},
         # the sweep's command (a --report-only pass collects the same runs)
         "command": "scripts/eval_sweep.py " + shlex.join(x for x in sys.argv[1:] if x != "--report-only"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "runs": records,
     }
-    for m in models:  # the model description llama.cpp gives, from any run of the model
-        for r in records:
-            if r["model"] == m:
-                with open(os.path.join(work, r["file"])) as f:
-                    record["models"][m]["desc"] = json.load(f).get("model_desc")
-                break
     with open(a.out + ".json", "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
