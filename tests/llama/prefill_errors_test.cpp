@@ -137,6 +137,9 @@ TEST_CASE("llama prefill: invalid arguments are reported before anything is deco
                        doctest::Contains("block_prefill.budget = 6"), infkv::error);
   CHECK_THROWS_WITH_AS(lc::prefill(s, ok, infkv::snapkv{.window = 16}, sched), doctest::Contains("snapkv.window = 16"),
                        infkv::error);
+  // H2O needs a session that accumulates its scores at every decode.
+  CHECK_THROWS_WITH_AS(lc::prefill(s, ok, infkv::h2o{}, sched), doctest::Contains("session_options.track_h2o = unset"),
+                       infkv::error);
   CHECK(s.size() == 0);
   check_memory_matches(s);
 

@@ -154,6 +154,9 @@ TEST_CASE("llama prefill: text and video frames stay within budget + block with 
   }
   SUBCASE("snapkv, keep mode") { run(infkv::snapkv{.window = 8}, {.window = 8, .positions = lc::position_mode::keep}); }
   SUBCASE("keydiff, f16 keys") { run(infkv::keydiff{}, {.key_type = infkv::dtype::f16}); }
+  SUBCASE("h2o, scores accumulated over every decode") {
+    run(infkv::h2o{}, lc::session_options::for_policy(infkv::h2o{}));
+  }
   SUBCASE("streaming_llm") {
     run(infkv::streaming_llm{}, {});
     // Sinks and the newest 94 tokens: the closing text, frames 11..9 and part of frame 8.

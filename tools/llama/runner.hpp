@@ -20,6 +20,7 @@
 #include "errors.hpp"
 #include "policy_catalog.hpp"
 
+#include "ask.hpp"
 #include "llama_util.hpp"
 
 namespace stream {
@@ -67,12 +68,6 @@ inline void check_cells(const llama_model* m, std::string_view flag, std::int64_
         flag, value, who, cells, cells * per_cell / 1048576.0, per_cell / 1024.0, avail / 1048576.0);
 }
 
-/// A question's answer: the greedy text, and the log-probability of each candidate answer.
-struct answer {
-  std::string text;
-  std::vector<double> logprobs;
-};
-
 /// One context streaming one token sequence. `feed` decodes the next tokens with logits for
 /// each; `evict` brings the cache back to the budget. `max_feed` is the most tokens fed between
 /// two evictions: the cache never holds more than budget + max_feed slots.
@@ -100,22 +95,12 @@ class runner {
                         std::lower_bound(cached_.begin(), cached_.end(), begin));
   }
 
-  /// Asks `question` without changing the stream: on sequence 1, which shares every cell of
-  /// sequence 0 (llama_memory_seq_cp copies nothing in the one shared cache), at the positions
-  /// after the stream's (see answer_on), then removes sequence 1: its own cells are freed, the
-  /// shared ones stay sequence 0's. The session never sees these decodes: nothing is captured,
-  /// scored or tracked. Needs settings::ask_room >= question + the longest candidate + gen.
+  /// Asks `question` without changing the stream (ask_aside at the stream's next position). The
+  /// session never sees these decodes: nothing is captured, scored or tracked. Needs
+  /// settings::ask_room >= question + the longest candidate + gen.
   virtual answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
                      std::int64_t gen) {
-    llama_memory_t mem = llama_get_memory(ctx_.get());
-    llama_memory_seq_cp(mem, 0, 1, -1, -1);
-    answer a = answer_on(1, question, candidates, next_pos(), gen);
-    if (!llama_memory_seq_rm(mem, 1, -1, -1) || llama_memory_seq_pos_max(mem, 1) != -1)
-      infkv_tools::engine_fail(
-          "infkv-stream: sequence 1 not removed after a question (llama_memory_seq_rm, "
-          "seq_pos_max = {})",
-          llama_memory_seq_pos_max(mem, 1));
-    return a;
+    return ask_aside(ctx_.get(), next_pos(), question, candidates, gen, stats_);
   }
 
   /// Whether a feed computes the logits of every token it decodes (perplexity needs them; the
@@ -123,11 +108,7 @@ class runner {
   bool stream_logits = true;
 
   /// Logits of the i-th token of the last feed.
-  std::span<const float> logits(std::int64_t i) const {
-    const float* l = llama_get_logits_ith(ctx_.get(), std::int32_t(first_out_ + i));
-    if (l == nullptr) infkv_tools::fail("infkv-stream: no logits for output {} of the last decode", i);
-    return {l, std::size_t(shape_.vocab)};
-  }
+  std::span<const float> logits(std::int64_t i) const { return logits_at(ctx_.get(), first_out_ + i); }
   llama_context* context() const { return ctx_.get(); }
   /// Bytes of the K/V buffers llama.cpp allocated (computed: n_ctx * layers * 2 * kv_heads * head_dim * f16).
   std::int64_t kv_alloc_bytes() const { return shape_.kv_bytes(llama_n_ctx(ctx_.get())); }
@@ -139,63 +120,16 @@ class runner {
   /// The position the stream's next token takes.
   virtual std::int64_t next_pos() const = 0;
 
-  /// Decodes `question` on sequence `seq` from position `pos0`, then each candidate answer after
-  /// it (teacher forcing: its log-probability after the question; its cells are removed again
-  /// before the next), then up to `gen` greedy tokens in all (stopping at end of generation).
+  /// answer_on of this runner's context.
   answer answer_on(llama_seq_id seq, std::span<const llama_token> question,
                    std::span<const std::vector<llama_token>> candidates, std::int64_t pos0, std::int64_t gen) {
-    INFKV_REQUIRE(!question.empty(), "infkv-stream: question tokens", question.size(), "must not be empty");
-    const llama_vocab* vocab = llama_model_get_vocab(model_);
-    const auto q = std::int64_t(question.size());
-    plain_decode(question, pos0, q - 1, seq);
-    const auto l = logits(0);
-    const std::vector<float> after(l.begin(), l.end());  // the next token's logits after the question
-    llama_token t = argmax(after);
-    pos0 += q;
-    answer a;
-    for (const auto& c : candidates) {
-      INFKV_REQUIRE(!c.empty(), "infkv-stream: candidate answer tokens", c.size(), "must not be empty");
-      double lp = -token_nll(after, c[0]);
-      if (c.size() > 1) {
-        plain_decode(std::span(c).first(c.size() - 1), pos0, 0, seq);
-        for (std::size_t i = 1; i < c.size(); ++i) lp -= token_nll(logits(std::int64_t(i - 1)), c[i]);
-        if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, llama_pos(pos0), -1))
-          infkv_tools::engine_fail("infkv-stream: llama_memory_seq_rm(seq {}, {}, -1) after scoring an answer = false",
-                                   seq, pos0);
-      }
-      a.logprobs.push_back(lp);
-    }
-    std::vector<llama_token> next;
-    for (std::int64_t g = 0; g < gen && !llama_vocab_is_eog(vocab, t); ++g) {
-      a.text += piece(model_, t);
-      if (g + 1 == gen) break;
-      next.assign(1, t);
-      plain_decode(next, pos0++, 0, seq);
-      t = argmax(logits(0));
-    }
-    return a;
+    return stream::answer_on(ctx_.get(), seq, question, candidates, pos0, gen, stats_);
   }
 
   /// Decodes `toks` on sequence `seq` at positions pos0, pos0 + 1, ... with logits from batch
   /// index `out_from` on.
   void plain_decode(std::span<const llama_token> toks, std::int64_t pos0, std::int64_t out_from, llama_seq_id seq = 0) {
-    llama_batch b = llama_batch_init(std::int32_t(toks.size()), 0, 1);
-    for (std::size_t i = 0; i < toks.size(); ++i) {
-      b.token[i] = toks[i];
-      b.pos[i] = llama_pos(pos0 + std::int64_t(i));
-      b.n_seq_id[i] = 1;
-      b.seq_id[i][0] = seq;
-      b.logits[i] = std::int64_t(i) >= out_from;
-    }
-    b.n_tokens = std::int32_t(toks.size());
-    std::int32_t rc = 0;
-    {
-      const infkv::llama_cpp::stopwatch w{stats_.decode};
-      rc = llama_decode(ctx_.get(), b);
-    }
-    ++stats_.decodes, stats_.decoded_tokens += std::int64_t(toks.size());
-    llama_batch_free(b);
-    if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
+    decode_plain(ctx_.get(), toks, pos0, out_from, seq, stats_);
     first_out_ = out_from;
   }
 

@@ -25,6 +25,7 @@
 #include <infkv/version.hpp>
 
 #include "cli_util.hpp"
+#include "policy_options.hpp"
 
 #include "report.hpp"
 
@@ -64,30 +65,13 @@ void add_options(CLI::App& app, options& o) {
                  "policies to run in turn, each on a fresh context (repeatable or comma "
                  "list; default streaming_llm; see --list-policies)")
       ->delimiter(',');
-  app.add_option("--budget", o.s.budget, "cache slots kept after each eviction")->check(pos);
+  stream::add_policy_options(app, o.s);
   app.add_option("--block", o.s.block, "tokens decoded between two evictions")->check(pos);
   app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
   app.add_option("--skip", o.skip,
                  "start the stream after this many tokens of the text (e.g. to compare a slice "
                  "with the recompute oracle); CSV token counts include them")
       ->check(nonneg);
-  app.add_option("--threads", o.s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
-  app.add_option("--sinks", o.s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")
-      ->check(nonneg);
-  app.add_option("--recent", o.s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)")
-      ->check(nonneg);
-  app.add_option("--window", o.s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
-  app.add_option("--beta", o.s.beta, "attention bias toward newer tokens of inf_mllm_bias")->check(at_least(0, false));
-  app.add_option("--ea-window", o.s.ea_window, "queries whose mean and covariance expected_attention uses")->check(pos);
-  app.add_option("--reduce", o.s.reduce, "how the heads' and layers' scores combine into one per token (mean, max)")
-      ->transform(CLI::CheckedTransformer(
-          std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean}, {"max", infkv::reduction::max}}));
-  app.add_option("--recent-share", o.s.recent_share, "recent_keydiff: share of --budget kept as the recency region")
-      ->check(at_least(0, false, 1));
-  app.add_option("--keydiff-kernel", o.s.keydiff_kernel,
-                 "recent_keydiff: KeyDiff scores max-pooled over this many "
-                 "neighbours (odd; 1: none)")
-      ->check(at_least(1, true, 1001));
   app.add_option("--smooth", o.smooth, "blocks in the moving average of window_ppl (CSV, plot)")->check(pos);
   app.add_option("--progress", o.progress, "a progress line on stderr every N blocks (0: none)")->check(nonneg);
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
@@ -98,9 +82,6 @@ void add_options(CLI::App& app, options& o) {
       ->check(infkv_tools::writable_file());
   app.add_option("--key-type", o.key_type, "type of the session's host key copies (default: the cache's own, f16)")
       ->check(CLI::IsMember({"f32", "f16"}));
-  app.add_flag("--keep-positions", o.s.keep_positions,
-               "evicting policies leave holes at the original positions "
-               "instead of compacting them (positions then grow with the stream)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
   app.add_option("--passkey", o.passkey,
                  "passkey retrieval instead of perplexity: the question DISTANCE tokens of "

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <llama.h>
@@ -133,6 +135,25 @@ inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, 
   INFKV_REQUIRE(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
 }
 
+/// The budget `p` evicts to: its own protection applied (H2O adds none; its recent window is the
+/// budget's).
+template <class P>
+budget protect_for(const P& p, const budget& b) {
+  if constexpr (std::same_as<P, h2o>)
+    return b;
+  else
+    return protect(p, b);
+}
+
+/// The name errors give `p`.
+template <class P>
+std::string_view name_of(const P& p) {
+  if constexpr (std::same_as<P, h2o>)
+    return "h2o";
+  else
+    return p.spec().name;
+}
+
 /// Restores causal attention when a non-causal chunk is done (or throws).
 struct causal_scope {
   llama_context* ctx;
@@ -154,10 +175,13 @@ struct causal_scope {
 /// opt.sinks, opt.recent and what the policy protects). A session that already holds more than
 /// the budget is evicted first; a session that holds anything plans its first block of
 /// schedule.block tokens, so the cache never exceeds budget + block slots. All arguments are
-/// checked before anything is decoded. Cost: the decodes plus one eviction per block.
-template <policy P>
-prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, const block_prefill& schedule,
-                       const prefill_options& opt = {}) {
+/// checked before anything is decoded. Cost: the decodes plus one eviction per block. `p` is a
+/// policy, or an `h2o` configuration: then the session accumulates H2O's scores at every decode
+/// (session_options::for_policy(h2o{})), non-causal chunks included as if causal.
+template <class P>
+requires policy<P> || std::same_as<P, h2o> prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p,
+                                                                  const block_prefill& schedule,
+                                                                  const prefill_options& opt = {}) {
   llama_context* ctx = s.context();
   INFKV_REQUIRE(ctx != nullptr, "ctx", "null", "bind a context before prefilling");
   const llama_model* m = llama_get_model(ctx);
@@ -166,11 +190,16 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   const budget b{.capacity = schedule.budget, .sinks = opt.sinks, .recent = opt.recent};
   INFKV_REQUIRE(opt.sinks >= 0, "prefill_options.sinks", opt.sinks, "must be >= 0");
   INFKV_REQUIRE(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
-  const budget pb = protect(p, b);
+  const budget pb = detail::protect_for(p, b);
   INFKV_REQUIRE(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
-                "cannot hold the protected tokens of ", p.spec().name, ": sinks (", pb.sinks, ") + recent (", pb.recent,
-                ")");
-  s.require_captures(p.spec());
+                "cannot hold the protected tokens of ", detail::name_of(p), ": sinks (", pb.sinks, ") + recent (",
+                pb.recent, ")");
+  if constexpr (std::same_as<P, h2o>)
+    INFKV_REQUIRE(s.options().track_h2o.has_value(), "session_options.track_h2o", "unset",
+                  "H2O needs the attention of every decode: create the session with "
+                  "session_options::for_policy(h2o{})");
+  else
+    s.require_captures(p.spec());
   const std::int64_t n_ctx = llama_n_ctx(ctx);
   INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx, "the context cannot hold block_prefill.budget (",
                 schedule.budget, ") + block (", schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());

@@ -1,0 +1,43 @@
+// The command-line options of the policies' knobs that infkv-stream and infkv-video share: the
+// budget, threads, protected tokens, windows, bias and reductions of stream::settings.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cli_util.hpp"
+#include "runner.hpp"
+
+namespace stream {
+
+/// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
+/// --recent-share, --keydiff-kernel and --keep-positions for `s` to `app`.
+inline void add_policy_options(CLI::App& app, settings& s) {
+  using infkv_tools::at_least;
+  const auto pos = at_least(1), nonneg = at_least(0);
+  app.add_option("--budget", s.budget, "cache slots kept after each eviction")->check(pos);
+  app.add_option("--threads", s.threads, "llama.cpp and scoring threads")->check(at_least(1, true, 1024));
+  app.add_option("--sinks", s.sinks, "protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)")
+      ->check(nonneg);
+  app.add_option("--recent", s.recent, "protected last tokens (h2o, snapkv, keydiff, inf_mllm*, expected_attention)")
+      ->check(nonneg);
+  app.add_option("--window", s.window, "queries that score the cache (snapkv, inf_mllm*)")->check(pos);
+  app.add_option("--beta", s.beta, "attention bias toward newer tokens of inf_mllm_bias")->check(at_least(0, false));
+  app.add_option("--ea-window", s.ea_window, "queries whose mean and covariance expected_attention uses")->check(pos);
+  app.add_option("--reduce", s.reduce, "how the heads' and layers' scores combine into one per token (mean, max)")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean}, {"max", infkv::reduction::max}}));
+  app.add_option("--recent-share", s.recent_share, "recent_keydiff: share of --budget kept as the recency region")
+      ->check(at_least(0, false, 1));
+  app.add_option("--keydiff-kernel", s.keydiff_kernel,
+                 "recent_keydiff: KeyDiff scores max-pooled over this many "
+                 "neighbours (odd; 1: none)")
+      ->check(at_least(1, true, 1001));
+  app.add_flag("--keep-positions", s.keep_positions,
+               "evicting policies leave holes at the original positions "
+               "instead of compacting them (positions then grow with the stream)");
+}
+
+}  // namespace stream
