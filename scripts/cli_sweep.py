@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Every option of infkv-compare, infkv-stream, infkv-capture and infkv-engine-bench given wrong values (negative,
+"""Every option of infkv-compare, infkv-stream, infkv-capture, infkv-engine-bench and infkv-video given wrong values (negative,
 zero, huge, wrong type, a missing or non-GGUF or empty or binary or non-UTF-8 file, an unwritable
 output path): each run must exit non-zero, print a one-line error naming the option, and leave no
 output file. Each bad value replaces the value of a base command line that must succeed (checked
 first), so a case fails only because of its own option.
 
-Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT [--bench EXE]]
-       [--list] (print the cases and exit). Exit status 1 when a case misbehaves."""
+Usage: cli_sweep.py --compare EXE [--stream EXE --capture EXE --model GGUF --text TXT [--bench EXE
+       [--video EXE --gemma GGUF --mmproj GGUF --image JPEG]]] [--list] (print the cases and exit).
+Exit status 1 when a case misbehaves."""
 import argparse
 import os
 import subprocess
@@ -172,12 +173,34 @@ def cases(a, tmp):
     out.append((a.bench, pre + ["--mode", "plain", "--tokens", "99999999999"], "--tokens", None))
     ints(a.bench, pre, "--mode", ["fast", ""])
     ints(a.bench, pre, "--policy", ["no_such_policy", "h2o", "context_shift", "full"])
+    if not a.video:
+        return bases, out
+
+    vid = [a.video, "--model", a.gemma, "--mmproj", a.mmproj, "--media", a.image, "--facts", "1", "--ask-after", "1",
+           "--budget", "100", "--policy", "streaming_llm", "--threads", "1", "--progress", "0"]
+    bases.append(vid)
+    files(a.video, vid, "--model", [missing, empty, binary, truncated])
+    files(a.video, vid, "--mmproj", [missing, empty, binary, truncated])
+    files(a.video, vid, "--media", [missing, empty, binary])
+    ints(a.video, vid, "--policy", ["no_such_policy", "recompute", "context_shift"])
+    ints(a.video, vid, "--budget", ["-1", "0", HUGE, "99999999999", "abc"])
+    ints(a.video, vid, "--block", ["-1", "10", HUGE, "abc"])  # 10: smaller than a frame
+    ints(a.video, vid, "--frames", ["-1", "1", HUGE, "abc"])  # 1: fewer than --facts + --ask-after
+    ints(a.video, vid, "--fps", ["-1", "0", "nan", "abc"])
+    ints(a.video, vid, "--facts", ["-1", "17", "abc"])
+    ints(a.video, vid, "--people", ["-1", "0", "9", "abc"])
+    ints(a.video, vid, "--ask-after", ["-1", "0", "1,1", "abc"])
+    ints(a.video, vid, "--gen", ["-1", "0", "abc"])
+    ints(a.video, vid, "--threads", ["-1", "0", HUGE, "abc"])
+    ints(a.video, vid, "--progress", ["-1", "abc"])
+    for opt, ext in (("--json", ".json"), ("--csv", ".csv")):
+        out.append((a.video, vid + [opt, unwritable + ext], opt, unwritable + ext))
     return bases, out
 
 
 def main():
     p = argparse.ArgumentParser()
-    for name in ("compare", "stream", "capture", "bench", "model", "text"):
+    for name in ("compare", "stream", "capture", "bench", "model", "text", "video", "gemma", "mmproj", "image"):
         p.add_argument("--" + name)
     p.add_argument("--list", action="store_true")
     a = p.parse_args()

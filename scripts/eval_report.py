@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the generated tables of docs/evaluation.md from the committed data they cite.
+"""Writes the generated tables of docs/evaluation.md (or another DOC, e.g. docs/multimodal.md) from
+the committed data they cite.
 
   scripts/eval_report.py [--check] [DOC (docs/evaluation.md)]
 
@@ -25,6 +26,10 @@ Generators:
                     slices' tenths (batch means) and each slice's ratio
   trace_policies    infkv-compare's JSON (--json, with scripts/provenance.py's record): attention
                     mass kept and output error per policy and budget on the recorded trace
+  video_memory      infkv-video's frame records (eval_sweep.py video): per policy, slots held,
+                    K/V in use and RSS after 10, 50, 100, 200 frames
+  video_facts       infkv-video's answers (DATA_answers.csv): per policy and further frames, the
+                    facts' forced-choice and greedy successes with 95% Wilson intervals
 """
 import argparse
 import csv
@@ -55,7 +60,8 @@ def load(doc_dir, data):
     """A CSV and its record DATA.json (scripts/eval_sweep.py), or a JSON result with its
     "provenance" (scripts/provenance.py)."""
     path = os.path.join(doc_dir, data)
-    record_path = path if data.endswith(".json") else os.path.splitext(path)[0] + ".json"
+    # eval_sweep's video answers (X_answers.csv) are recorded in the sweep's X.json
+    record_path = path if data.endswith(".json") else os.path.splitext(path)[0].removesuffix("_answers") + ".json"
     for p in {path, record_path}:
         if not os.path.exists(p):
             sys.exit(f"eval_report: {data}: no {p} (a marker names data that is not committed)")
@@ -72,13 +78,17 @@ def provenance(data, record):
         return ["", f"Data: [{data}]({data}) with its provenance: commit {record['commit'][:7]}"
                     f"{' (uncommitted changes)' if record['dirty'] else ''}, made by `{record['command']}`."]
     models = ", ".join(f"{m['file']} (SHA-256 {m['sha256'][:12]})" for m in record["models"].values())
+    source = "media" if "media" in record else "text"
+    projectors = "".join(f"; projector {p['file']} (SHA-256 {p['sha256'][:12]})"
+                         for p in record["protocol"].get("projectors", {}).values())
+    rec = os.path.splitext(data)[0].removesuffix("_answers") + ".json"
     return [
         "",
-        f"Data: [{data}]({data}) with [{os.path.splitext(data)[0]}.json]({os.path.splitext(data)[0]}.json): "
+        f"Data: [{data}]({data}) with [{rec}]({rec}): "
         f"commit {record['commit'][:7]}, {record['program']}"
         + (f", needle protocol {record['protocol']['needle_protocol']}" if "needle_protocol" in record["protocol"] else "")
-        + f"; {models}; text {record['text']['file']} (SHA-256 "
-        f"{record['text']['sha256'][:12]}); made by `{record['command']}`.",
+        + f"; {models}{projectors}; {source} {record[source]['file']} (SHA-256 "
+        f"{record[source]['sha256'][:12]}); made by `{record['command']}`.",
     ]
 
 
@@ -211,8 +221,52 @@ def trace_policies(j, record):
     return table(head, [[f"`{p}`"] + [show(cell[p, b][i], best[b][i]) for b in budgets for i in (0, 1)] for p in policies])
 
 
+def video_memory(rows, record, at=(10, 50, 100, 200)):
+    """infkv-video's frame records of the first seed: per policy, the cache's slots, llama.cpp's K/V
+    of the cells in use and the process RSS after `at` frames, and the most slots held."""
+    seed = min(r["seed"] for r in rows)
+    mine = [r for r in rows if r["seed"] == seed]
+    policies = list(OrderedDict.fromkeys(r["policy"] for r in mine))
+
+    def cells(policy, col, scale=1.0, fmt="{:.0f}"):
+        got = {int(r["frame"]): r for r in mine if r["policy"] == policy}
+        return " / ".join(fmt.format(int(got[f][col]) / scale) if f in got else "-" for f in at)
+    inputs = {int(r["frame"]): r["input"] for r in mine}
+    body = [[f"`{p}`", cells(p, "held"), max(int(r["peak"]) for r in mine if r["policy"] == p),
+             cells(p, "kv_state_bytes", 1 << 20, "{:.1f}"), cells(p, "rss_bytes", 1 << 20)] for p in policies]
+    frames = " / ".join(str(f) for f in at)
+    return [f"Tokens streamed after {frames} frames: {' / '.join(inputs.get(f, '-') for f in at)} (seed {seed}).", ""] + \
+        table(["policy", f"slots held after {frames} frames", "most slots held",
+               "K/V in use, MiB", "process RSS, MiB"], body)
+
+
+def video_facts(rows, record):
+    """infkv-video's answers (DATA_answers.csv beside DATA.csv), pooled over the seeds: per policy
+    and number of further frames, forced-choice and greedy successes, the share of the full
+    cache's forced successes kept (95% Wilson intervals), and the facts' statements still cached."""
+    seeds = sorted({int(r["seed"]) for r in rows})
+    full_ok = {(r["seed"], r["after"], r["fact"]) for r in rows if r["policy"] == "full" and r["forced_success"] == "1"}
+    body = []
+    for policy in OrderedDict.fromkeys(r["policy"] for r in rows):
+        for after in sorted({int(r["after"]) for r in rows}):
+            g = [r for r in rows if r["policy"] == policy and int(r["after"]) == after]
+            if {int(r["seed"]) for r in g} != set(seeds):
+                continue  # a policy not yet run on every seed is left out of the pooled table
+            kept = [r for r in g if (r["seed"], r["after"], r["fact"]) in full_ok]
+            whole = sum(r["statement_cached"] == r["statement_tokens"] for r in g)
+            body.append([f"`{policy}`", after, rate(sum(int(r["forced_success"]) for r in g), len(g)),
+                         rate(sum(int(r["forced_success"]) for r in kept), len(kept)) if policy != "full" else "-",
+                         rate(sum(int(r["greedy_success"]) for r in g), len(g)), f"{whole}/{len(g)}"])
+    n = len([r for r in rows if r["policy"] == body[0][0].strip("`") and int(r["after"]) == body[0][1]])
+    which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    return [f"{which}, {n} questions per policy and distance; a uniform guess among the 8 candidates of a fact "
+            f"would be right in {n / 8:.1f} of them.", ""] + \
+        table(["policy", "further frames", "forced choice", "of the full cache's forced successes", "greedy",
+               "statements cached whole"], body)
+
+
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
-              "trace_policies": trace_policies}
+              "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts}
 
 
 def generate(doc_path):

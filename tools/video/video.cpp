@@ -21,6 +21,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -144,6 +145,26 @@ struct video_deleter {
 };
 using bitmap_ptr = std::unique_ptr<mtmd_bitmap, bitmap_deleter>;
 
+/// mtmd's error messages since the last mtmd_errors().
+std::string& mtmd_log() {
+  static std::string log;
+  return log;
+}
+
+/// mtmd's error messages since the last call, on one line (empty when none), and forgets them.
+std::string mtmd_errors() {
+  std::string out;
+  for (char c : std::exchange(mtmd_log(), {})) {
+    if (c == '\n') {
+      if (!out.empty() && out.back() != ' ') out += "; ";
+    } else {
+      out += c;
+    }
+  }
+  while (!out.empty() && (out.back() == ' ' || out.back() == ';')) out.pop_back();
+  return out.empty() ? out : " (mtmd: " + out + ")";
+}
+
 /// Frames of --media in order: a video's frames at --fps (with the helper's timestamp texts), the
 /// images of a folder by name, or one image. Anything mtmd cannot read as an image or a video is
 /// refused naming --media.
@@ -165,7 +186,10 @@ class media_reader {
     bitmap_ptr b(w.bitmap);
     std::unique_ptr<mtmd_helper_video, video_deleter> lazy(w.video_ctx);
     if (!b)
-      fail("--media = {}: mtmd reads it neither as an image nor as a video (llama.cpp's log above says why)", path);
+      fail(
+          "--media = {}: mtmd reads it neither as an image nor as a video (an unknown format, or a video without "
+          "frames){}",
+          path, mtmd_errors());
     if (mtmd_bitmap_is_audio(b.get())) fail("--media = {}: an audio file, not an image or a video", path);
     if (!lazy) {  // one image
       files_.push_back(path);
@@ -176,7 +200,8 @@ class media_reader {
     auto vp = mtmd_helper_video_init_params_default();
     vp.fps_target = float(fps);
     video_.reset(mtmd_helper_video_init(mctx_, path.c_str(), vp));
-    if (!video_) fail("--media = {}: mtmd_helper_video_init failed (needs ffmpeg and ffprobe on PATH)", path);
+    if (!video_)
+      fail("--media = {}: mtmd_helper_video_init failed (needs ffmpeg and ffprobe on PATH){}", path, mtmd_errors());
     kind_ = infkv::modality::video;
   }
 
@@ -193,7 +218,8 @@ class media_reader {
         mtmd_helper_video_free(w.video_ctx);
         fail("--media = {}: {} is a video; a folder must hold images", path_, f);
       }
-      if (!frame || mtmd_bitmap_is_audio(frame.get())) fail("--media = {}: {} is not an image mtmd reads", path_, f);
+      if (!frame || mtmd_bitmap_is_audio(frame.get()))
+        fail("--media = {}: {} is not an image mtmd reads{}", path_, f, mtmd_errors());
       return true;
     }
     for (;;) {
@@ -203,8 +229,10 @@ class media_reader {
       if (rc == -1) return false;
       if (rc != 0) {
         if (read_ == 0)
-          fail("--media = {}: the video has no frame mtmd can read (mtmd_helper_video_read_next = {})", path_, rc);
-        fail("--media = {}: reading frame {} failed (mtmd_helper_video_read_next = {})", path_, read_ + 1, rc);
+          fail("--media = {}: the video has no frame mtmd can read (mtmd_helper_video_read_next = {}){}", path_, rc,
+               mtmd_errors());
+        fail("--media = {}: reading frame {} failed (mtmd_helper_video_read_next = {}){}", path_, read_ + 1, rc,
+             mtmd_errors());
       }
       if (t != nullptr) {
         text += t;
@@ -340,6 +368,22 @@ struct policy_run {
   double seconds = 0;
 };
 
+/// The session's bookkeeping must equal llama.cpp's memory: the same smallest and largest
+/// position of sequence 0 (an engine whose cache disagrees is an error, not a result).
+void check_positions(const lc::session& s, llama_context* ctx, std::int64_t frame) {
+  llama_memory_t mem = llama_get_memory(ctx);
+  const llama_pos lo = llama_memory_seq_pos_min(mem, 0), hi = llama_memory_seq_pos_max(mem, 0);
+  std::int64_t want_lo = -1, want_hi = -1;
+  for (const auto& t : s.tokens()) {
+    want_lo = want_lo < 0 ? t.pos : std::min(want_lo, t.pos);
+    want_hi = std::max(want_hi, t.pos);
+  }
+  if (lo != want_lo || hi != want_hi)
+    infkv_tools::engine_fail(
+        "infkv-video: after frame {} llama.cpp holds positions [{}, {}] of sequence 0, the session [{}, {}]", frame, lo,
+        hi, want_lo, want_hi);
+}
+
 policy_run run_policy(const options& o, const stream::policy_info& p, const llama_model* m, mtmd_context* mctx,
                       std::vector<fact>& facts) {
   const auto t_start = std::chrono::steady_clock::now();
@@ -453,6 +497,7 @@ policy_run run_policy(const options& o, const stream::policy_info& p, const llam
     rec.facts_held = 0;
     for (const auto& ft : facts)
       rec.facts_held += ft.segment >= 0 && held_of(ft.segment) == std::int64_t(ft.planted.statement.size());
+    check_positions(session, ctx.get(), rec.frame);
     rec.kv_state_bytes = std::int64_t(llama_state_seq_get_size(ctx.get(), 0));
     rec.host_bytes = session.memory().total();
     rec.rss_bytes = stream::rss_bytes();
@@ -603,10 +648,11 @@ void print_summary(const std::vector<policy_run>& runs, const std::vector<fact>&
 int run(const options& o, const std::vector<stream::policy_info>& chosen) {
   const auto model = stream::load_model(o.model);
   const llama_model* m = model.get();
-  // mtmd and its video helper log every frame; only their errors reach stderr.
+  // mtmd and its video helper log every frame: only their errors are kept, and given as the reason
+  // of the error infkv-video raises (mtmd_errors).
   mtmd_helper_log_set(
       [](ggml_log_level level, const char* text, void*) {
-        if (level == GGML_LOG_LEVEL_ERROR) std::fprintf(stderr, "[mtmd] %s", text);
+        if (level == GGML_LOG_LEVEL_ERROR) mtmd_log() += text;
       },
       nullptr);
   auto mp = mtmd_context_params_default();
@@ -617,9 +663,9 @@ int run(const options& o, const std::vector<stream::policy_info>& chosen) {
   std::unique_ptr<mtmd_context, mtmd_deleter> mctx(mtmd_init_from_file(o.mmproj.c_str(), m, mp));
   if (!mctx)
     fail(
-        "--mmproj = {}: mtmd_init_from_file refused it with --model = {} (llama.cpp's log above says why, e.g. a "
-        "projection width other than the model's {})",
-        o.mmproj, o.model, llama_model_n_embd_inp(m));
+        "--mmproj = {}: mtmd_init_from_file refused it with --model = {} (e.g. a projection width other than the "
+        "model's {}){}",
+        o.mmproj, o.model, llama_model_n_embd_inp(m), mtmd_errors());
   if (!mtmd_support_vision(mctx.get())) fail("--mmproj = {}: has no vision encoder", o.mmproj);
   auto facts = draw_facts(m, o);
   std::string media;
