@@ -7,8 +7,8 @@
 # program itself checks the session's positions against llama_memory_seq_pos_min/max after every
 # frame. MODE images: a folder of three copies of IMAGE streams three image frames; one image with
 # more --frames than it has ends with a note. MODE bad_media: a missing file, a text file, an
-# audio file, a folder holding a non-image, a projector of another width (MISMATCH) and a block
-# smaller than a frame each fail with a message naming the argument.
+# audio file, a video without frames, a folder holding a non-image, a projector of another width
+# (MISMATCH) and a block smaller than a frame each fail with a message naming the argument.
 function(run_video what)
   file(REMOVE ${OUT})
   execute_process(COMMAND ${EXE} --model ${MODEL} --mmproj ${MMPROJ} ${ARGN} --threads 1 --progress 0 --json ${OUT}
@@ -114,6 +114,14 @@ elseif(MODE STREQUAL "bad_media")
           ${dir}/notes.txt)
   refused("--media = [^\n]*test-2.mp3: mtmd reads it neither" --mmproj ${MMPROJ} --media ${AUDIO})
   refused("--media = [^\n]*folder: [^\n]*a.txt is not an image" --mmproj ${MMPROJ} --media ${dir}/folder)
+  # A video without frames (ffmpeg writes an MP4 of 0 frames): ffprobe finds no stream to read.
+  execute_process(COMMAND ffmpeg -v error -y -f lavfi -i color=c=red:s=64x64:r=4 -frames:v 0 -c:v mpeg4
+                          ${dir}/no_frames.mp4 RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0 OR NOT EXISTS ${dir}/no_frames.mp4)
+    message(FATAL_ERROR "ffmpeg could not write a video without frames (${rc}): ${err} (scripts/setup.sh installs it)")
+  endif()
+  refused("--media = [^\n]*no_frames.mp4: mtmd reads it neither as an image nor as a video \\(an unknown format, or a video without frames\\)"
+          --mmproj ${MMPROJ} --media ${dir}/no_frames.mp4)
   refused("--mmproj = [^\n]*: mtmd_init_from_file refused it" --mmproj ${MISMATCH} --media ${IMAGE})
   refused("--block = 10: a frame takes 64 tokens" --mmproj ${MMPROJ} --media ${IMAGE} --block 10 --facts 0 --frames 1)
 else()
