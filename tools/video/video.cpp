@@ -285,7 +285,6 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
   f.tokens.reserve(mtmd_input_chunks_size(chunks.get()) + 1);
   f.embd.reserve(mtmd_input_chunks_size(chunks.get()));
-  std::vector<bool> non_causal;
   for (std::size_t i = 0; i < mtmd_input_chunks_size(chunks.get()); ++i) {
     const mtmd_input_chunk* c = mtmd_input_chunks_get(chunks.get(), i);
     const auto type = mtmd_input_chunk_get_type(c);
