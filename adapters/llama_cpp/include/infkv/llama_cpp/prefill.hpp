@@ -89,6 +89,10 @@ struct prefill_result {
   bool ok() const { return status == 0; }
 };
 
+/// What prefill evicts with: a policy, or an `h2o` configuration (scores the session accumulates).
+template <class P>
+concept prefill_policy = policy<P> || std::same_as<P, h2o>;
+
 /// Per-token metadata of `chunks` as planned: segment first_segment + i for chunk i, its
 /// modality, and the input index as position.
 inline std::vector<token> input_tokens(std::span<const chunk> chunks, std::int32_t first_segment = 0) {
@@ -178,10 +182,9 @@ struct causal_scope {
 /// checked before anything is decoded. Cost: the decodes plus one eviction per block. `p` is a
 /// policy, or an `h2o` configuration: then the session accumulates H2O's scores at every decode
 /// (session_options::for_policy(h2o{})), non-causal chunks included as if causal.
-template <class P>
-requires policy<P> || std::same_as<P, h2o> prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p,
-                                                                  const block_prefill& schedule,
-                                                                  const prefill_options& opt = {}) {
+template <prefill_policy P>
+prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, const block_prefill& schedule,
+                       const prefill_options& opt = {}) {
   llama_context* ctx = s.context();
   INFKV_REQUIRE(ctx != nullptr, "ctx", "null", "bind a context before prefilling");
   const llama_model* m = llama_get_model(ctx);
