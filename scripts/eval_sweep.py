@@ -173,7 +173,7 @@ def main():
         target = "infkv_video" if video else "infkv_stream"
         if subprocess.run(["cmake", "--build", build, "--target", target], stdout=subprocess.DEVNULL).returncode:
             sys.exit(f"eval_sweep: --program {a.program}: cmake --build {build} --target {target} failed "
-                     "(configure it first: scripts/llama_env.sh)")
+                     "(configure it first: . scripts/llama_env.sh)")
         shutil.copy2(a.program, program)
         manifest = {"commit": git("rev-parse", "HEAD"),
                     "version": last_line([program, "--version"]),
