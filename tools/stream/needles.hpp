@@ -218,6 +218,14 @@ inline bool contains_word(std::string_view text, std::string_view word) {
   return false;
 }
 
+/// The forced-choice grade: 1 + the candidates other than `truth` whose log-probability is at
+/// least the true one's (1: the true value ranks first, strictly).
+inline std::int64_t forced_rank(std::span<const double> logprobs, std::size_t truth) {
+  std::int64_t rank = 1;
+  for (std::size_t c = 0; c < logprobs.size(); ++c) rank += c != truth && logprobs[c] >= logprobs[truth];
+  return rank;
+}
+
 /// The greedy grade: the answer, after leading blanks, begins with `value` as whole words,
 /// ignoring case (" Volvo." and " volvo, ..." match Volvo; " a Volvo", " Volvos" and "Volvo" after
 /// another word do not).

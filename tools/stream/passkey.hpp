@@ -269,12 +269,9 @@ inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, se
       const auto a = r->ask(t.p.question, t.p.choices, gen);
       t.answer = a.text, t.logprobs = a.logprobs;
       t.needle_logprob = t.logprobs[t.p.truth];
-      t.rank = 1;
-      for (std::size_t c = 0; c < t.logprobs.size(); ++c) {
-        if (c == t.p.truth) continue;
-        t.rank += t.logprobs[c] >= t.needle_logprob;
-        if (t.best_other == t.p.truth || t.logprobs[c] > t.logprobs[t.best_other]) t.best_other = c;
-      }
+      t.rank = forced_rank(t.logprobs, t.p.truth);
+      for (std::size_t c = 0; c < t.logprobs.size(); ++c)
+        if (c != t.p.truth && (t.best_other == t.p.truth || t.logprobs[c] > t.logprobs[t.best_other])) t.best_other = c;
       t.forced_success = t.p.forced() && t.rank == 1;
       t.success = answer_matches(t.answer, t.p.needle);
       t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -523,9 +523,7 @@ policy_run run_policy(const options& o, const stream::policy_info& p, const llam
                 .statement_cached = held_of(facts[i].segment),
                 .answer = a.text,
                 .logprobs = a.logprobs};
-        q.forced = true;
-        for (std::size_t c = 0; c < q.logprobs.size(); ++c)
-          if (c != pl.truth && q.logprobs[c] >= q.logprobs[pl.truth]) q.forced = false;
+        q.forced = stream::forced_rank(q.logprobs, pl.truth) == 1;
         q.greedy = stream::answer_matches(q.answer, facts[i].spec.value);
         forced += q.forced, greedy += q.greedy;
         run.answers.push_back(q);
