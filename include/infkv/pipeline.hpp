@@ -274,6 +274,45 @@ score_view run_scores(const plan& p, const B& be, const layer_inputs<R>& in, std
   return finish_layer(p, be, in, order, ws);
 }
 
+namespace detail {
+
+/// The scores the selection reads: the finished layer's for per_head, else every layer's rows
+/// reduced into the workspace's accumulator.
+template <class B, row_source R>
+score_view decision_scores(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
+                           const std::int64_t* order, std::span<std::byte> ws) {
+  const std::int64_t n = p.shape.n_slots;
+  score_view final_scores;
+  std::int64_t folded = 0;
+  const score_view acc{at<float>(ws, p.acc), 1, n, n};
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const score_view s = finish_layer(p, be, layers[l], order, ws);
+    if (p.opt.g == granularity::per_head) {
+      final_scores = s;
+    } else {
+      be.reduce(acc, s, p.opt.r, l == 0);
+      folded += s.rows;
+      final_scores = acc;
+    }
+  }
+  if (p.opt.g != granularity::per_head) be.finish_reduction(acc, p.opt.r, folded);
+  return final_scores;
+}
+
+}  // namespace detail
+
+/// The scores one decision selects by, without selecting: for a per_token or per_layer plan one
+/// row (every layer's heads reduced), for per_head the heads of the one layer; a view into `ws`
+/// (memory of the backend), valid until the workspace is used again. For callers that select
+/// themselves (e.g. whole positions: select_whole_positions). Allocates nothing.
+template <class B, row_source R>
+score_view run_decision_scores(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
+                               std::span<std::byte> ws) {
+  detail::check_workspace(p, be, ws);
+  const auto order = detail::order_of(p, be, layers, ws);
+  return detail::decision_scores(p, be, layers, order, ws);
+}
+
 /// Runs the plan over `layers` (one, or n_layers for a per-token decision over several layers,
 /// all sharing one token list) and writes the keep set to `out` (offsets: units + 1 entries,
 /// slots: kept_total). Uses only `ws` (plan.workspace_bytes, 64-byte aligned) and allocates
@@ -290,20 +329,7 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
     be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, out, detail::scratch(p, ws));
     return;
   }
-  score_view final_scores;
-  std::int64_t folded = 0;
-  const score_view acc{detail::at<float>(ws, p.acc), 1, n, n};
-  for (std::size_t l = 0; l < layers.size(); ++l) {
-    const score_view s = finish_layer(p, be, layers[l], order, ws);
-    if (p.opt.g == granularity::per_head) {
-      final_scores = s;
-    } else {
-      be.reduce(acc, s, p.opt.r, l == 0);
-      folded += s.rows;
-      final_scores = acc;
-    }
-  }
-  if (p.opt.g != granularity::per_head) be.finish_reduction(acc, p.opt.r, folded);
+  const score_view final_scores = detail::decision_scores(p, be, layers, order, ws);
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
   if (p.opt.adakv) {
     caps = detail::at<std::int64_t>(ws, p.caps);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -53,6 +54,72 @@ inline std::int64_t select_row_into(const float* score, std::span<const token> t
   std::copy(cand, cand + take, out + kept);
   std::sort(out, out + cap);
   return cap;
+}
+
+/// Keeps at most `cap` of one row's n slots such that slots sharing a position are kept or
+/// dropped together (the tokens of one M-RoPE image share one position, and an engine removes
+/// cache cells by position): every group of equal positions holding one of the first `sinks` or
+/// the last `recent` slots in time order is kept whole, then whole groups in order of their mean
+/// score (double; equal means go to the newer position), each taken when it fits the room left
+/// and skipped otherwise. So fewer than `cap` slots may stay when a group does not fit. With
+/// distinct positions this keeps exactly what select_row_into keeps. Raises naming `cap` when
+/// the protected groups alone exceed it, and on a NaN score. O(n log n).
+inline keep_set select_whole_positions(std::span<const float> score, std::span<const token> tokens, std::int64_t cap,
+                                       std::int64_t sinks, std::int64_t recent) {
+  const auto n = std::int64_t(tokens.size());
+  validate_tokens(tokens, n);
+  INFKV_REQUIRE(std::int64_t(score.size()) == n, "score.size()", score.size(), "must equal tokens.size() (", n, ")");
+  INFKV_REQUIRE(cap >= 0 && sinks >= 0 && recent >= 0, "cap", cap, "cap, sinks (", sinks, ") and recent (", recent,
+                ") must be >= 0");
+  for (std::int64_t i = 0; i < n; ++i)
+    if (std::isnan(score[std::size_t(i)])) [[unlikely]]
+      detail::fail("infkv: score[", i, "] = nan: scores must not be NaN");
+  // Groups: runs of equal positions in time order, [first, end) into `order`.
+  const auto order = time_order(tokens);
+  struct group {
+    std::int64_t first, end;
+    double mean;
+  };
+  std::vector<group> groups;
+  for (std::int64_t i = 0; i < n;) {
+    std::int64_t j = i;
+    double sum = 0;
+    for (; j < n && tokens[std::size_t(order[j])].pos == tokens[std::size_t(order[i])].pos; ++j)
+      sum += double(score[std::size_t(order[j])]);
+    groups.push_back({i, j, sum / double(j - i)});
+    i = j;
+  }
+  std::vector<bool> keep(static_cast<std::size_t>(n), false);
+  std::int64_t kept = 0;
+  std::vector<std::size_t> cand;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const bool guarded = groups[g].first < sinks || groups[g].end > n - recent || cap >= n;
+    if (!guarded) {
+      cand.push_back(g);
+      continue;
+    }
+    for (std::int64_t i = groups[g].first; i < groups[g].end; ++i) keep[std::size_t(order[i])] = true;
+    kept += groups[g].end - groups[g].first;
+  }
+  INFKV_REQUIRE(kept <= cap || cap >= n, "cap", cap, "cannot hold the protected slots' whole positions: the first ",
+                sinks, " and last ", recent, " slots lie in positions held by ", kept, " slots");
+  // Later groups first on equal means: the newer position (time order is position order).
+  std::stable_sort(cand.begin(), cand.end(), [&](std::size_t a, std::size_t b) {
+    return groups[a].mean != groups[b].mean ? groups[a].mean > groups[b].mean : a > b;
+  });
+  for (const auto g : cand) {
+    const std::int64_t size = groups[g].end - groups[g].first;
+    if (kept + size > cap) continue;
+    for (std::int64_t i = groups[g].first; i < groups[g].end; ++i) keep[std::size_t(order[i])] = true;
+    kept += size;
+  }
+  std::vector<std::int64_t> slots;
+  slots.reserve(std::size_t(kept));
+  for (std::int64_t s = 0; s < n; ++s)
+    if (keep[std::size_t(s)]) slots.push_back(s);
+  keep_set k(n);
+  k.add_unit(slots);
+  return k;
 }
 
 namespace detail {

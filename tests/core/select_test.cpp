@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <doctest/doctest.h>
@@ -179,4 +181,134 @@ TEST_CASE("a policy's protect() widens what select_top keeps") {
   const auto wide = protect(snapkv{.window = 3}, b);
   CHECK(wide.recent == 3);
   CHECK(unit(select_top(s, t, wide)) == std::vector<std::int64_t>{0, 5, 6, 7});
+}
+
+namespace {
+
+/// Whole positions by brute force (long double means): protect every position holding one of the
+/// first `sinks` or last `recent` slots in time order, then repeatedly add the position group with
+/// the highest mean (the newer on equal means) among those that still fit `cap`.
+std::vector<std::int64_t> naive_whole(const std::vector<float>& score, const std::vector<token>& t, std::int64_t cap,
+                                      std::int64_t sinks, std::int64_t recent) {
+  const auto n = std::int64_t(t.size());
+  std::vector<std::int64_t> by_time(static_cast<std::size_t>(n));
+  std::iota(by_time.begin(), by_time.end(), std::int64_t{0});
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [&](std::int64_t a, std::int64_t b) { return t[std::size_t(a)].pos < t[std::size_t(b)].pos; });
+  std::vector<std::int64_t> positions;
+  for (auto s : by_time)
+    if (positions.empty() || positions.back() != t[std::size_t(s)].pos) positions.push_back(t[std::size_t(s)].pos);
+  std::vector<bool> taken(positions.size(), false);
+  std::int64_t held = 0;
+  const auto members = [&](std::int64_t p) {
+    std::vector<std::int64_t> m;
+    for (std::int64_t s = 0; s < n; ++s)
+      if (t[std::size_t(s)].pos == p) m.push_back(s);
+    return m;
+  };
+  for (std::int64_t i = 0; i < n; ++i)
+    if (i < sinks || i >= n - recent || cap >= n) {
+      const auto g =
+          std::size_t(std::find(positions.begin(), positions.end(), t[std::size_t(by_time[std::size_t(i)])].pos) -
+                      positions.begin());
+      if (!taken[g]) taken[g] = true, held += std::int64_t(members(positions[g]).size());
+    }
+  for (;;) {
+    std::optional<std::size_t> best;
+    long double best_mean = 0;
+    for (std::size_t g = 0; g < positions.size(); ++g) {
+      if (taken[g]) continue;
+      const auto m = members(positions[g]);
+      if (held + std::int64_t(m.size()) > cap) continue;
+      long double sum = 0;
+      for (auto s : m) sum += score[std::size_t(s)];
+      const long double mean = sum / (long double)(m.size());
+      if (!best || mean > best_mean || (mean == best_mean && positions[g] > positions[*best]))
+        best = g, best_mean = mean;
+    }
+    if (!best) break;
+    taken[*best] = true;
+    held += std::int64_t(members(positions[*best]).size());
+  }
+  std::vector<std::int64_t> kept;
+  for (std::int64_t s = 0; s < n; ++s)
+    if (taken[std::size_t(std::find(positions.begin(), positions.end(), t[std::size_t(s)].pos) - positions.begin())])
+      kept.push_back(s);
+  return kept;
+}
+
+}  // namespace
+
+TEST_CASE("select_whole_positions keeps or drops each position whole, as a brute-force reference does") {
+  std::mt19937_64 rng(23);
+  for (int trial = 0; trial < 400; ++trial) {
+    // Text tokens (one position each) and images (one position for many tokens), in shuffled slot order.
+    std::vector<token> t;
+    std::int64_t pos = 0;
+    while (std::int64_t(t.size()) < 20 + std::int64_t(rng() % 60)) {
+      const std::int64_t run = rng() % 4 == 0 ? 2 + std::int64_t(rng() % 12) : 1;
+      for (std::int64_t i = 0; i < run; ++i) t.push_back({pos, 0, run > 1 ? modality::image : modality::text});
+      pos += run > 1 ? 1 + std::int64_t(rng() % 3) : 1;
+    }
+    std::shuffle(t.begin(), t.end(), rng);
+    const auto n = std::int64_t(t.size());
+    std::vector<float> score(t.size());
+    for (auto& s : score) s = float(int(rng() % 7)) * 0.5f;  // many equal scores and means
+    const std::int64_t sinks = std::int64_t(rng() % 4), recent = std::int64_t(rng() % 4);
+    const std::int64_t cap = std::int64_t(rng() % std::uint64_t(n + 4));
+    // The protected groups alone (the reference with no room for anything else) predict the error.
+    const auto protected_only = naive_whole(score, t, 0, sinks, recent);
+    CAPTURE(trial);
+    CAPTURE(cap);
+    if (cap < n && std::int64_t(protected_only.size()) > cap) {
+      const std::string what = "cap = " + std::to_string(cap);
+      CHECK_THROWS_WITH_AS(select_whole_positions(score, t, cap, sinks, recent), doctest::Contains(what.c_str()),
+                           infkv::error);
+      continue;
+    }
+    const auto got = unit(select_whole_positions(score, t, cap, sinks, recent));
+    CHECK(got == naive_whole(score, t, cap, sinks, recent));
+    CHECK(std::int64_t(got.size()) <= std::min(cap, n));
+    // Every position whole: a kept position keeps all of its slots.
+    for (std::size_t a = 0; a < t.size(); ++a)
+      for (std::size_t b = 0; b < t.size(); ++b)
+        if (t[a].pos == t[b].pos)
+          CHECK((std::ranges::binary_search(got, std::int64_t(a)) == std::ranges::binary_search(got, std::int64_t(b))));
+  }
+}
+
+TEST_CASE("select_whole_positions equals select_top when every position is distinct") {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::int64_t n = 1 + std::int64_t(rng() % 50);
+    std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+    std::iota(p.begin(), p.end(), std::int64_t{3});
+    std::shuffle(p.begin(), p.end(), rng);
+    const auto t = tokens_at(p);
+    std::vector<float> score(t.size());
+    for (auto& s : score) s = rng() % 3 == 0 ? -0.f : float(int(rng() % 5)) - 2.f;  // ties, and -0 against +0
+    const std::int64_t sinks = std::int64_t(rng() % 3), recent = std::int64_t(rng() % 3);
+    const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 1));
+    const std::vector<std::int64_t> caps{cap};
+    CAPTURE(trial);
+    CHECK(unit(select_whole_positions(score, t, cap, sinks, recent)) ==
+          unit(select_top(row_of(score), t, caps, sinks, recent)));
+  }
+}
+
+TEST_CASE("select_whole_positions skips an image that does not fit and fills with text") {
+  // Positions: text 0..3, an image of 5 tokens at 4, text 5..7. Budget 6 with 1 sink and 1 recent.
+  std::vector<token> t = tokens_at({0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 6, 7});
+  std::vector<float> s{0, 1, 2, 3, 9, 9, 9, 9, 9, 4, 5, 0};
+  // The image scores best but needs 5 of the 4 slots left after the sink (0) and the recent (7).
+  CHECK(unit(select_whole_positions(s, t, 6, 1, 1)) == std::vector<std::int64_t>{0, 2, 3, 9, 10, 11});
+  // With room for it, the image goes in whole and the best text fills the rest.
+  CHECK(unit(select_whole_positions(s, t, 8, 1, 1)) == std::vector<std::int64_t>{0, 4, 5, 6, 7, 8, 10, 11});
+  // A recent window reaching into the image protects all of it; a budget below that is refused.
+  CHECK(unit(select_whole_positions(s, t, 9, 0, 4)) == std::vector<std::int64_t>{3, 4, 5, 6, 7, 8, 9, 10, 11});
+  CHECK_THROWS_WITH_AS(select_whole_positions(s, t, 7, 0, 4), doctest::Contains("cap = 7"), infkv::error);
+  s[6] = std::nanf("");
+  CHECK_THROWS_WITH_AS(select_whole_positions(s, t, 9, 0, 4), doctest::Contains("score[6] = nan"), infkv::error);
+  CHECK_THROWS_WITH_AS(select_whole_positions(std::vector<float>(3, 0.f), t, 9, 0, 4),
+                       doctest::Contains("score.size() = 3"), infkv::error);
 }

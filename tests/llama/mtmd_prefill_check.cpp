@@ -2,10 +2,14 @@
 // mtmd_init_from_file with a text model and a vision projector GGUF, the image read by mtmd's
 // helper, mtmd_tokenize, mtmd_encode_chunk for every image chunk, then the text and image chunks
 // prefilled by infkv::llama_cpp::prefill (keydiff) with a budget smaller than the input. After
-// every block the session's bookkeeping is checked against llama_memory_seq_pos_min/max.
+// every block the session's bookkeeping is checked against llama_memory_seq_pos_min/max. On an
+// M-RoPE model (Qwen2-VL) an image's rows get mtmd's decoder positions (t, y, x, z; one t for the
+// whole image) and the session runs in keep mode: after every block each image must be held
+// whole or not at all (llama_memory_seq_rm removes by t), and the cache at most the budget.
 //
 // Usage: infkv_mtmd_prefill_check TEXT_MODEL.gguf MMPROJ.gguf IMAGE [N_IMAGES]
-// (a random-weight Gemma 3 projector for the Gemma 3 270M text model: scripts/mm_projector.py).
+// (random-weight projectors: scripts/mm_projector.py, for the Gemma 3 270M text model or, with
+// --type qwen2vl, for make_tiny_llama.py --arch qwen2vl).
 // Exit status 0 when every check holds; a bad argument fails with a message naming it.
 #include <algorithm>
 #include <cstdio>
@@ -44,7 +48,8 @@ void require_file(const char* arg, const std::string& path) {
 struct owned_chunk {
   std::vector<llama_token> tokens;
   std::vector<float> embd;
-  std::int64_t n_tokens = 0;
+  std::vector<llama_pos> positions;  // M-RoPE: 4 per row, section-major (t, y, x, z)
+  std::int64_t n_tokens = 0, n_pos = 0;
   bool non_causal = false;
 };
 
@@ -94,9 +99,10 @@ int run(int argc, char** argv) {
 
   // The same image n_images times between pieces of text, one marker each.
   const std::string marker = mtmd_default_marker();
-  std::string prompt = "<start_of_turn>user\nHere are some pictures.";
+  const bool mrope = lc::detail::pos_per_embd(model.get()) > 1;
+  std::string prompt = mrope ? "Here are some pictures." : "<start_of_turn>user\nHere are some pictures.";
   for (int i = 0; i < n_images; ++i) prompt += "\nPicture " + std::to_string(i + 1) + ": " + marker;
-  prompt += "\nWhat do they show?<end_of_turn>\n<start_of_turn>model\n";
+  prompt += mrope ? "\nWhat do they show?" : "\nWhat do they show?<end_of_turn>\n<start_of_turn>model\n";
   std::vector<const mtmd_bitmap*> bitmaps(std::size_t(n_images), bitmap.get());
   const mtmd_input_text text{
       .text = prompt.c_str(), .text_len = prompt.size(), .add_special = true, .parse_special = true};
@@ -106,6 +112,7 @@ int run(int argc, char** argv) {
 
   std::vector<owned_chunk> owned;
   std::int64_t image_tokens = 0;
+  llama_pos n_past = 0;  // the stream position the next chunk starts at (mtmd's n_past)
   for (std::size_t i = 0; i < mtmd_input_chunks_size(chunks.get()); ++i) {
     const mtmd_input_chunk* c = mtmd_input_chunks_get(chunks.get(), i);
     owned_chunk o;
@@ -115,6 +122,7 @@ int run(int argc, char** argv) {
         const llama_token* t = mtmd_input_chunk_get_tokens_text(c, &n);
         o.tokens.assign(t, t + n);
         o.n_tokens = std::int64_t(n);
+        n_past += llama_pos(n);
         std::printf("chunk %zu: text, %zu tokens\n", i, n);
         break;
       }
@@ -129,7 +137,22 @@ int run(int argc, char** argv) {
         const auto [lo, hi] = std::minmax_element(o.embd.begin(), o.embd.end());
         std::printf("chunk %zu: image, %lld tokens x %d floats (n_pos %d, non-causal %s), values in [%.3f, %.3f]\n", i,
                     static_cast<long long>(o.n_tokens), n_embd, n_pos, o.non_causal ? "yes" : "no", *lo, *hi);
-        if (n_pos != o.n_tokens) fail("chunk " + std::to_string(i) + ": n_pos != n_tokens (not a plain-RoPE model)");
+        if (mrope) {  // mtmd's decoder positions, laid out as llama_batch.pos wants them
+          std::vector<mtmd_decoder_pos> dp(std::size_t(o.n_tokens));
+          mtmd_helper_image_get_decoder_pos(mtmd_input_chunk_get_tokens_image(c), n_past, dp.data());
+          const auto n = std::size_t(o.n_tokens);
+          o.positions.assign(4 * n, 0);
+          for (std::size_t r = 0; r < n; ++r) {
+            o.positions[r] = llama_pos(dp[r].t), o.positions[n + r] = llama_pos(dp[r].y);
+            o.positions[2 * n + r] = llama_pos(dp[r].x), o.positions[3 * n + r] = llama_pos(dp[r].z);
+          }
+          o.n_pos = n_pos;
+          std::printf("  M-RoPE: rows at t = %d, x in [%d, %d], y in [%d, %d]\n", dp.front().t, dp.front().x,
+                      dp.back().x, dp.front().y, dp.back().y);
+        } else if (n_pos != o.n_tokens) {
+          fail("chunk " + std::to_string(i) + ": n_pos != n_tokens on a model without M-RoPE");
+        }
+        n_past += n_pos;
         image_tokens += o.n_tokens;
         break;
       }
@@ -144,13 +167,15 @@ int run(int argc, char** argv) {
     if (o.embd.empty()) {
       in.push_back(lc::text_chunk(o.tokens));
     } else {
-      auto c = lc::embd_chunk(o.embd, o.n_tokens, infkv::modality::image);
+      auto c = lc::embd_chunk(o.embd, o.n_tokens, infkv::modality::image, o.positions, o.n_pos);
       c.non_causal = o.non_causal;
       in.push_back(c);
       largest_image = std::max(largest_image, o.n_tokens);
     }
     n_input += o.n_tokens;
   }
+  std::vector<std::int64_t> start_of(in.size() + 1, 0);
+  for (std::size_t c = 0; c < in.size(); ++c) start_of[c + 1] = start_of[c] + in[c].size();
   std::printf("input: %zu chunks, %lld tokens (%lld image tokens), text model n_embd_inp %d\n", in.size(),
               static_cast<long long>(n_input), static_cast<long long>(image_tokens), n_embd);
 
@@ -174,33 +199,55 @@ int run(int argc, char** argv) {
               static_cast<long long>(sched.budget), cp.n_ctx, cp.n_ubatch);
 
   int mismatches = 0;
-  const auto res = lc::prefill(
-      s, in, infkv::keydiff{}, sched,
-      {.sinks = 4, .on_block = [&](const lc::block_report& r) {
-         const llama_pos lo = llama_memory_seq_pos_min(mem, 0);
-         const llama_pos hi = llama_memory_seq_pos_max(mem, 0);
-         const auto [tlo, thi] =
-             std::minmax_element(s.tokens().begin(), s.tokens().end(),
-                                 [](const infkv::token& a, const infkv::token& b) { return a.pos < b.pos; });
-         const std::int64_t want_lo = tlo->pos, want_hi = thi->pos;
-         const bool same = lo == want_lo && hi == want_hi;
-         if (!same || s.size() > sched.budget) ++mismatches;
-         std::printf(
-             "block %lld: input [%lld, %lld), held %lld after decode, evicted %lld, kept "
-             "%lld; positions llama [%d, %d], session [%lld, %lld] %s\n",
-             static_cast<long long>(r.index), static_cast<long long>(r.range.begin),
-             static_cast<long long>(r.range.end), static_cast<long long>(r.decoded),
-             static_cast<long long>(r.eviction.evicted), static_cast<long long>(s.size()), lo, hi,
-             static_cast<long long>(want_lo), static_cast<long long>(want_hi), same ? "equal" : "DIFFERENT");
-         s.verify();
-       }});
+  const auto res = lc::prefill(s, in, infkv::keydiff{}, sched,
+                               {.sinks = 4, .on_block = [&](const lc::block_report& r) {
+                                  const llama_pos lo = llama_memory_seq_pos_min(mem, 0);
+                                  const llama_pos hi = llama_memory_seq_pos_max(mem, 0);
+                                  const auto [tlo, thi] = std::minmax_element(
+                                      s.tokens().begin(), s.tokens().end(),
+                                      [](const infkv::token& a, const infkv::token& b) { return a.pos < b.pos; });
+                                  const std::int64_t want_lo = tlo->pos, want_hi = thi->pos;
+                                  const bool same = lo == want_lo && hi == want_hi;
+                                  if (!same || s.size() > sched.budget) ++mismatches;
+                                  // What is held of each image (chunk c is segment c of the empty session).
+                                  std::vector<std::int64_t> held(in.size(), 0);
+                                  for (const auto& t : s.tokens()) ++held[std::size_t(t.segment)];
+                                  std::string images;
+                                  for (std::size_t c = 0; c < in.size(); ++c) {
+                                    if (!in[c].is_embd() || r.range.end < start_of[c + 1]) continue;
+                                    const bool whole = held[c] == in[c].size(), none = held[c] == 0;
+                                    // Plain RoPE evicts per token; on M-RoPE part of an image cannot be removed.
+                                    images += whole ? " whole" : none ? " gone" : mrope ? " PARTIAL" : " part";
+                                    if (mrope && !whole && !none) ++mismatches;
+                                  }
+                                  std::printf(
+                                      "block %lld: input [%lld, %lld), held %lld after decode, evicted %lld, kept "
+                                      "%lld; positions llama [%d, %d], session [%lld, %lld] %s; images decoded:%s\n",
+                                      static_cast<long long>(r.index), static_cast<long long>(r.range.begin),
+                                      static_cast<long long>(r.range.end), static_cast<long long>(r.decoded),
+                                      static_cast<long long>(r.eviction.evicted), static_cast<long long>(s.size()), lo,
+                                      hi, static_cast<long long>(want_lo), static_cast<long long>(want_hi),
+                                      same ? "equal" : "DIFFERENT", images.c_str());
+                                  s.verify();
+                                }});
   if (!res.ok())
     fail("prefill stopped: llama_decode returned " + std::to_string(res.status) + " in block " +
          std::to_string(res.failed_block) + ", chunk " + std::to_string(res.failed_chunk));
   std::printf("prefill: %lld blocks, %lld tokens decoded, %lld evicted, peak %lld, kept %lld\n",
               static_cast<long long>(res.blocks_done), static_cast<long long>(res.decoded),
               static_cast<long long>(res.evicted), static_cast<long long>(res.peak), static_cast<long long>(s.size()));
-  if (mismatches != 0 || res.decoded != n_input || s.size() != sched.budget || res.peak > sched.peak()) {
+  // Decoding goes on after the evictions: three more text tokens after the newest cached position.
+  const std::vector<llama_token> more(
+      owned.front().tokens.begin(), owned.front().tokens.begin() + std::min<std::ptrdiff_t>(3, owned.front().n_tokens));
+  const std::int64_t before = s.size();
+  const std::int32_t rc = s.decode(more);
+  std::printf("decode after the prefill: %zu text tokens at positions from %lld: %s\n", more.size(),
+              static_cast<long long>(s.tokens().back().pos) - std::int64_t(more.size()) + 1,
+              rc == 0 ? "ok" : ("llama_decode returned " + std::to_string(rc)).c_str());
+  // Plain RoPE keeps exactly the budget; M-RoPE at most (a whole image may not fit what is left).
+  const bool kept_ok = mrope ? before <= sched.budget && before > 0 : before == sched.budget;
+  if (mismatches != 0 || res.decoded != n_input || !kept_ok || res.peak > sched.peak() || rc != 0 ||
+      s.size() != before + std::int64_t(more.size())) {
     std::printf("FAILED\n");
     return 1;
   }

@@ -53,7 +53,13 @@ TEST_CASE("llama prefill: explicit positions in keep mode, and the chunk after t
   CHECK(j.first_segment == 3);
   CHECK(s.size() == 26);
   CHECK(s.tokens().back().pos == 25);
+  CHECK(s.next_pos() == 30);  // the image's n_pos stays reserved for the next prefill
   check_memory_matches(s);
+
+  lc::session compact(model.get());
+  auto cctx = bound_context(model.get(), compact);
+  CHECK_THROWS_WITH_AS(compact.reserve_positions(5), doctest::Contains("position_mode::keep"), infkv::error);
+  CHECK_THROWS_WITH_AS(s.reserve_positions(-1), doctest::Contains("end = -1"), infkv::error);
 }
 
 TEST_CASE("llama prefill: a failing decode stops the prefill and leaves the session consistent") {

@@ -266,8 +266,11 @@ class media_reader {
 /// The input of one frame as owned chunks: mtmd's text and image chunks of the frame (its
 /// timestamp text first), then the fact stated after it, if any.
 struct frame_input {
+  std::unique_ptr<mtmd_input_chunks, chunks_deleter> mtmd;  // what the chunks came from
+  std::vector<const mtmd_input_chunk*> source;              // per chunk (null for the fact)
   std::vector<std::vector<llama_token>> tokens;
   std::vector<std::vector<float>> embd;
+  std::vector<std::vector<llama_pos>> positions;  // place()
   std::vector<lc::chunk> chunks;
   std::int64_t n_tokens = 0, frame_tokens = 0;
   double encode_seconds = 0;
@@ -278,29 +281,34 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
   frame_input f;
   const std::string text = before + mtmd_default_marker();
   const mtmd_input_text in{.text = text.c_str(), .text_len = text.size(), .add_special = false, .parse_special = true};
-  std::unique_ptr<mtmd_input_chunks, chunks_deleter> chunks(mtmd_input_chunks_init());
+  f.mtmd.reset(mtmd_input_chunks_init());
+  mtmd_input_chunks* chunks = f.mtmd.get();
   const mtmd_bitmap* bitmaps[] = {frame};
-  if (const int rc = mtmd_tokenize(mctx, chunks.get(), &in, bitmaps, 1); rc != 0)
+  if (const int rc = mtmd_tokenize(mctx, chunks, &in, bitmaps, 1); rc != 0)
     fail("mtmd_tokenize of a frame returned {}", rc);
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
-  f.tokens.reserve(mtmd_input_chunks_size(chunks.get()) + 1);
-  f.embd.reserve(mtmd_input_chunks_size(chunks.get()));
-  for (std::size_t i = 0; i < mtmd_input_chunks_size(chunks.get()); ++i) {
-    const mtmd_input_chunk* c = mtmd_input_chunks_get(chunks.get(), i);
+  const std::size_t n_chunks = mtmd_input_chunks_size(chunks) + 1;
+  f.tokens.reserve(n_chunks), f.embd.reserve(n_chunks);  // the chunks point into them
+  const bool mrope = lc::detail::pos_per_embd(m) > 1;
+  const auto add_text = [&](const llama_token* t, std::size_t n, const mtmd_input_chunk* c) {
+    f.tokens.emplace_back(t, t + n);
+    f.chunks.push_back(lc::text_chunk(f.tokens.back()));
+    f.source.push_back(c);
+  };
+  for (std::size_t i = 0; i < mtmd_input_chunks_size(chunks); ++i) {
+    const mtmd_input_chunk* c = mtmd_input_chunks_get(chunks, i);
     const auto type = mtmd_input_chunk_get_type(c);
     if (type == MTMD_INPUT_CHUNK_TYPE_TEXT) {
       std::size_t n = 0;
       const llama_token* t = mtmd_input_chunk_get_tokens_text(c, &n);
-      if (n > 0) f.tokens.emplace_back(t, t + n), f.chunks.push_back(lc::text_chunk(f.tokens.back()));
+      if (n > 0) add_text(t, n, c);
       continue;
     }
     if (type != MTMD_INPUT_CHUNK_TYPE_IMAGE) fail("mtmd_tokenize gave a frame a chunk that is neither text nor image");
     const auto n = std::int64_t(mtmd_input_chunk_get_n_tokens(c));
-    if (mtmd_input_chunk_get_n_pos(c) != n)
-      fail(
-          "--model: the model places an image's {} tokens at {} positions (M-RoPE); infkv-video streams plain-RoPE "
-          "models only",
-          n, mtmd_input_chunk_get_n_pos(c));
+    if (!mrope && mtmd_input_chunk_get_n_pos(c) != n)
+      fail("--model: mtmd places an image's {} tokens at {} positions on a model without M-RoPE", n,
+           mtmd_input_chunk_get_n_pos(c));
     {
       const auto t0 = std::chrono::steady_clock::now();
       if (const int rc = mtmd_encode_chunk(mctx, c); rc != 0) fail("mtmd_encode_chunk of a frame returned {}", rc);
@@ -311,12 +319,43 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
     auto ch = lc::embd_chunk(f.embd.back(), n, kind);
     ch.non_causal = mtmd_decode_use_non_causal(mctx, c);
     f.chunks.push_back(ch);
+    f.source.push_back(c);
     f.frame_tokens += n;
   }
   if (f.frame_tokens == 0) fail("mtmd_tokenize gave a frame no image chunk");
-  if (!fact.empty()) f.tokens.push_back(fact), f.chunks.push_back(lc::text_chunk(f.tokens.back()));
+  if (!fact.empty()) add_text(fact.data(), fact.size(), nullptr);
   for (const auto& c : f.chunks) f.n_tokens += c.size();
   return f;
+}
+
+/// On an M-RoPE model gives every chunk of `f` explicit positions from `n_past` on (the session's
+/// next position): text one each, an image's rows mtmd's decoder positions (one t, a grid of x and
+/// y; section-major as llama_batch.pos wants them: every t, then y, x, z), the image taking
+/// mtmd_input_chunk_get_n_pos stream positions. Other models need none.
+void place(frame_input& f, const llama_model* m, std::int64_t n_past) {
+  if (lc::detail::pos_per_embd(m) == 1) return;
+  f.positions.clear();
+  f.positions.reserve(f.chunks.size());  // the chunks point into them
+  for (std::size_t i = 0; i < f.chunks.size(); ++i) {
+    auto& ch = f.chunks[i];
+    auto& p = f.positions.emplace_back();
+    if (!ch.is_embd()) {
+      for (std::int64_t t = 0; t < ch.size(); ++t) p.push_back(llama_pos(n_past + t));
+      n_past += ch.size();
+    } else {
+      const auto n = std::size_t(ch.size());
+      std::vector<mtmd_decoder_pos> dp(n);
+      mtmd_helper_image_get_decoder_pos(mtmd_input_chunk_get_tokens_image(f.source[i]), llama_pos(n_past), dp.data());
+      p.resize(4 * n);
+      for (std::size_t r = 0; r < n; ++r) {
+        p[r] = llama_pos(dp[r].t), p[n + r] = llama_pos(dp[r].y);
+        p[2 * n + r] = llama_pos(dp[r].x), p[3 * n + r] = llama_pos(dp[r].z);
+      }
+      ch.n_pos = mtmd_input_chunk_get_n_pos(f.source[i]);
+      n_past += ch.n_pos;
+    }
+    ch.positions = p;
+  }
 }
 
 /// A fact and its question, planted as the needle test plants them.
@@ -471,6 +510,7 @@ policy_run run_policy(const options& o, const stream::policy_info& p, const llam
       break;
     }
     encode += in.encode_seconds;
+    place(in, m, session.next_pos());
     const auto r = prefill(in.chunks);
     std::int32_t seg = r.first_segment;
     for (const auto& c : in.chunks) {

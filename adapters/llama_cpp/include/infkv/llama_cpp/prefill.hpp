@@ -35,7 +35,8 @@ struct chunk {
   /// Empty: positions continue from the session's next position.
   std::span<const llama_pos> positions{};
   /// Stream positions an explicitly positioned chunk takes (mtmd_input_chunk_get_n_pos); the next
-  /// implicitly positioned chunk starts at positions[0] + n_pos. 0: one past its largest t position.
+  /// implicitly positioned chunk starts at positions[0] + n_pos or later (session::reserve_positions),
+  /// in this prefill and the next. 0: one past its largest t position.
   std::int64_t n_pos = 0;
   /// Decode with non-causal attention (mtmd_decode_use_non_causal): the chunk must fit one block
   /// and one micro-batch, it is never split.
@@ -237,7 +238,6 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
   const llama_seq_id seq = s.options().seq;
   const std::int64_t n_input = start.back();
-  std::int64_t floor = -1;  // first position after the last explicitly positioned chunk
   std::vector<llama_pos> pos;
   std::vector<std::int32_t> n_seq_id;
   std::vector<llama_seq_id> seq_ids;
@@ -259,7 +259,7 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
           for (std::int64_t t = 0; t < n; ++t)
             pos[std::size_t(j * n + t)] = ch.positions[std::size_t(j * ch.size() + off + t)];
       } else {
-        const std::int64_t p0 = std::max(s.next_pos(), floor);
+        const std::int64_t p0 = s.next_pos();
         for (std::int64_t j = 0; j < n_sec; ++j)
           for (std::int64_t t = 0; t < n; ++t) pos[std::size_t(j * n + t)] = llama_pos(p0 + t);
       }
@@ -296,7 +296,7 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
       if (i == start[c + 1] && !ch.positions.empty()) {
         std::int64_t last = ch.positions[0];
         for (std::int64_t t = 0; t < ch.size(); ++t) last = std::max<std::int64_t>(last, ch.positions[std::size_t(t)]);
-        floor = ch.n_pos > 0 ? ch.positions[0] + ch.n_pos : last + 1;
+        s.reserve_positions(ch.n_pos > 0 ? ch.positions[0] + ch.n_pos : last + 1);
       }
     }
     block_report rep{std::int64_t(k), r, s.size(), {0, s.size(), {}, false}};

@@ -227,8 +227,18 @@ class session {
   std::int64_t size() const { return std::int64_t(tokens_.size()); }
   std::int32_t n_layers() const { return std::int32_t(layers_.size()); }
   /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
-  /// consecutive positions), or the stream's next position when nothing is cached.
-  std::int64_t next_pos() const { return tokens_.empty() ? stream_next_ : max_pos() + 1; }
+  /// consecutive positions), or the stream's next position when nothing is cached; at least the
+  /// end of what reserve_positions() took.
+  std::int64_t next_pos() const { return std::max(tokens_.empty() ? stream_next_ : max_pos() + 1, reserved_); }
+  /// Marks the stream positions below `end` as taken (keep mode only): an M-RoPE image puts all
+  /// its rows at one t but takes mtmd_input_chunk_get_n_pos stream positions, which the text
+  /// after it must skip. prefill calls it after every explicitly positioned chunk.
+  void reserve_positions(std::int64_t end) {
+    INFKV_REQUIRE(end >= 0 && end <= max_position, "end", end, "must be in [0, 2^62]");
+    INFKV_REQUIRE(mode() == position_mode::keep, "end", end,
+                  "reserving positions needs position_mode::keep (compaction renumbers them)");
+    reserved_ = std::max(reserved_, end);
+  }
 
   /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
   /// their positions, tokens, the layer's RoPE.
@@ -452,11 +462,28 @@ class session {
     const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
+    const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
+    if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
+      const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
+      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens_, pl.keep_per_unit,
+                                                   pl.keep.sinks, pl.keep.recent);
+      w.reset();
+      return apply(keep);
+    }
     std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
     const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
-    run(pl, be, std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span(), out);
+    run(pl, be, layers, workspace_->span(), out);
     w.reset();
     return apply(keep_set::from_view(out));
+  }
+
+  /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
+  bool shares_positions() const {
+    std::vector<std::int64_t> pos;
+    pos.reserve(tokens_.size());
+    for (const auto& t : tokens_) pos.push_back(t.pos);
+    std::ranges::sort(pos);
+    return std::ranges::adjacent_find(pos) != pos.end();
   }
 
   static std::int32_t checked_layers(const llama_model* model) {
@@ -569,6 +596,7 @@ class session {
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
   std::int64_t stream_next_ = 0;
+  std::int64_t reserved_ = 0;                               // reserve_positions(): next_pos() is at least this
   std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
 };
