@@ -1,8 +1,8 @@
-# infkv_header_check(NAME <test> TARGET <lib> [CUDA] HEADERS <paths relative to include/>...)
+# infkv_header_check(NAME <test> TARGET <libs>... [CUDA] HEADERS <paths relative to include/>...)
 # Adds an object library that compiles each header alone (twice, for include guards) against
-# <lib>, with g++ or, given CUDA, with nvcc (as .cu files), and a test <test> that builds it.
+# <libs>, with g++ or, given CUDA, with nvcc (as .cu files), and a test <test> that builds it.
 function(infkv_header_check)
-  cmake_parse_arguments(arg "CUDA" "NAME;TARGET" "HEADERS" ${ARGN})
+  cmake_parse_arguments(arg "CUDA" "NAME" "TARGET;HEADERS" ${ARGN})
   set(ext cpp)
   if(arg_CUDA)
     set(ext cu)

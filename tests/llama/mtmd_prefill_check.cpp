@@ -19,24 +19,12 @@
 #include <string>
 #include <vector>
 
-#include <mtmd-helper.h>
-#include <mtmd.h>
-
 #include <infkv/llama_cpp.hpp>
+#include <infkv/llama_cpp/mtmd.hpp>
 
 namespace lc = infkv::llama_cpp;
 
 namespace {
-
-struct mtmd_deleter {
-  void operator()(mtmd_context* c) const { mtmd_free(c); }
-};
-struct chunks_deleter {
-  void operator()(mtmd_input_chunks* c) const { mtmd_input_chunks_free(c); }
-};
-struct bitmap_deleter {
-  void operator()(mtmd_bitmap* b) const { mtmd_bitmap_free(b); }
-};
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
 
@@ -80,7 +68,7 @@ int run(int argc, char** argv) {
   mp.n_threads = 2;
   mp.print_timings = false;
   mp.warmup = false;
-  std::unique_ptr<mtmd_context, mtmd_deleter> mctx(mtmd_init_from_file(mmproj_path.c_str(), model.get(), mp));
+  lc::mtmd::context_ptr mctx(mtmd_init_from_file(mmproj_path.c_str(), model.get(), mp));
   if (!mctx)
     fail("MMPROJ = " + mmproj_path + ": mtmd_init_from_file refused it with TEXT_MODEL = " + model_path +
          " (llama.cpp's log above says why, e.g. a projection width other than the model's " + std::to_string(n_embd) +
@@ -89,7 +77,7 @@ int run(int argc, char** argv) {
 
   // The helper returns a video handle for a video file; an image gives just the bitmap.
   auto wrap = mtmd_helper_bitmap_init_from_file(mctx.get(), image_path.c_str(), false, mtmd_helper_init_opt_default());
-  std::unique_ptr<mtmd_bitmap, bitmap_deleter> bitmap(wrap.bitmap);
+  lc::mtmd::bitmap_ptr bitmap(wrap.bitmap);
   if (wrap.video_ctx != nullptr) {
     mtmd_helper_video_free(wrap.video_ctx);
     fail("IMAGE = " + image_path + ": mtmd reads it as a video; give an image");
@@ -106,7 +94,7 @@ int run(int argc, char** argv) {
   std::vector<const mtmd_bitmap*> bitmaps(std::size_t(n_images), bitmap.get());
   const mtmd_input_text text{
       .text = prompt.c_str(), .text_len = prompt.size(), .add_special = true, .parse_special = true};
-  std::unique_ptr<mtmd_input_chunks, chunks_deleter> chunks(mtmd_input_chunks_init());
+  lc::mtmd::chunks_ptr chunks(mtmd_input_chunks_init());
   if (const int rc = mtmd_tokenize(mctx.get(), chunks.get(), &text, bitmaps.data(), bitmaps.size()); rc != 0)
     fail("mtmd_tokenize returned " + std::to_string(rc));
 
@@ -138,17 +126,11 @@ int run(int argc, char** argv) {
         std::printf("chunk %zu: image, %lld tokens x %d floats (n_pos %d, non-causal %s), values in [%.3f, %.3f]\n", i,
                     static_cast<long long>(o.n_tokens), n_embd, n_pos, o.non_causal ? "yes" : "no", *lo, *hi);
         if (mrope) {  // mtmd's decoder positions, laid out as llama_batch.pos wants them
-          std::vector<mtmd_decoder_pos> dp(std::size_t(o.n_tokens));
-          mtmd_helper_image_get_decoder_pos(mtmd_input_chunk_get_tokens_image(c), n_past, dp.data());
-          const auto n = std::size_t(o.n_tokens);
-          o.positions.assign(4 * n, 0);
-          for (std::size_t r = 0; r < n; ++r) {
-            o.positions[r] = llama_pos(dp[r].t), o.positions[n + r] = llama_pos(dp[r].y);
-            o.positions[2 * n + r] = llama_pos(dp[r].x), o.positions[3 * n + r] = llama_pos(dp[r].z);
-          }
+          o.positions = lc::mtmd::image_positions(c, n_past);
           o.n_pos = n_pos;
-          std::printf("  M-RoPE: rows at t = %d, x in [%d, %d], y in [%d, %d]\n", dp.front().t, dp.front().x,
-                      dp.back().x, dp.front().y, dp.back().y);
+          const auto n = std::size_t(o.n_tokens);  // section-major: t, y, x, z
+          std::printf("  M-RoPE: rows at t = %d, x in [%d, %d], y in [%d, %d]\n", o.positions[0], o.positions[2 * n],
+                      o.positions[3 * n - 1], o.positions[n], o.positions[2 * n - 1]);
         } else if (n_pos != o.n_tokens) {
           fail("chunk " + std::to_string(i) + ": n_pos != n_tokens on a model without M-RoPE");
         }

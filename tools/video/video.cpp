@@ -29,9 +29,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <mtmd-helper.h>
-#include <mtmd.h>
-
+#include <infkv/llama_cpp/mtmd.hpp>
 #include <infkv/version.hpp>
 
 #include "ask.hpp"
@@ -131,19 +129,7 @@ std::vector<stream::policy_info> check(options& o) {
 
 std::string version_line() { return fmt::format("infkv-video {} (llama.cpp {})", infkv::version, llama_version()); }
 
-struct mtmd_deleter {
-  void operator()(mtmd_context* c) const { mtmd_free(c); }
-};
-struct chunks_deleter {
-  void operator()(mtmd_input_chunks* c) const { mtmd_input_chunks_free(c); }
-};
-struct bitmap_deleter {
-  void operator()(mtmd_bitmap* b) const { mtmd_bitmap_free(b); }
-};
-struct video_deleter {
-  void operator()(mtmd_helper_video* v) const { mtmd_helper_video_free(v); }
-};
-using bitmap_ptr = std::unique_ptr<mtmd_bitmap, bitmap_deleter>;
+using lc::mtmd::bitmap_ptr;
 
 /// mtmd's error messages since the last mtmd_errors().
 std::string& mtmd_log() {
@@ -184,7 +170,7 @@ class media_reader {
     opt.video_params.fps_target = float(fps);
     auto w = mtmd_helper_bitmap_init_from_file(mctx_, path.c_str(), false, opt);
     bitmap_ptr b(w.bitmap);
-    std::unique_ptr<mtmd_helper_video, video_deleter> lazy(w.video_ctx);
+    lc::mtmd::video_ptr lazy(w.video_ctx);
     if (!b)
       fail(
           "--media = {}: mtmd reads it neither as an image nor as a video (an unknown format, or a video without "
@@ -258,7 +244,7 @@ class media_reader {
   double fps_;
   std::vector<std::string> files_;
   std::size_t at_ = 0;
-  std::unique_ptr<mtmd_helper_video, video_deleter> video_;
+  lc::mtmd::video_ptr video_;
   std::int64_t read_ = 0;
   infkv::modality kind_ = infkv::modality::image;
 };
@@ -266,8 +252,8 @@ class media_reader {
 /// The input of one frame as owned chunks: mtmd's text and image chunks of the frame (its
 /// timestamp text first), then the fact stated after it, if any.
 struct frame_input {
-  std::unique_ptr<mtmd_input_chunks, chunks_deleter> mtmd;  // what the chunks came from
-  std::vector<const mtmd_input_chunk*> source;              // per chunk (null for the fact)
+  lc::mtmd::chunks_ptr mtmd;                    // what the chunks came from
+  std::vector<const mtmd_input_chunk*> source;  // per chunk (null for the fact)
   std::vector<std::vector<llama_token>> tokens;
   std::vector<std::vector<float>> embd;
   std::vector<std::vector<llama_pos>> positions;  // place()
@@ -330,7 +316,7 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
 
 /// On an M-RoPE model gives every chunk of `f` explicit positions from `n_past` on (the session's
 /// next position): text one each, an image's rows mtmd's decoder positions (one t, a grid of x and
-/// y; section-major as llama_batch.pos wants them: every t, then y, x, z), the image taking
+/// y: lc::mtmd::image_positions), the image taking
 /// mtmd_input_chunk_get_n_pos stream positions. Other models need none.
 void place(frame_input& f, const llama_model* m, std::int64_t n_past) {
   if (lc::detail::pos_per_embd(m) == 1) return;
@@ -343,14 +329,7 @@ void place(frame_input& f, const llama_model* m, std::int64_t n_past) {
       for (std::int64_t t = 0; t < ch.size(); ++t) p.push_back(llama_pos(n_past + t));
       n_past += ch.size();
     } else {
-      const auto n = std::size_t(ch.size());
-      std::vector<mtmd_decoder_pos> dp(n);
-      mtmd_helper_image_get_decoder_pos(mtmd_input_chunk_get_tokens_image(f.source[i]), llama_pos(n_past), dp.data());
-      p.resize(4 * n);
-      for (std::size_t r = 0; r < n; ++r) {
-        p[r] = llama_pos(dp[r].t), p[n + r] = llama_pos(dp[r].y);
-        p[2 * n + r] = llama_pos(dp[r].x), p[3 * n + r] = llama_pos(dp[r].z);
-      }
+      p = lc::mtmd::image_positions(f.source[i], llama_pos(n_past));
       ch.n_pos = mtmd_input_chunk_get_n_pos(f.source[i]);
       n_past += ch.n_pos;
     }
@@ -697,7 +676,7 @@ int run(const options& o, const std::vector<stream::policy_info>& chosen) {
   mp.n_threads = o.s.threads;
   mp.print_timings = false;
   mp.warmup = false;
-  std::unique_ptr<mtmd_context, mtmd_deleter> mctx(mtmd_init_from_file(o.mmproj.c_str(), m, mp));
+  lc::mtmd::context_ptr mctx(mtmd_init_from_file(o.mmproj.c_str(), m, mp));
   if (!mctx)
     fail(
         "--mmproj = {}: mtmd_init_from_file refused it with --model = {} (e.g. a projection width other than the "
