@@ -235,7 +235,8 @@ class media_reader {
   std::string describe() const {
     if (!video_) return fmt::format("{} image{}", files_.size(), files_.size() == 1 ? "" : "s");
     const auto i = mtmd_helper_video_get_info(video_.get());
-    return fmt::format("video {} x {}, {:.2f} frames/s taken, about {} frames", i.width, i.height, i.fps, i.n_frames);
+    return fmt::format("video {} x {}, {:.2f} frames/s taken, {}", i.width, i.height, i.fps,
+                       i.n_frames > 0 ? fmt::format("about {} frames", i.n_frames) : "frame count unknown");
   }
 
  private:
@@ -689,8 +690,11 @@ int run(const options& o, const std::vector<stream::policy_info>& chosen) {
     media_reader probe(mctx.get(), o.media, o.fps);
     media = probe.describe();
   }
-  fmt::print(stderr, "infkv-video: {} ({}); {} facts, questions after {} further frames; budget {}, {} threads\n",
-             o.media, media, facts.size(), fmt::join(o.ask_after, ","), o.s.budget, o.s.threads);
+  const std::string asked = facts.empty() ? "no facts"
+                                          : fmt::format("{} facts, questions after {} further frames", facts.size(),
+                                                        fmt::join(o.ask_after, ","));
+  fmt::print(stderr, "infkv-video: {} ({}); {}; budget {}, {} threads\n", o.media, media, asked, o.s.budget,
+             o.s.threads);
   std::vector<policy_run> runs;
   for (const auto& p : chosen) runs.push_back(run_policy(o, p, m, mctx.get(), facts));
   print_summary(runs, facts, o.ask_after);
