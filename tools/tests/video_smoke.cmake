@@ -11,7 +11,8 @@
 # (MISMATCH) and a block smaller than a frame each fail with a message naming the argument.
 # MODE mrope: MODE video's run with a tiny random Qwen2-VL model and projector (MODEL, MMPROJ:
 # M-RoPE, each frame's rows at one t): every frame kept whole or evicted whole, the cache within
-# the budget (not exactly: a whole frame may not fit what is left) and budget + block.
+# the budget (not exactly: a whole frame may not fit what is left) and budget + block; a projector
+# of another width (MISMATCH) refused.
 function(run_video what)
   file(REMOVE ${OUT})
   execute_process(COMMAND ${EXE} --model ${MODEL} --mmproj ${MMPROJ} ${ARGN} --threads 1 --progress 0 --json ${OUT}
