@@ -21,6 +21,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -368,6 +369,17 @@ struct frame_record {
   double encode = 0, decode = 0, score = 0, evict = 0;  ///< seconds so far
 };
 
+/// Calls f(name, value) for every field of `r`, in the order of the JSON and CSV records.
+template <class F>
+void for_each_field(const frame_record& r, F&& f) {
+  f("frame", r.frame), f("input", r.input), f("input_frames", r.input_frames), f("input_text", r.input_text);
+  f("held", r.held), f("held_frames", r.held_frames), f("held_text", r.held_text), f("peak", r.peak);
+  f("evicted", r.evicted), f("frames_held", r.frames_held), f("frames_whole", r.frames_whole);
+  f("facts_held", r.facts_held), f("kv_state_bytes", r.kv_state_bytes), f("host_bytes", r.host_bytes);
+  f("rss_bytes", r.rss_bytes), f("encode_s", r.encode), f("decode_s", r.decode), f("score_s", r.score);
+  f("evict_s", r.evict);
+}
+
 /// A fact asked back after `after` further frames.
 struct asked {
   std::int64_t after = 0;
@@ -593,25 +605,7 @@ nlohmann::json to_json(const options& o, const llama_model* m, const std::vector
     nlohmann::json pr{
         {"policy", r.policy}, {"note", r.note}, {"block", r.block}, {"n_ctx", r.n_ctx}, {"seconds", r.seconds}};
     for (const auto& f : r.frames)
-      pr["frames"].push_back({{"frame", f.frame},
-                              {"input", f.input},
-                              {"input_frames", f.input_frames},
-                              {"input_text", f.input_text},
-                              {"held", f.held},
-                              {"held_frames", f.held_frames},
-                              {"held_text", f.held_text},
-                              {"peak", f.peak},
-                              {"evicted", f.evicted},
-                              {"frames_held", f.frames_held},
-                              {"frames_whole", f.frames_whole},
-                              {"facts_held", f.facts_held},
-                              {"kv_state_bytes", f.kv_state_bytes},
-                              {"host_bytes", f.host_bytes},
-                              {"rss_bytes", f.rss_bytes},
-                              {"encode_s", f.encode},
-                              {"decode_s", f.decode},
-                              {"score_s", f.score},
-                              {"evict_s", f.evict}});
+      for_each_field(f, [&, &o = pr["frames"].emplace_back()](const char* k, auto v) { o[k] = v; });
     for (const auto& q : r.answers)
       pr["answers"].push_back({{"after", q.after},
                                {"fact", q.fact},
@@ -627,14 +621,20 @@ nlohmann::json to_json(const options& o, const llama_model* m, const std::vector
 
 std::string to_csv(const std::vector<policy_run>& runs) {
   std::ostringstream out;
-  out << "policy,frame,input,input_frames,input_text,held,held_frames,held_text,peak,evicted,frames_held,frames_whole,"
-         "facts_held,kv_state_bytes,host_bytes,rss_bytes,encode_s,decode_s,score_s,evict_s\n";
+  out << "policy";
+  for_each_field(frame_record{}, [&](const char* k, auto) { out << ',' << k; });
+  out << '\n';
   for (const auto& r : runs)
-    for (const auto& f : r.frames)
-      out << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.6f},{:.6f},{:.6f},{:.6f}\n", r.policy,
-                         f.frame, f.input, f.input_frames, f.input_text, f.held, f.held_frames, f.held_text, f.peak,
-                         f.evicted, f.frames_held, f.frames_whole, f.facts_held, f.kv_state_bytes, f.host_bytes,
-                         f.rss_bytes, f.encode, f.decode, f.score, f.evict);
+    for (const auto& f : r.frames) {
+      out << r.policy;
+      for_each_field(f, [&](const char*, auto v) {
+        if constexpr (std::is_floating_point_v<decltype(v)>)
+          out << fmt::format(",{:.6f}", v);
+        else
+          out << ',' << v;
+      });
+      out << '\n';
+    }
   return out.str();
 }
 
