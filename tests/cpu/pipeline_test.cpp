@@ -1,7 +1,8 @@
 // The pipeline's plan / run contract for every registered policy: planned sizes match what run
 // writes, several layers fold into one per-token decision, AdaKV capacities add up, and every
 // misuse (workspace too small or misaligned, a layer of another shape, a keep view of other
-// units, several layers at per-head granularity) raises naming the argument.
+// units, several layers at per-head granularity) raises naming the argument. run_decision_scores
+// gives the scores a decision selects by.
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -40,6 +41,16 @@ TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into
     const auto s0 = cpu::layer_scores(pol, l0), s1 = cpu::layer_scores(pol, l1);
     const std::vector<score_matrix> both{s0, s1};
     CHECK(keep_set::from_view(buf.out) == cpu::select_tokens(both, p.tokens, protect(pol, b), reduction::sum));
+    // run_decision_scores hands out the scores that decision selects by: the two layers summed.
+    const score_view d = run_decision_scores(pl, be, std::span<const layer_inputs<>>(layers), buf.ws.span());
+    REQUIRE(d.rows == 1);
+    REQUIRE(d.cols == p.n);
+    for (std::int64_t c = 0; c < p.n; ++c) {
+      double want = 0;
+      for (const auto& m : both)
+        for (std::int64_t r = 0; r < m.rows; ++r) want += double(m.data[std::size_t(r * m.cols + c)]);
+      CHECK(double(d(0, c)) == doctest::Approx(want).epsilon(1e-5));
+    }
   });
 }
 
