@@ -436,7 +436,10 @@ policy_run run_policy(const options& o, const stream::policy_info& p, const llam
   frame_input in = make_frame(mctx, m, bmp.get(), before, fact_of(0), media.kind());
   std::int64_t longest_fact = 0;
   for (const auto& f : facts) longest_fact = std::max(longest_fact, std::int64_t(f.planted.statement.size()));
-  const std::int64_t block = o.block > 0 ? o.block : in.n_tokens + longest_fact + 16;
+  // Default: a frame with its text (frame 0's, without its fact) + the longest fact + 16 tokens of
+  // slack for longer timestamp texts.
+  const std::int64_t frame_text = in.n_tokens - std::int64_t(fact_of(0).size());
+  const std::int64_t block = o.block > 0 ? o.block : frame_text + longest_fact + 16;
   if (block < in.frame_tokens)
     fail("--block = {}: a frame takes {} tokens, and a frame is never split", o.block, in.frame_tokens);
   std::int64_t ask_room = 0;
