@@ -24,4 +24,5 @@
 #include "scores.hpp"
 #include "select.hpp"
 #include "tokens.hpp"
+#include "union.hpp"
 #include "version.hpp"

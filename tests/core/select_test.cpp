@@ -8,6 +8,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -311,4 +312,78 @@ TEST_CASE("select_whole_positions skips an image that does not fit and fills wit
   CHECK_THROWS_WITH_AS(select_whole_positions(s, t, 9, 0, 4), doctest::Contains("score[6] = nan"), infkv::error);
   CHECK_THROWS_WITH_AS(select_whole_positions(std::vector<float>(3, 0.f), t, 9, 0, 4),
                        doctest::Contains("score.size() = 3"), infkv::error);
+}
+
+namespace {
+
+/// The union by sets: the protected slots, the first round(share * room) of score a's ranking,
+/// and the first m of score b's ranking for the smallest m that fills `cap` (each ranking: higher
+/// score, then newer position, then lower slot, over the unprotected slots).
+std::vector<std::int64_t> naive_union(const std::vector<float>& a, const std::vector<float>& b,
+                                      const std::vector<token>& t, std::int64_t cap, std::int64_t sinks,
+                                      std::int64_t recent, double share) {
+  const auto n = std::int64_t(t.size());
+  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+  std::iota(all.begin(), all.end(), std::int64_t{0});
+  if (cap >= n) return all;
+  std::vector<std::int64_t> by_time = all;
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [&](std::int64_t x, std::int64_t y) { return t[std::size_t(x)].pos < t[std::size_t(y)].pos; });
+  std::set<std::int64_t> kept, rest;
+  for (std::int64_t i = 0; i < n; ++i) (i < sinks || i >= n - recent ? kept : rest).insert(by_time[std::size_t(i)]);
+  const auto ranking = [&](const std::vector<float>& s) {
+    std::vector<std::int64_t> r(rest.begin(), rest.end());
+    std::sort(r.begin(), r.end(), [&](std::int64_t x, std::int64_t y) {
+      if (s[std::size_t(x)] != s[std::size_t(y)]) return s[std::size_t(x)] > s[std::size_t(y)];
+      if (t[std::size_t(x)].pos != t[std::size_t(y)].pos) return t[std::size_t(x)].pos > t[std::size_t(y)].pos;
+      return x < y;
+    });
+    return r;
+  };
+  const std::int64_t room = cap - std::int64_t(kept.size());
+  const auto ra = ranking(a), rb = ranking(b);
+  const auto take = std::int64_t(std::llround(share * double(room)));
+  kept.insert(ra.begin(), ra.begin() + take);
+  for (std::int64_t m = 0; std::int64_t(kept.size()) < cap; ++m) kept.insert(rb[std::size_t(m)]);
+  return {kept.begin(), kept.end()};
+}
+
+}  // namespace
+
+TEST_CASE("select_union keeps the protected, a share by the first scores, the rest by the second, as sets do") {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::int64_t n = 1 + std::int64_t(rng() % 60);
+    std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+    for (auto& x : p) x = std::int64_t(rng() % std::uint64_t(2 * n));  // repeated positions too
+    const auto t = tokens_at(p);
+    std::vector<float> a(t.size()), b(t.size());
+    for (auto& s : a) s = float(int(rng() % 5));
+    for (auto& s : b) s = float(int(rng() % 5));
+    const std::int64_t sinks = std::int64_t(rng() % 4), recent = std::int64_t(rng() % 4);
+    const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 2));
+    const double share = double(rng() % 9) / 8.0;
+    CAPTURE(trial);
+    const auto got = unit(select_union(a, b, t, cap, sinks, recent, share));
+    CHECK(got == naive_union(a, b, t, cap, sinks, recent, share));
+    CHECK(std::int64_t(got.size()) == std::min(cap, n));
+    // share 1 is select_top by the first scores, share 0 by the second.
+    const std::vector<std::int64_t> caps{cap};
+    if (share == 1.0) CHECK(got == unit(select_top(row_of(a), t, caps, sinks, recent)));
+    if (share == 0.0) CHECK(got == unit(select_top(row_of(b), t, caps, sinks, recent)));
+  }
+}
+
+TEST_CASE("select_union refuses what it cannot serve, naming the argument") {
+  const auto t = tokens_at({0, 1, 2, 3, 4, 5});
+  const std::vector<float> s(6, 1.f);
+  CHECK_THROWS_WITH_AS(select_union(s, s, t, 3, 2, 2, 0.5), doctest::Contains("cap = 3"), infkv::error);
+  CHECK_THROWS_WITH_AS(select_union(s, s, t, 4, 1, 1, 1.5), doctest::Contains("share = 1.5"), infkv::error);
+  CHECK_THROWS_WITH_AS(select_union(s, std::vector<float>(5, 0.f), t, 4, 1, 1, 0.5), doctest::Contains("scores.size()"),
+                       infkv::error);
+  auto nan = s;
+  nan[2] = std::nanf("");
+  CHECK_THROWS_WITH_AS(select_union(s, nan, t, 4, 1, 1, 0.5), doctest::Contains("score[2] = nan"), infkv::error);
+  CHECK_THROWS_WITH_AS((union_of<snapkv, keydiff>{.share = -0.1}.validate()), doctest::Contains("union_of.share"),
+                       infkv::error);
 }

@@ -198,3 +198,18 @@ TEST_CASE("pipeline: PyramidKV's layer budgets are plain budgets, one plan per l
   }
   CHECK(total == 4 * 60);
 }
+
+TEST_CASE("cpu::select of a union: share 1 and 0 select as the first and the second policy alone") {
+  const layer ly(make_problem(7, 90, 2, 4, 8, 6));
+  const layer_inputs<> in = ly.in();
+  const budget b{.capacity = 30, .sinks = 2};
+  const snapkv first{.window = 4};  // protects its window: the union's protection covers keydiff's too
+  const keydiff second{};
+  const auto alone = [&](const auto& p) { return cpu::select(p, protect(first, b), in, granularity::per_layer); };
+  CHECK(cpu::select(union_of<snapkv, keydiff>{first, second, 1.0}, b, in) == alone(first));
+  CHECK(cpu::select(union_of<snapkv, keydiff>{first, second, 0.0}, b, in) == alone(second));
+  const keep_set half = cpu::select(union_of<snapkv, keydiff>{first, second, 0.5}, b, in);
+  CHECK(half.size(0) == 30);
+  CHECK(half != alone(first));
+  CHECK(half != alone(second));
+}

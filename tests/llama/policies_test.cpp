@@ -95,6 +95,21 @@ TEST_CASE("llama session: eviction works with every policy") {
     auto ctx = bound_context(model.get(), s, {.flash_attn = true});
     evict_and_go_on(s, infkv::inf_mllm{.window = 8, .bias = {.beta = 0.5}});
   }
+  SUBCASE("the union of two selections: share 1 and 0 evict as each policy alone") {
+    using u = infkv::union_of<infkv::inf_mllm, infkv::keydiff>;
+    const infkv::inf_mllm first{.window = 4, .bias = {.beta = 0.5}};
+    const auto runs_of = [&](const auto& p) {
+      lc::session s(model.get(), lc::session_options::for_policy(p));
+      auto ctx = bound_context(model.get(), s);
+      return evict_and_go_on(s, p).removed;
+    };
+    CHECK(lc::session_options::for_policy(u{first, {}, 0.5}).window == 4);
+    CHECK(runs_of(u{first, {}, 1.0}) == runs_of(first));
+    CHECK(runs_of(u{first, {}, 0.0}) == runs_of(infkv::keydiff{}));
+    const auto half = runs_of(u{first, {}, 0.5});
+    CHECK(half != runs_of(first));
+    CHECK(half != runs_of(infkv::keydiff{}));
+  }
 }
 
 TEST_CASE("llama session: session_options::for_policy captures what the policy reads, and nothing more") {

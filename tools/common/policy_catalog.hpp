@@ -33,7 +33,8 @@ enum class policy_kind {
   expected_attention,
   recompute,
   context_shift,
-  recent_keydiff
+  recent_keydiff,
+  saddle_union
 };
 
 /// A policy's name on the command line, a one-line description, and which of the protected-token
@@ -47,7 +48,7 @@ struct policy_entry {
 };
 
 /// Every policy, in `policy_kind` order.
-inline constexpr std::array<policy_entry, 14> policy_catalog{{
+inline constexpr std::array<policy_entry, 15> policy_catalog{{
     {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
     {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
     {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens", true},
@@ -69,6 +70,10 @@ inline constexpr std::array<policy_entry, 14> policy_catalog{{
     {"recent_keydiff", policy_kind::recent_keydiff,
      "budget split: sinks + a recency region (--recent-share of the budget) + KeyDiff saddles for the rest", true,
      true},
+    {"saddle_union", policy_kind::saddle_union,
+     "recent_keydiff's split, saddles the union of attention (inf_mllm_bias, --beta: --union-share of them) and "
+     "KeyDiff",
+     true, true},
 }};
 
 /// True for the runs only an engine can make (the recompute oracle, llama.cpp's context shift):
@@ -89,7 +94,8 @@ struct policy_knobs {
   std::int64_t window = 32;         ///< queries that score the cache (snapkv, inf_mllm*)
   double beta = 8.0;                ///< attention bias of inf_mllm_bias (linear, age in ranks)
   std::int64_t ea_window = 128;     ///< queries whose statistics expected_attention uses
-  double recent_share = 0.75;       ///< recent_keydiff: share of the budget that is the recency region (tuned)
+  double recent_share = 0.75;       ///< recent_keydiff, saddle_union: share of the budget that is the recency region
+  double union_share = 0.5;         ///< saddle_union: share of the saddles chosen by attention (the rest: KeyDiff)
   std::int32_t keydiff_kernel = 1;  ///< recent_keydiff: max pooling width of the KeyDiff scores (odd; 1: none)
   std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
@@ -110,14 +116,14 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
   if (k == policy_kind::full || engine_only(k)) return std::nullopt;
   const policy_entry& e = policy_catalog[std::size_t(k)];
   infkv::budget b{.capacity = capacity, .sinks = e.sinks ? s.sinks : 0, .recent = e.recent ? s.recent : 0};
-  if (k == policy_kind::recent_keydiff)  // the recency region is a share of the budget
+  if (k == policy_kind::recent_keydiff || k == policy_kind::saddle_union)  // the recency region: a share
     b.recent = std::max(b.recent, std::int64_t(std::llround(s.recent_share * double(capacity))));
   return b;
 }
 
 /// Calls `f` with the policy object of `k` (window: streaming_llm, whose budget has no sinks;
-/// h2o: its configuration) and returns what `f` returns; full, recompute and context_shift evict
-/// nothing themselves and are refused.
+/// h2o: its configuration; saddle_union: an infkv::union_of) and returns what `f` returns; full, recompute and
+/// context_shift evict nothing themselves and are refused.
 template <class F>
 decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
   switch (k) {
@@ -130,6 +136,12 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::recent_keydiff:
       return f(infkv::keydiff{.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
                               .kernel = s.keydiff_kernel});
+    case policy_kind::saddle_union:
+      return f(infkv::union_of<infkv::inf_mllm, infkv::keydiff>{
+          .first = {.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}},
+          .second = {.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
+                     .kernel = s.keydiff_kernel},
+          .share = s.union_share});
     case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
     case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
       return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
@@ -159,7 +171,7 @@ inline std::string budget_problem(policy_kind k, std::int64_t capacity, const po
   auto b = policy_budget(k, capacity, s);
   if (!b) return {};
   with_policy(k, s, [&](const auto& p) {
-    if constexpr (infkv::policy<std::decay_t<decltype(p)>>) b = infkv::protect(p, *b);
+    if constexpr (!std::is_same_v<std::decay_t<decltype(p)>, infkv::h2o>) b = infkv::protect(p, *b);
   });
   if (capacity > b->sinks + b->recent) return {};
   return fmt::format("--budget = {}: must exceed the tokens {} protects (sinks {} + recent {})", capacity,

@@ -216,10 +216,14 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--beta", s.beta, "attention bias of inf_mllm_bias")->check(at_least(0, false));
   app.add_option("--ea-window", s.ea_window, "queries whose mean and covariance expected_attention uses")
       ->check(at_least(1));
-  app.add_option("--recent-share", s.recent_share, "recent_keydiff: share of each budget kept as the recency region")
+  app.add_option("--recent-share", s.recent_share,
+                 "recent_keydiff, saddle_union: share of each budget kept as the recency region")
+      ->check(at_least(0, false, 1));
+  app.add_option("--union-share", s.union_share,
+                 "saddle_union: share of the saddles chosen by attention (inf_mllm_bias), the rest by KeyDiff")
       ->check(at_least(0, false, 1));
   app.add_option("--keydiff-kernel", s.keydiff_kernel,
-                 "recent_keydiff: KeyDiff scores max-pooled over this many neighbours (odd; 1: none)")
+                 "recent_keydiff, saddle_union: KeyDiff scores max-pooled over this many neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
   app.add_option("--json", o.json_path, "write one record per (policy, budget) to FILE ('-': stdout, no table)")
       ->check(infkv_tools::writable_file());
@@ -365,6 +369,7 @@ void report(const options& o, const job& jb, const results& r) {
                    {"beta", s.beta},
                    {"ea_window", s.ea_window},
                    {"recent_share", s.recent_share},
+                   {"union_share", s.union_share},
                    {"keydiff_kernel", s.keydiff_kernel}};
   j["workload"] = r.workload;
   if (!o.synthetic) {

@@ -29,10 +29,14 @@ inline void add_policy_options(CLI::App& app, settings& s) {
   app.add_option("--reduce", s.reduce, "how the heads' and layers' scores combine into one per token (mean, max)")
       ->transform(CLI::CheckedTransformer(
           std::map<std::string, infkv::reduction>{{"mean", infkv::reduction::mean}, {"max", infkv::reduction::max}}));
-  app.add_option("--recent-share", s.recent_share, "recent_keydiff: share of --budget kept as the recency region")
+  app.add_option("--recent-share", s.recent_share,
+                 "recent_keydiff, saddle_union: share of --budget kept as the recency region")
+      ->check(at_least(0, false, 1));
+  app.add_option("--union-share", s.union_share,
+                 "saddle_union: share of the saddles chosen by attention (inf_mllm_bias), the rest by KeyDiff")
       ->check(at_least(0, false, 1));
   app.add_option("--keydiff-kernel", s.keydiff_kernel,
-                 "recent_keydiff: KeyDiff scores max-pooled over this many "
+                 "recent_keydiff, saddle_union: KeyDiff scores max-pooled over this many "
                  "neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
   app.add_flag("--keep-positions", s.keep_positions,

@@ -181,7 +181,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.policies.empty())
     for (const auto& p : infkv_tools::policy_catalog)
-      if (p.k != policy_kind::full && !infkv_tools::engine_only(p.k)) o.policies.emplace_back(p.name);
+      if (p.k != policy_kind::full && p.k != policy_kind::saddle_union && !infkv_tools::engine_only(p.k))
+        o.policies.emplace_back(p.name);
   try {
     std::vector<result> results;
     const infkv_tools::policy_knobs knobs{};
@@ -190,7 +191,17 @@ int main(int argc, char** argv) {
       if (!entry || entry->k == policy_kind::full || infkv_tools::engine_only(entry->k))
         infkv_tools::fail("--policy = {}: not an evicting policy (see infkv-stream --list-policies)", name);
       const auto b = *infkv_tools::policy_budget(entry->k, o.budget, knobs);
-      results.push_back(infkv_tools::with_policy(entry->k, knobs, [&](const auto& p) { return soak(name, p, b, o); }));
+      results.push_back(infkv_tools::with_policy(entry->k, knobs, [&](const auto& p) {
+        if constexpr (infkv::is_union<std::decay_t<decltype(p)>>) {
+          infkv_tools::fail(
+              "--policy = {}: a union of two selections is not soaked (the soak runs one planned, "
+              "allocation-free pipeline)",
+              name);
+          return result{};
+        } else {
+          return soak(name, p, b, o);
+        }
+      }));
       const result& r = results.back();
       fmt::print(
           "{:<18} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} "

@@ -190,6 +190,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"beta", o.s.beta},
             {"ea_window", o.s.ea_window},
             {"recent_share", o.s.recent_share},
+            {"union_share", o.s.union_share},
             {"keydiff_kernel", o.s.keydiff_kernel},
             {"reduce", infkv::to_string(o.s.reduce)},
             {"threads", o.s.threads},

@@ -90,9 +90,10 @@ struct prefill_result {
   bool ok() const { return status == 0; }
 };
 
-/// What prefill evicts with: a policy, or an `h2o` configuration (scores the session accumulates).
+/// What prefill evicts with: a policy, an `h2o` configuration (scores the session accumulates), or
+/// the union of two policies' selections (`union_of`).
 template <class P>
-concept prefill_policy = policy<P> || std::same_as<P, h2o>;
+concept prefill_policy = policy<P> || std::same_as<P, h2o> || is_union<P>;
 
 /// Per-token metadata of `chunks` as planned: segment first_segment + i for chunk i, its
 /// modality, and the input index as position.
@@ -147,7 +148,7 @@ budget protect_for(const P& p, const budget& b) {
   if constexpr (std::same_as<P, h2o>)
     return b;
   else
-    return protect(p, b);
+    return protect(p, b);  // a policy's, or both of a union's
 }
 
 /// The name errors give `p`.
@@ -155,6 +156,8 @@ template <class P>
 std::string_view name_of(const P& p) {
   if constexpr (std::same_as<P, h2o>)
     return "h2o";
+  else if constexpr (is_union<P>)
+    return "union_of";
   else
     return p.spec().name;
 }
@@ -202,6 +205,8 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
     INFKV_REQUIRE(s.options().track_h2o.has_value(), "session_options.track_h2o", "unset",
                   "H2O needs the attention of every decode: create the session with "
                   "session_options::for_policy(h2o{})");
+  else if constexpr (is_union<P>)
+    s.require_captures(p.first.spec()), s.require_captures(p.second.spec());
   else
     s.require_captures(p.spec());
   const std::int64_t n_ctx = llama_n_ctx(ctx);

@@ -370,6 +370,26 @@ class session {
     });
   }
 
+  /// Evicts down to `b` with the union of two policies' selections: each scores every layer
+  /// (heads and layers combined by the session's reduction), then select_union keeps both
+  /// policies' protected tokens, `u.share` of the rest by the first's scores and the remainder by
+  /// the second's. Not on cached slots that share a position (M-RoPE images): raises.
+  template <policy A, policy B>
+  eviction_result evict(const union_of<A, B>& u, const budget& b) {
+    u.validate();
+    require_captures(u.first.spec());
+    require_captures(u.second.spec());
+    const budget pb = protect(u, b);
+    if (pb.keep_count(size()) >= size()) return {0, size(), {}, false};
+    INFKV_REQUIRE(!shares_positions(), "union_of", "two policies",
+                  "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
+    std::optional<stopwatch> w{std::in_place, stats_.score};
+    const std::vector<float> a = decision_scores(u.first, b), s = decision_scores(u.second, b);
+    const keep_set keep = select_union(a, s, tokens_, pb.keep_count(size()), pb.sinks, pb.recent, u.share);
+    w.reset();
+    return apply(keep);
+  }
+
   /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
   /// positions in compact mode: for callers that select themselves.
   eviction_result apply(const keep_set& keep) {
@@ -441,16 +461,12 @@ class session {
   }
 
  private:
-  /// Runs the pipeline over every layer (inputs_of(layer)) for one per-token decision, heads
-  /// and layers combined by the session's reduction, and applies the keep set.
+  /// Plans `p`'s per-token decision over every layer (inputs_of(layer) into layers_in_), heads and
+  /// layers combined by the session's reduction, and sizes the workspace for it.
   template <policy P, class Inputs>
-  eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
-    p.validate();
+  plan plan_layers(const P& p, const budget& b, Inputs&& inputs_of) {
     const policy_spec spec = p.spec();
-    require_captures(spec);
     const capture_needs needs = spec.needs();
-    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
-    std::optional<stopwatch> w{std::in_place, stats_.score};
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) {
       layers_in_.push_back(inputs_of(l));
@@ -458,10 +474,33 @@ class session {
         INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
                       "decode at least one token after the last eviction before scoring with ", spec.name);
     }
-    const cpu::backend be{opt_.executor};
-    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
+    const plan pl = make_plan(cpu::backend{opt_.executor}, spec, b, shape_of(layers_in_.front()),
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
+    return pl;
+  }
+
+  /// The per-token scores `p`'s decision selects by (see plan_layers), copied out.
+  template <policy P>
+  std::vector<float> decision_scores(const P& p, const budget& b) {
+    const plan pl = plan_layers(p, b, [&](std::int32_t l) { return inputs(l); });
+    const score_view s =
+        run_decision_scores(pl, cpu::backend{opt_.executor},
+                            std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span());
+    return {s.data, s.data + s.cols};
+  }
+
+  /// Runs the pipeline over every layer (inputs_of(layer)) for one per-token decision and applies
+  /// the keep set.
+  template <policy P, class Inputs>
+  eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
+    p.validate();
+    const policy_spec spec = p.spec();
+    require_captures(spec);
+    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    std::optional<stopwatch> w{std::in_place, stats_.score};
+    const plan pl = plan_layers(p, b, inputs_of);
+    const cpu::backend be{opt_.executor};
     const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
     if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());

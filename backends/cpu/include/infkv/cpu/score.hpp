@@ -70,6 +70,25 @@ keep_set select(const P& p, const budget& b, const layer_inputs<R>& in, std::opt
   return keep_set::from_view(out);
 }
 
+/// Keep set of one layer for the union of two policies: each policy's finished scores with its
+/// rows combined by `r` (one decision for the layer), then select_union with both policies'
+/// protection and `u.share`.
+template <policy A, policy B, row_source R>
+keep_set select(const union_of<A, B>& u, const budget& b, const layer_inputs<R>& in, reduction r = reduction::mean,
+                const executor& ex = {}) {
+  u.validate();
+  const auto one_row = [&](const auto& p) {
+    score_reducer red(r);
+    red.add(layer_scores(p, in, ex));
+    return red.result();
+  };
+  const score_matrix a = one_row(u.first), s = one_row(u.second);
+  const budget pb = protect(u, b);
+  pb.validate();
+  return select_union(a.row(0), s.row(0), in.tokens, pb.keep_count(std::int64_t(in.tokens.size())), pb.sinks, pb.recent,
+                      u.share);
+}
+
 /// Per-token keep set from several layers' scores (each [units][n_slots] over the same slots),
 /// every row of every layer combined by `r`.
 inline keep_set select_tokens(std::span<const score_matrix> layers, std::span<const token> tokens, const budget& b,
