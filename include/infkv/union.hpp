@@ -32,8 +32,7 @@ struct union_of {
   void validate() const {
     first.validate();
     second.validate();
-    INFKV_REQUIRE(std::isfinite(share) && share >= 0.0 && share <= 1.0, "union_of.share", share,
-                  "must be in [0, 1]");
+    INFKV_REQUIRE(std::isfinite(share) && share >= 0.0 && share <= 1.0, "union_of.share", share, "must be in [0, 1]");
   }
 };
 
@@ -95,8 +94,8 @@ inline keep_set select_union(std::span<const float> a, std::span<const float> b,
   const std::int64_t room = cap - (n - std::int64_t(cand.size()));
   const auto by = [&](std::span<const float> s) {
     return [&, s](std::int64_t x, std::int64_t y) {
-      return keep_before(s[std::size_t(x)], tokens[std::size_t(x)].pos, x, s[std::size_t(y)], tokens[std::size_t(y)].pos,
-                         y);
+      return keep_before(s[std::size_t(x)], tokens[std::size_t(x)].pos, x, s[std::size_t(y)],
+                         tokens[std::size_t(y)].pos, y);
     };
   };
   const auto take_a = std::min<std::int64_t>(room, std::llround(share * double(room)));
