@@ -87,7 +87,7 @@ int run(int argc, char** argv) {
 
   // The same image n_images times between pieces of text, one marker each.
   const std::string marker = mtmd_default_marker();
-  const bool mrope = lc::detail::pos_per_embd(model.get()) > 1;
+  const bool mrope = lc::pos_per_embd(model.get()) > 1;
   std::string prompt = mrope ? "Here are some pictures." : "<start_of_turn>user\nHere are some pictures.";
   for (int i = 0; i < n_images; ++i) prompt += "\nPicture " + std::to_string(i + 1) + ": " + marker;
   prompt += mrope ? "\nWhat do they show?" : "\nWhat do they show?<end_of_turn>\n<start_of_turn>model\n";

@@ -126,6 +126,10 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
 /// context_shift evict nothing themselves and are refused.
 template <class F>
 decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
+  // ranks: with compacted positions the same as positions; also right in keep mode
+  const infkv::inf_mllm biased{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}};
+  const infkv::keydiff pooled{.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
+                              .kernel = s.keydiff_kernel};
   switch (k) {
     case policy_kind::window:
     case policy_kind::streaming_llm: return f(infkv::streaming_llm{});
@@ -133,21 +137,17 @@ decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
     case policy_kind::tova: return f(infkv::tova{});
     case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
     case policy_kind::keydiff: return f(infkv::keydiff{});
-    case policy_kind::recent_keydiff:
-      return f(infkv::keydiff{.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
-                              .kernel = s.keydiff_kernel});
+    case policy_kind::recent_keydiff: return f(pooled);
     case policy_kind::saddle_union:
-      return f(infkv::union_of<infkv::inf_mllm, infkv::keydiff>{
-          .first = {.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}},
-          .second = {.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
-                     .kernel = s.keydiff_kernel},
-          .share = s.union_share});
+      return f(
+          infkv::union_of<infkv::inf_mllm, infkv::keydiff>{.first = biased, .second = pooled, .share = s.union_share});
     case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
-    case policy_kind::inf_mllm_bias:  // ranks: with compacted positions the same as positions; also right in keep mode
-      return f(infkv::inf_mllm{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}});
-    case policy_kind::inf_mllm_v:
-      return f(infkv::inf_mllm{
-          .window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}, .value_norm = true});
+    case policy_kind::inf_mllm_bias: return f(biased);
+    case policy_kind::inf_mllm_v: {
+      infkv::inf_mllm v = biased;
+      v.value_norm = true;
+      return f(v);
+    }
     case policy_kind::expected_attention:  // kvpress's defaults; its n_sink = the protected sinks
       return f(infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks});
     case policy_kind::full:

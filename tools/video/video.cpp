@@ -277,7 +277,7 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
   const std::size_t n_chunks = mtmd_input_chunks_size(chunks) + 1;
   f.tokens.reserve(n_chunks), f.embd.reserve(n_chunks);  // the chunks point into them
-  const bool mrope = lc::detail::pos_per_embd(m) > 1;
+  const bool mrope = lc::pos_per_embd(m) > 1;
   const auto add_text = [&](const llama_token* t, std::size_t n, const mtmd_input_chunk* c) {
     f.tokens.emplace_back(t, t + n);
     f.chunks.push_back(lc::text_chunk(f.tokens.back()));
@@ -321,7 +321,7 @@ frame_input make_frame(mtmd_context* mctx, const llama_model* m, const mtmd_bitm
 /// y: lc::mtmd::image_positions), the image taking
 /// mtmd_input_chunk_get_n_pos stream positions. Other models need none.
 void place(frame_input& f, const llama_model* m, std::int64_t n_past) {
-  if (lc::detail::pos_per_embd(m) == 1) return;
+  if (lc::pos_per_embd(m) == 1) return;
   f.positions.clear();
   f.positions.reserve(f.chunks.size());  // the chunks point into them
   for (std::size_t i = 0; i < f.chunks.size(); ++i) {

@@ -105,13 +105,14 @@ inline std::vector<token> input_tokens(std::span<const chunk> chunks, std::int32
   return t;
 }
 
-namespace detail {
-
-/// Positions llama_batch.pos carries per embedding row: 4 for M-RoPE models, else 1.
+/// Positions llama_batch.pos carries per embedding row: 4 for M-RoPE models (an image's rows then
+/// share one t position, and `chunk::positions` holds 4 per row), else 1.
 inline std::int64_t pos_per_embd(const llama_model* m) {
   const auto r = llama_model_rope_type(m);
   return r == LLAMA_ROPE_TYPE_MROPE || r == LLAMA_ROPE_TYPE_IMROPE ? GGML_MROPE_SECTIONS : 1;
 }
+
+namespace detail {
 
 /// Checks one chunk against the model and the session's position mode.
 inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, position_mode mode) {
@@ -239,7 +240,7 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
 
   if (s.size() > schedule.budget) res.evicted += s.evict(p, b).evicted;
   res.peak = s.size();
-  const std::int64_t per = detail::pos_per_embd(m);
+  const std::int64_t per = pos_per_embd(m);
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
   const llama_seq_id seq = s.options().seq;
   const std::int64_t n_input = start.back();

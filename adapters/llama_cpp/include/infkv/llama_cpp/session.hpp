@@ -464,7 +464,7 @@ class session {
   /// Plans `p`'s per-token decision over every layer (inputs_of(layer) into layers_in_), heads and
   /// layers combined by the session's reduction, and sizes the workspace for it.
   template <policy P, class Inputs>
-  plan plan_layers(const P& p, const budget& b, Inputs&& inputs_of) {
+  plan plan_layers(const cpu::backend& be, const P& p, const budget& b, Inputs&& inputs_of) {
     const policy_spec spec = p.spec();
     const capture_needs needs = spec.needs();
     layers_in_.clear();
@@ -474,7 +474,7 @@ class session {
         INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
                       "decode at least one token after the last eviction before scoring with ", spec.name);
     }
-    const plan pl = make_plan(cpu::backend{opt_.executor}, spec, b, shape_of(layers_in_.front()),
+    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
     return pl;
@@ -483,10 +483,10 @@ class session {
   /// The per-token scores `p`'s decision selects by (see plan_layers), copied out.
   template <policy P>
   std::vector<float> decision_scores(const P& p, const budget& b) {
-    const plan pl = plan_layers(p, b, [&](std::int32_t l) { return inputs(l); });
+    const cpu::backend be{opt_.executor};
+    const plan pl = plan_layers(be, p, b, [&](std::int32_t l) { return inputs(l); });
     const score_view s =
-        run_decision_scores(pl, cpu::backend{opt_.executor},
-                            std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span());
+        run_decision_scores(pl, be, std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span());
     return {s.data, s.data + s.cols};
   }
 
@@ -499,8 +499,8 @@ class session {
     require_captures(spec);
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
     std::optional<stopwatch> w{std::in_place, stats_.score};
-    const plan pl = plan_layers(p, b, inputs_of);
     const cpu::backend be{opt_.executor};
+    const plan pl = plan_layers(be, p, b, inputs_of);
     const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
     if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
