@@ -159,7 +159,7 @@ TEST_CASE("attention bias: without it the cache stays on round 1's saddles, with
   CHECK(strong[rounds - 1][rounds - 1] < tuned_positions[rounds - 1][rounds - 1] * 3 / 4);
 }
 
-TEST_CASE("attention bias: beta 0 leaves scores alone; otherwise rows are normalised and aged") {
+TEST_CASE("attention bias: beta 0 leaves scores alone, otherwise rows are normalised and aged") {
   score_matrix m(2, 4);
   const std::vector<float> row0{1.f, 3.f, 0.f, 4.f}, row1{2.f, 2.f, 2.f, 2.f};
   std::copy(row0.begin(), row0.end(), m.row(0).begin());

@@ -119,7 +119,7 @@ TEST_CASE("conformance: every policy x budget x granularity on shuffled random c
   }
 }
 
-TEST_CASE("conformance: per-head policies can keep different slots per head; per-layer ones cannot") {
+TEST_CASE("conformance: per-head policies can keep different slots per head, per-layer ones cannot") {
   const problem p = make_problem(21, 48, 2, 2, 8, 6, dtype::f32, true);
   const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
   const stored queries = store_queries(p);

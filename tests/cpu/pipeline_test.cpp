@@ -19,7 +19,7 @@ using namespace infkv_test;
 
 #define CHECK_ERROR(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), infkv::invalid_argument)
 
-TEST_CASE("pipeline: planned sizes are what run writes; several layers fold into one decision") {
+TEST_CASE("pipeline: planned sizes are what run writes, several layers fold into one decision") {
   const layer ly(make_problem(5, 120, 2, 2, 8, 6)), ly2(make_problem(6, 120, 2, 2, 8, 6));  // two layers
   const problem& p = ly.p;
   const layer_inputs<> in = ly.in();

@@ -226,7 +226,7 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
   ok(cudaStreamDestroy(stream));
 }
 
-TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes; re-rotation within rounding") {
+TEST_CASE("gpu: compaction (contiguous and paged) moves exactly the CPU's bytes, re-rotation within rounding") {
   std::mt19937_64 gen(13);
   const device_status status;
   for (int round = 0; round < 12; ++round) {

@@ -67,7 +67,7 @@ struct device_layer {
 
 }  // namespace
 
-TEST_CASE("cuda (stub runtime): the cuBLAS handle is created when planning, once; runs only use it") {
+TEST_CASE("cuda (stub runtime): the cuBLAS handle is created when planning, once, runs only use it") {
   auto* status = dev<cuda::status_word>(1);
   const cuda::backend be{stream, status};
   const device_layer ly(3000);

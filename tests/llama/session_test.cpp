@@ -282,7 +282,7 @@ TEST_CASE("llama session: invalid use is reported with the argument's name") {
   check_memory_matches(s);
 }
 
-TEST_CASE("llama session: without capture no callback runs; the stats account for each call") {
+TEST_CASE("llama session: without capture no callback runs, the stats account for each call") {
   auto model = tiny_model(2);
   CHECK_THROWS_WITH_AS(lc::session(model.get(), {.values = true, .capture = false}),
                        doctest::Contains("session_options.capture = false"), infkv::error);
@@ -380,7 +380,7 @@ TEST_CASE("llama session: more than one thread runs on a pool the session keeps,
                        doctest::Contains("executor.threads = 3"), infkv::invalid_argument);
 }
 
-TEST_CASE("llama session: key copies in the cache's own type, allocated once; memory() counts what is held") {
+TEST_CASE("llama session: key copies in the cache's own type, allocated once, memory() counts what is held") {
   auto model = tiny_model(2);  // 2 layers, 2 KV heads, head_dim 16, 4 query heads
   const std::int64_t n_ctx = 256, layers = 2, row = 2 * 16;
   SUBCASE("an f16 cache: f16 keys, half of llama.cpp's K and V") {

@@ -602,6 +602,8 @@ class session {
       i = j;
     }
     if (!moved) return false;
+    stream_next_ = max_pos() + 1;
+    if (!opt_.capture) return true;  // no host copies to turn
     const stopwatch w{stats_.rerotate};
     std::vector<std::pair<std::int64_t, std::int64_t>> map;
     for (std::size_t s = 0; s < old.size(); ++s) map.push_back({old[s].pos, delta[s]});
@@ -612,7 +614,6 @@ class session {
       layers_[l].remap_queries(map, r, opt_.executor);
     }
     for (auto& s : h2o_) s.shift(tokens_);
-    stream_next_ = max_pos() + 1;
     return true;
   }
 
