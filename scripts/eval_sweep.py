@@ -13,6 +13,10 @@ they came from, for scripts/eval_report.py. Two kinds of sweep:
 common: [--models smollm2,gemma3] [--policies full,streaming_llm,...] [--budget 1024] [--jobs 2]
 [-- MORE INFKV-STREAM ARGUMENTS]
 
+A policy may carry settings of its own, for a tuning grid in one sweep:
+`saddle_union:recent-share=0.5:union-share=0.25` runs `--policy saddle_union --recent-share 0.5
+--union-share 0.25` and is named so in OUT.csv's policy column and in the record.
+
 Each run (model, seed or slice, policy) is one infkv-stream process with one thread; --jobs run at
 once. Runs already in the work folder (--work, default ~/.cache/infkv/eval/NAME) are not repeated,
 so a sweep resumes where it stopped and grows by seeds or slices; a run made by another program
@@ -84,6 +88,18 @@ def answer_rows(model, lead, j):
                         f["statement_tokens"], q["statement_cached"], int(q["forced_success"]), int(q["greedy_success"]),
                         f"{lp[truth]:.4f}", f"{other:.4f}", q["answer"]])
     return out
+
+
+def policy_args(spec):
+    """`name:flag=value:...` -> (name, [--flag, value, ...]); refuses a malformed setting."""
+    name, *settings = spec.split(":")
+    out = []
+    for kv in settings:
+        flag, eq, value = kv.partition("=")
+        if not eq or not flag or not value:
+            sys.exit(f"eval_sweep: --policies: {spec!r}: settings are flag=value (e.g. recent-share=0.5)")
+        out += [f"--{flag}", value]
+    return name, out
 
 
 def main():
@@ -183,11 +199,15 @@ def main():
 
     runs = [(m, c, p) for c in cells for m in models for p in a.policies.split(",")]
 
+    def base_of(m, c, p):
+        return os.path.join(work, f"{m}_{c[0]}_{p.replace(':', '_').replace('=', '')}")
+
     def run(m, c, p):
-        base = os.path.join(work, f"{m}_{c[0]}_{p}")
+        base = base_of(m, c, p)
         if os.path.exists(base + ".json"):
             return base, None
-        cmd = [program, "--model", models[m], *per_model[m], *common, *c[1], "--policy", p,
+        name, own = policy_args(p)
+        cmd = [program, "--model", models[m], *per_model[m], *common, *c[1], "--policy", name, *own,
                "--csv", base + ".part.csv", "--json", base + ".part.json"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -206,10 +226,10 @@ def main():
                     print(err, file=sys.stderr)
 
     # OUT.csv and OUT.json from the runs made so far (a grid cell not yet run is left out).
-    out_rows, records, header, desc, answers = [], [], None, {}, []
+    out_rows, records, header, desc, answers, settings = [], [], None, {}, [], None
     asked_at = {int(a.facts) + int(n) for n in a.ask_after.split(",")} if video else set()
     for m, c, p in runs:
-        base = os.path.join(work, f"{m}_{c[0]}_{p}")
+        base = base_of(m, c, p)
         if not os.path.exists(base + ".json"):
             continue
         with open(base + ".json") as f:
@@ -221,7 +241,10 @@ def main():
             rd = csv.reader(f)
             h = next(rd)
             header = header or h
+            named = h.index("policy") if ":" in p else None  # a variant: its own name, not the program's
             for row in rd:
+                if named is not None:
+                    row[named] = p
                 # video: every 5th frame, the frames where facts are asked and the last
                 if video and not (int(row[1]) % 5 == 0 or int(row[1]) in asked_at or int(row[1]) == int(a.frames)):
                     continue
@@ -230,6 +253,10 @@ def main():
             answers += answer_rows(m, c[2], j)
         records.append({"model": m, "run": c[0], "policy": p, "file": os.path.basename(base) + ".json",
                         "load_average": [j.get("load_average_start"), j.get("load_average_end")]})
+        if ":" in p:
+            records[-1]["settings"] = j["settings"]  # a variant's own; protocol.settings: the plain runs'
+        elif settings is None:
+            settings = j["settings"]
     if header is None:
         sys.exit("eval_sweep: no finished runs")
     buf = io.StringIO()
@@ -257,7 +284,7 @@ def main():
     else:
         what = "infkv-stream perplexity on disjoint slices of the text, one row per block of each run"
         protocol = {"skips": skips, "tokens": a.tokens}
-    protocol["settings"] = j["settings"]
+    protocol["settings"] = settings or j["settings"]
     record = {
         "what": what,
         "commit": manifest["commit"],
