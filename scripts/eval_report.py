@@ -30,6 +30,10 @@ Generators:
                     K/V in use and RSS after 10, 50, 100, 200 frames
   video_facts       infkv-video's answers (DATA_answers.csv): per policy and further frames, the
                     facts' forced-choice and greedy successes with 95% Wilson intervals
+  targets           DATA is PPL.csv+NEEDLES.csv, a perplexity and a needle sweep: per model and
+                    policy run in both, the perplexity ratio to StreamingLLM and the share of the
+                    full cache's forced successes kept, each with its interval and whether it
+                    meets its target (interval <= 1.01; >= 90%)
 """
 import argparse
 import csv
@@ -118,30 +122,42 @@ def needles_full(rows, record):
                   "misses bound to another person"], out)
 
 
-def needles_policies(rows, record):
-    out_lines = []
+def needle_stats(rows):
+    """Per model, per policy run on every seed (in the CSV's order): the questions, forced and
+    greedy successes, the forced successes among the questions the full cache answers by forced
+    choice and how many those are, the forced successes per seed, the mean share of the
+    statement's tokens cached at the question."""
+    out = OrderedDict()
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         seeds = sorted({int(r["seed"]) for r in mine})
         # the questions the full cache answers (forced choice), by (seed, trial, distance)
         full_ok = {(r["seed"], r["trial"], r["distance"]) for r in mine
                    if r["policy"] == "full" and r["forced_success"] == "1"}
-        body = []
+        out[model] = OrderedDict()
         for policy in OrderedDict.fromkeys(r["policy"] for r in mine):
             g = [r for r in mine if r["policy"] == policy]
             by_seed = {s: [r for r in g if int(r["seed"]) == s] for s in seeds}
             if any(not v for v in by_seed.values()):
                 continue  # a policy not yet run on every seed is left out of the pooled table
-            n = len(g)
-            forced = sum(int(r["forced_success"]) for r in g)
-            greedy = sum(int(r["success"]) for r in g)
             kept = [r for r in g if (r["seed"], r["trial"], r["distance"]) in full_ok]
-            kept_ok = sum(int(r["forced_success"]) for r in kept)
-            cached = sum(int(r["key_kept"]) / int(r["key_tokens"]) for r in g) / n
-            body.append([f"`{policy}`", rate(forced, n), rate(greedy, n),
-                         rate(kept_ok, len(kept)) if policy != "full" else "-",
-                         ", ".join(str(sum(int(r["forced_success"]) for r in by_seed[s])) for s in seeds),
-                         f"{100 * cached:.0f}%"])
+            out[model][policy] = {
+                "n": len(g), "forced": sum(int(r["forced_success"]) for r in g),
+                "greedy": sum(int(r["success"]) for r in g),
+                "kept": sum(int(r["forced_success"]) for r in kept), "kept_of": len(kept),
+                "per_seed": [sum(int(r["forced_success"]) for r in by_seed[s]) for s in seeds],
+                "cached": sum(int(r["key_kept"]) / int(r["key_tokens"]) for r in g) / len(g)}
+    return out
+
+
+def needles_policies(rows, record):
+    out_lines = []
+    for model, stats in needle_stats(rows).items():
+        mine = [r for r in rows if r["model"] == model]
+        seeds = sorted({int(r["seed"]) for r in mine})
+        body = [[f"`{policy}`", rate(v["forced"], v["n"]), rate(v["greedy"], v["n"]),
+                 rate(v["kept"], v["kept_of"]) if policy != "full" else "-", ", ".join(str(x) for x in v["per_seed"]),
+                 f"{100 * v['cached']:.0f}%"] for policy, v in stats.items()]
         body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
         distances = sorted({int(r["distance"]) for r in mine})
         full = [r for r in mine if r["policy"] == "full"]
@@ -159,12 +175,12 @@ def needles_policies(rows, record):
     return out_lines[:-1]
 
 
-def ppl_slices(rows, record, reference="streaming_llm", warmup=1152, batches=10):
-    """Per model and policy: perplexity over every slice, and its ratio to the reference's on the
-    same blocks after warm-up (blocks ending more than `warmup` tokens into the slice), over all
-    slices, with the 95% t-interval over the slices' tenths (each slice cut into `batches`
-    contiguous batches: batch_logs), and each slice's own ratio."""
-    out_lines = []
+def ppl_stats(rows, reference="streaming_llm", warmup=1152, batches=10):
+    """Per model, per policy run on every slice: perplexity over every slice, and its ratio to the
+    reference's on the same blocks after warm-up (blocks ending more than `warmup` tokens into the
+    slice), over all slices, with the 95% t-interval over the slices' tenths (each slice cut into
+    `batches` contiguous batches: batch_logs), and each slice's own ratio (None for the reference)."""
+    out = OrderedDict()
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         skips = sorted({int(r["skip"]) for r in mine})
@@ -173,7 +189,7 @@ def ppl_slices(rows, record, reference="streaming_llm", warmup=1152, batches=10)
             nll = math.log(float(r["block_ppl"])) * int(r["scored"])
             runs.setdefault(r["policy"], {}).setdefault(int(r["skip"]), {})[int(r["tokens"])] = (nll, int(r["scored"]))
         ref = runs[reference]
-        body = []
+        out[model] = OrderedDict()
         for policy, by_skip in runs.items():
             if sorted(by_skip) != skips:
                 continue  # not yet run on every slice
@@ -190,19 +206,60 @@ def ppl_slices(rows, record, reference="streaming_llm", warmup=1152, batches=10)
                 n += sn
                 logs += batch_logs(sa, sb, sn, batches)
                 per_slice.append(math.exp((sum(sa) - sum(sb)) / sum(sn)))
-            row = [f"`{policy}`", f"{math.exp(all_nll / all_n):.3f}"]
-            if policy == reference:
+            v = {"ppl": math.exp(all_nll / all_n), "skips": skips}
+            if policy != reference:
+                v.update(ratio=math.exp((sum(a) - sum(b)) / sum(n)), interval=t_interval(logs), per_slice=per_slice)
+            out[model][policy] = v
+    return out
+
+
+def ppl_slices(rows, record, reference="streaming_llm"):
+    """Per model and policy (ppl_stats): perplexity over every slice, the ratio to the reference's
+    with its 95% interval, each slice's ratio."""
+    out_lines = []
+    for model, stats in ppl_stats(rows, reference).items():
+        body = []
+        for policy, v in stats.items():
+            row = [f"`{policy}`", f"{v['ppl']:.3f}"]
+            if "ratio" not in v:
                 row += ["1", "-", "-"]
             else:
-                lo, hi = t_interval(logs)
-                row += [f"{math.exp((sum(a) - sum(b)) / sum(n)):.4f}", f"{lo:.4f}-{hi:.4f}",
-                        ", ".join(f"{x:.3f}" for x in per_slice)]
+                row += [f"{v['ratio']:.4f}", f"{v['interval'][0]:.4f}-{v['interval'][1]:.4f}",
+                        ", ".join(f"{x:.3f}" for x in v["per_slice"])]
             body.append(row)
         body.sort(key=lambda r: float(r[2]))
+        skips = next(iter(stats.values()))["skips"]
         tokens = record["protocol"].get("tokens")
         out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {len(skips)} slices of {tokens} tokens starting at token "
                       f"{', '.join(f'{k:,}' for k in skips)}:", ""]
         out_lines += table(["policy", "PPL", f"vs {reference}", "95% interval", "per slice"], body)
+        out_lines.append("")
+    return out_lines[:-1]
+
+
+def targets(data, records, ppl_bound=1.01, kept_share=0.9):
+    """A perplexity sweep and a needle sweep (DATA: PPL.csv+NEEDLES.csv) side by side, per model
+    and policy run in both: the perplexity ratio to StreamingLLM with its interval, and the share
+    of the full cache's forced successes kept with its Wilson interval, each against its target
+    (the ratio's interval at most `ppl_bound`; at least `kept_share` of the full cache's)."""
+    ppl, needles = ppl_stats(data[0]), needle_stats(data[1])
+    out_lines = []
+    for model in ppl:
+        body = []
+        for policy, v in ppl[model].items():
+            k = needles.get(model, {}).get(policy)
+            if "ratio" not in v or k is None:
+                continue
+            lo, hi = v["interval"]
+            body.append([f"`{policy}`", f"{v['ratio']:.4f} ({lo:.4f}-{hi:.4f})", "met" if hi <= ppl_bound else "not met",
+                         rate(k["kept"], k["kept_of"]), "met" if k["kept"] >= kept_share * k["kept_of"] else "not met",
+                         f"{100 * k['cached']:.0f}%"])
+        full = needles[model].get("full")
+        out_lines += [f"**{MODEL_NAMES.get(model, model)}** (the full cache answers {full['forced']} of {full['n']} "
+                      f"questions by forced choice):" if full else f"**{MODEL_NAMES.get(model, model)}**:", ""]
+        out_lines += table(["policy", "PPL vs streaming_llm (95% interval)", f"interval <= {ppl_bound}",
+                            "of the full cache's forced successes", f">= {kept_share:.0%}", "statement tokens cached"],
+                           body)
         out_lines.append("")
     return out_lines[:-1]
 
@@ -266,7 +323,8 @@ def video_facts(rows, record):
 
 
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
-              "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts}
+              "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
+              "targets": targets}
 
 
 def generate(doc_path):
@@ -288,8 +346,14 @@ def generate(doc_path):
             j += 1
         if j == len(lines):
             sys.exit(f"eval_report: {doc_path}:{i}: no {END} after the table of {gen} {data}")
-        rows, record = load(doc_dir, data)
-        out += GENERATORS[gen](rows, record) + provenance(data, record)
+        if "+" in data:  # several data files (targets): a list of each
+            loaded = [load(doc_dir, d) for d in data.split("+")]
+            out += GENERATORS[gen]([x[0] for x in loaded], [x[1] for x in loaded])
+            for d, (_, record) in zip(data.split("+"), loaded):
+                out += provenance(d, record)
+        else:
+            rows, record = load(doc_dir, data)
+            out += GENERATORS[gen](rows, record) + provenance(data, record)
         i = j
     return lines, out
 
