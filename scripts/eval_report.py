@@ -30,6 +30,9 @@ Generators:
                     K/V in use and RSS after 10, 50, 100, 200 frames
   video_facts       infkv-video's answers (DATA_answers.csv): per policy and further frames, the
                     facts' forced-choice and greedy successes with 95% Wilson intervals
+  needles_cached    per model, pooled over the evicting policies: of the full cache's forced
+                    successes, those a policy keeps, by the share of the statement it held
+                    (none, under half, half or more, all)
   targets           DATA is PPL.csv+NEEDLES.csv, a perplexity and a needle sweep: per model and
                     policy run in both, the perplexity ratio to StreamingLLM and the share of the
                     full cache's forced successes kept, each with its interval and whether it
@@ -173,6 +176,30 @@ def needles_policies(rows, record):
                             "forced, per seed", "statement tokens cached"], body)
         out_lines.append("")
     return out_lines[:-1]
+
+
+def needles_cached(rows, record):
+    """Per model, pooled over the evicting policies and seeds: of the questions the full cache
+    answers by forced choice, how many each policy answers too, by how much of the needle's
+    statement it still held at the question (none, under half, half or more, all of its tokens)."""
+    bins = ["none", "under half", "half or more", "all"]
+    body = []
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        full_ok = {(r["seed"], r["trial"], r["distance"]) for r in mine
+                   if r["policy"] == "full" and r["forced_success"] == "1"}
+        got = {b: [0, 0] for b in bins}
+        for r in mine:
+            if r["policy"] == "full" or (r["seed"], r["trial"], r["distance"]) not in full_ok:
+                continue
+            share = int(r["key_kept"]) / int(r["key_tokens"])
+            b = bins[0] if share == 0 else bins[3] if share == 1 else bins[1] if share < 0.5 else bins[2]
+            got[b][0] += int(r["forced_success"])
+            got[b][1] += 1
+        policies = len({r["policy"] for r in mine} - {"full"})
+        body.append([f"{MODEL_NAMES.get(model, model)} ({policies} policies)"] +
+                    [rate(*got[b]) if got[b][1] else "-" for b in bins])
+    return table(["model"] + [f"statement cached: {b}" for b in bins], body)
 
 
 def ppl_stats(rows, reference="streaming_llm", warmup=1152, batches=10):
@@ -324,7 +351,7 @@ def video_facts(rows, record):
 
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
               "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
-              "targets": targets}
+              "targets": targets, "needles_cached": needles_cached}
 
 
 def generate(doc_path):
