@@ -385,11 +385,46 @@ def generate(doc_path):
     return lines, out
 
 
+def self_test():
+    """The statistics of needles_cached and targets on a small grid worked out by hand: a full cache
+    answering 3 of 4 questions; policies A and B answering 2 of those 3 (one with the whole
+    statement, one with 6 of its 10 tokens, missing the one with none) and the question the full
+    cache misses (statement whole: 65% cached on average); A's perplexity 1.02 times StreamingLLM's
+    in every block (ratio 1.02, interval 1.02-1.02: not met), B's 1.005 times (met). Returns the
+    number of failures."""
+    needles, blocks = [], []
+    for trial, full_ok, a_ok, kept in [(1, 1, 1, 10), (2, 1, 0, 0), (3, 1, 1, 6), (4, 0, 1, 10)]:
+        for policy, ok, k in (("full", full_ok, 10), ("A", a_ok, kept), ("B", a_ok, kept)):
+            needles.append({"model": "m", "seed": "1", "trial": str(trial), "distance": "2048", "policy": policy,
+                            "forced_success": str(ok), "success": str(ok), "key_kept": str(k), "key_tokens": "10",
+                            "candidates": "8"})
+    for t in range(128, 10001, 128):  # one slice; blocks past the 1,152-token warm-up are compared
+        wobble = 1.0 + 0.01 * ((t // 128) % 3)  # the reference varies from block to block
+        for policy, f in (("streaming_llm", 1.0), ("A", 1.02), ("B", 1.005)):
+            blocks.append({"model": "m", "skip": "0", "tokens": str(t), "scored": "128", "policy": policy,
+                           "block_ppl": str(10.0 * wobble * f)})
+    got = {"targets": targets([blocks, needles], [{}, {}]), "needles_cached": needles_cached(needles, {})}
+    want = {"targets": ["| `A` | 1.0200 (1.0200-1.0200) | not met | 2/3 (21-94%) | not met | 65% |",
+                        "| `B` | 1.0050 (1.0050-1.0050) | met | 2/3 (21-94%) | not met | 65% |"],
+            "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"]}
+    bad = 0
+    for name, lines in want.items():
+        for line in lines:
+            if line not in got[name]:
+                print(f"eval_report self-test: {name}: no line {line!r} in:\n" + "\n".join(got[name]))
+                bad += 1
+    print("eval_report self-test: " + ("ok" if bad == 0 else f"{bad} failed"))
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("doc", nargs="?", default=os.path.join(ROOT, "docs/evaluation.md"))
     ap.add_argument("--check", action="store_true", help="compare only; fail when a table differs from its data")
+    ap.add_argument("--self-test", action="store_true", help="check the generators' statistics on a grid worked out by hand")
     a = ap.parse_args()
+    if a.self_test:
+        return 1 if self_test() else 0
     old, new = generate(a.doc)
     if old == new:
         print(f"eval_report: {a.doc}: every generated table matches its data")

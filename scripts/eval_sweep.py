@@ -75,8 +75,9 @@ ANSWER_COLUMNS = ["policy", "after", "fact", "kind", "person", "value", "stateme
                   "forced_success", "greedy_success", "true_logprob", "best_other_logprob", "answer"]
 
 
-def answer_rows(model, lead, j):
-    """One row per fact asked in an infkv-video JSON (its policies' answers)."""
+def answer_rows(model, lead, j, name=None):
+    """One row per fact asked in an infkv-video JSON (its policies' answers; `name`: a policy
+    variant's name in place of the program's)."""
     out = []
     for r in j["runs"]:
         for q in r.get("answers", []):
@@ -84,7 +85,7 @@ def answer_rows(model, lead, j):
             truth = f["candidates"].index(f["value"])
             lp = q["logprobs"]
             other = max(x for i, x in enumerate(lp) if i != truth)
-            out.append([model, *lead, r["policy"], q["after"], q["fact"], f["kind"], f["person"], f["value"],
+            out.append([model, *lead, name or r["policy"], q["after"], q["fact"], f["kind"], f["person"], f["value"],
                         f["statement_tokens"], q["statement_cached"], int(q["forced_success"]), int(q["greedy_success"]),
                         f"{lp[truth]:.4f}", f"{other:.4f}", q["answer"]])
     return out
@@ -128,6 +129,8 @@ def main():
     ap.add_argument("--report-only", action="store_true", help="write OUT from the runs already made")
     ap.add_argument("extra", nargs="*", help="more infkv-stream arguments, after --")
     a = ap.parse_args()
+    for p in a.policies.split(","):
+        policy_args(p)  # a malformed variant is refused before anything is made
 
     name = os.path.basename(a.out)
     work = a.work or os.path.join(os.environ.get("INFKV_CACHE", os.path.expanduser("~/.cache/infkv")), "eval", name)
@@ -250,7 +253,7 @@ def main():
                     continue
                 out_rows.append([m, *c[2], *row])
         if video:
-            answers += answer_rows(m, c[2], j)
+            answers += answer_rows(m, c[2], j, p if ":" in p else None)
         records.append({"model": m, "run": c[0], "policy": p, "file": os.path.basename(base) + ".json",
                         "load_average": [j.get("load_average_start"), j.get("load_average_end")]})
         if ":" in p:
