@@ -125,6 +125,16 @@ def needles_full(rows, record):
                   "misses bound to another person"], out)
 
 
+def full_successes(rows):
+    """The questions the full cache answers by forced choice, as (seed, trial, distance)."""
+    return {(r["seed"], r["trial"], r["distance"]) for r in rows if r["policy"] == "full" and r["forced_success"] == "1"}
+
+
+def statement_share(r):
+    """The share of a needle's statement tokens still cached at its question."""
+    return int(r["key_kept"]) / int(r["key_tokens"])
+
+
 def needle_stats(rows):
     """Per model, per policy run on every seed (in the CSV's order): the questions, forced and
     greedy successes, the forced successes among the questions the full cache answers by forced
@@ -134,9 +144,7 @@ def needle_stats(rows):
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         seeds = sorted({int(r["seed"]) for r in mine})
-        # the questions the full cache answers (forced choice), by (seed, trial, distance)
-        full_ok = {(r["seed"], r["trial"], r["distance"]) for r in mine
-                   if r["policy"] == "full" and r["forced_success"] == "1"}
+        full_ok = full_successes(mine)
         out[model] = OrderedDict()
         for policy in OrderedDict.fromkeys(r["policy"] for r in mine):
             g = [r for r in mine if r["policy"] == policy]
@@ -149,7 +157,7 @@ def needle_stats(rows):
                 "greedy": sum(int(r["success"]) for r in g),
                 "kept": sum(int(r["forced_success"]) for r in kept), "kept_of": len(kept),
                 "per_seed": [sum(int(r["forced_success"]) for r in by_seed[s]) for s in seeds],
-                "cached": sum(int(r["key_kept"]) / int(r["key_tokens"]) for r in g) / len(g)}
+                "cached": sum(statement_share(r) for r in g) / len(g)}
     return out
 
 
@@ -186,13 +194,12 @@ def needles_cached(rows, record):
     body = []
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        full_ok = {(r["seed"], r["trial"], r["distance"]) for r in mine
-                   if r["policy"] == "full" and r["forced_success"] == "1"}
+        full_ok = full_successes(mine)
         got = {b: [0, 0] for b in bins}
         for r in mine:
             if r["policy"] == "full" or (r["seed"], r["trial"], r["distance"]) not in full_ok:
                 continue
-            share = int(r["key_kept"]) / int(r["key_tokens"])
+            share = statement_share(r)
             b = bins[0] if share == 0 else bins[3] if share == 1 else bins[1] if share < 0.5 else bins[2]
             got[b][0] += int(r["forced_success"])
             got[b][1] += 1
@@ -206,7 +213,8 @@ def ppl_stats(rows, reference="streaming_llm", warmup=1152, batches=10):
     """Per model, per policy run on every slice: perplexity over every slice, and its ratio to the
     reference's on the same blocks after warm-up (blocks ending more than `warmup` tokens into the
     slice), over all slices, with the 95% t-interval over the slices' tenths (each slice cut into
-    `batches` contiguous batches: batch_logs), and each slice's own ratio (None for the reference)."""
+    `batches` contiguous batches: batch_logs), and each slice's own ratio (the reference: its
+    perplexity only)."""
     out = OrderedDict()
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
@@ -233,7 +241,7 @@ def ppl_stats(rows, reference="streaming_llm", warmup=1152, batches=10):
                 n += sn
                 logs += batch_logs(sa, sb, sn, batches)
                 per_slice.append(math.exp((sum(sa) - sum(sb)) / sum(sn)))
-            v = {"ppl": math.exp(all_nll / all_n), "skips": skips}
+            v = {"ppl": math.exp(all_nll / all_n)}
             if policy != reference:
                 v.update(ratio=math.exp((sum(a) - sum(b)) / sum(n)), interval=t_interval(logs), per_slice=per_slice)
             out[model][policy] = v
@@ -255,7 +263,7 @@ def ppl_slices(rows, record, reference="streaming_llm"):
                         ", ".join(f"{x:.3f}" for x in v["per_slice"])]
             body.append(row)
         body.sort(key=lambda r: float(r[2]))
-        skips = next(iter(stats.values()))["skips"]
+        skips = sorted({int(r["skip"]) for r in rows if r["model"] == model})
         tokens = record["protocol"].get("tokens")
         out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {len(skips)} slices of {tokens} tokens starting at token "
                       f"{', '.join(f'{k:,}' for k in skips)}:", ""]
