@@ -17,10 +17,10 @@ Generators:
   needles_full      the full cache per model, --people and seed: forced choice and greedy
                     successes with their 95% Wilson intervals, and how many misses are bound to
                     another person's value of the kind
-  needles_policies  per model and policy, pooled over the seeds: forced-choice and greedy
-                    successes, the share of the full cache's forced successes kept, each with a
-                    95% Wilson interval, the per-seed forced successes and the statement tokens
-                    still cached at the question
+  needles_policies  per model, distance and policy, pooled over the seeds: forced-choice and
+                    greedy successes, the share of the full cache's forced successes kept (when
+                    the data has a full cache), each with a 95% Wilson interval, the per-seed
+                    forced successes and the statement tokens still cached at the question
   ppl_slices        per model and policy, perplexity on disjoint slices of the text and its ratio
                     to StreamingLLM's on the same blocks, with the 95% t-interval over the
                     slices' tenths (batch means) and each slice's ratio
@@ -162,27 +162,34 @@ def needle_stats(rows):
 
 
 def needles_policies(rows, record):
+    """Per model and distance (needle_stats): one table of every policy run on every seed. Without
+    a full cache in the data (a distance beyond a model's trained context) the column of the full
+    cache's forced successes is left out."""
     out_lines = []
-    for model, stats in needle_stats(rows).items():
-        mine = [r for r in rows if r["model"] == model]
-        seeds = sorted({int(r["seed"]) for r in mine})
-        body = [[f"`{policy}`", rate(v["forced"], v["n"]), rate(v["greedy"], v["n"]),
-                 rate(v["kept"], v["kept_of"]) if policy != "full" else "-", ", ".join(str(x) for x in v["per_seed"]),
-                 f"{100 * v['cached']:.0f}%"] for policy, v in stats.items()]
-        body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
-        distances = sorted({int(r["distance"]) for r in mine})
-        full = [r for r in mine if r["policy"] == "full"]
-        per_seed = len([r for r in full if int(r["seed"]) == seeds[0]])
-        # a guess uniform over the kind's candidates ranks the true value first with 1 / candidates
-        chance = sum(1 / int(r["candidates"]) for r in full)
-        which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
-        out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
-                      f"({per_seed} questions per seed, distance {', '.join(str(d) for d in distances)}; a uniform "
-                      f"guess among the candidates would be chosen right in {chance:.1f} of the {len(full)} "
-                      f"questions):", ""]
-        out_lines += table(["policy", "forced choice", "greedy", "of the full cache's forced successes",
-                            "forced, per seed", "statement tokens cached"], body)
-        out_lines.append("")
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        for distance in sorted({int(r["distance"]) for r in rows if r["model"] == model}):
+            mine = [r for r in rows if r["model"] == model and int(r["distance"]) == distance]
+            stats = needle_stats(mine)[model]
+            has_full = "full" in stats
+            body = [[f"`{policy}`", rate(v["forced"], v["n"]), rate(v["greedy"], v["n"])] +
+                    ([rate(v["kept"], v["kept_of"]) if policy != "full" else "-"] if has_full else []) +
+                    [", ".join(str(x) for x in v["per_seed"]), f"{100 * v['cached']:.0f}%"]
+                    for policy, v in stats.items()]
+            body.sort(key=lambda b: (b[0] != "`full`", -int(b[1].split("/")[0])))
+            seeds = sorted({int(r["seed"]) for r in mine})
+            first = [r for r in mine if r["policy"] == next(iter(stats))]
+            per_seed = len([r for r in first if int(r["seed"]) == seeds[0]])
+            # a guess uniform over the kind's candidates ranks the true value first with 1 / candidates
+            chance = sum(1 / int(r["candidates"]) for r in first)
+            which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+            out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
+                          f"({per_seed} questions per seed, distance {distance}; a uniform guess among the "
+                          f"candidates would be chosen right in {chance:.1f} of the {len(first)} questions"
+                          f"{'' if has_full else '; no full cache: the distance is beyond the trained context'}):", ""]
+            out_lines += table(["policy", "forced choice", "greedy"] +
+                               (["of the full cache's forced successes"] if has_full else []) +
+                               ["forced, per seed", "statement tokens cached"], body)
+            out_lines.append("")
     return out_lines[:-1]
 
 
@@ -399,7 +406,7 @@ def self_test():
     statement, one with 6 of its 10 tokens, missing the one with none) and the question the full
     cache misses (statement whole: 65% cached on average); A's perplexity 1.02 times StreamingLLM's
     in every block (ratio 1.02, interval 1.02-1.02: not met), B's 1.005 times (met). Returns the
-    number of failures."""
+    number of failures. Without the full cache's rows, needles_policies leaves its column out."""
     needles, blocks = [], []
     for trial, full_ok, a_ok, kept in [(1, 1, 1, 10), (2, 1, 0, 0), (3, 1, 1, 6), (4, 0, 1, 10)]:
         for policy, ok, k in (("full", full_ok, 10), ("A", a_ok, kept), ("B", a_ok, kept)):
@@ -411,10 +418,14 @@ def self_test():
         for policy, f in (("streaming_llm", 1.0), ("A", 1.02), ("B", 1.005)):
             blocks.append({"model": "m", "skip": "0", "tokens": str(t), "scored": "128", "policy": policy,
                            "block_ppl": str(10.0 * wobble * f)})
-    got = {"targets": targets([blocks, needles], [{}, {}]), "needles_cached": needles_cached(needles, {})}
+    got = {"targets": targets([blocks, needles], [{}, {}]), "needles_cached": needles_cached(needles, {}),
+           "needles_policies": needles_policies([r for r in needles if r["policy"] != "full"], {})}
     want = {"targets": ["| `A` | 1.0200 (1.0200-1.0200) | not met | 2/3 (21-94%) | not met | 65% |",
                         "| `B` | 1.0050 (1.0050-1.0050) | met | 2/3 (21-94%) | not met | 65% |"],
-            "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"]}
+            "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"],
+            # without a full cache (beyond the trained context) its column is left out
+            "needles_policies": ["| policy | forced choice | greedy | forced, per seed | statement tokens cached |",
+                                 "| `A` | 3/4 (30-95%) | 3/4 (30-95%) | 3 | 65% |"]}
     bad = 0
     for name, lines in want.items():
         for line in lines:
