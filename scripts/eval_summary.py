@@ -9,9 +9,9 @@ concatenated): success rate and share of the key statement's tokens still cached
 per policy and distance; for needles with the forced choice, its successes beside the greedy ones;
 for needles of several kinds, then the success per kind.
 
-    scripts/eval_summary.py docs/evaluation/kjv200k.csv [--reference recompute] [--warmup 1152]
-    scripts/eval_summary.py docs/evaluation/passkey.csv
-    scripts/eval_summary.py docs/evaluation/needle.csv
+    scripts/eval_summary.py ppl.csv [--reference recompute] [--warmup 1152]   # infkv-stream --csv files
+    scripts/eval_summary.py passkey.csv
+    scripts/eval_summary.py needles.csv
 """
 import argparse
 import csv

@@ -9,7 +9,7 @@ of the log ratio over --smooth blocks, against the tokens streamed. 1.0 is the r
 2% worse on those blocks. Prints each policy's ratio over all matched blocks (exp of the mean log
 ratio, weighted by tokens). Writes a PNG with gnuplot.
 
-    scripts/relative_plot.py docs/evaluation/kjv200k.csv --reference streaming_llm --out rel.png
+    scripts/relative_plot.py ppl.csv --reference streaming_llm --out rel.png   # infkv-stream --csv files
 """
 import argparse
 import math
