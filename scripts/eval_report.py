@@ -37,6 +37,13 @@ Generators:
                     policy run in both, the perplexity ratio to StreamingLLM and the share of the
                     full cache's forced successes kept, each with its interval and whether it
                     meets its target (interval <= 1.01; >= 90%)
+  kvpress_prefill   scripts/kvpress_side_by_side.py's JSON (bench/results/python): per press and
+                    ratio, perplexity, NLL difference from the full cache (paired bootstrap
+                    interval), needle successes (Wilson intervals)
+  kvpress_decoding  its --decoding JSONs (A.json+B.json): per press, perplexity, NLL difference over
+                    64-token blocks (bootstrap interval), slots at the end
+  prefill_memory    scripts/prefill_memory.py's JSON: cache bytes and resident-set growth of plain
+                    and block-wise prefill per prompt length
 """
 import argparse
 import csv
@@ -44,6 +51,7 @@ import difflib
 import json
 import math
 import os
+import random
 import re
 import sys
 from collections import OrderedDict
@@ -74,13 +82,17 @@ def load(doc_dir, data):
             sys.exit(f"eval_report: {data}: no {p} (a marker names data that is not committed)")
     with open(record_path) as f:
         record = json.load(f)
-    if data.endswith(".json"):
-        return record, record["provenance"]
+    if data.endswith(".json"):  # scripts/provenance.py's record, or the Python benchmarks' own fields
+        return record, record.get("provenance", record)
     with open(path, newline="") as f:
         return list(csv.DictReader(f)), record
 
 
 def provenance(data, record):
+    if "command" not in record and "program" in record:  # bench/results/python: the script's own fields
+        versions = ", ".join(f"{k} {record[k]}" for k in ("kvpress", "torch", "transformers") if k in record)
+        return ["", f"Data: [{data}]({data}): commit {record['commit'][:7]}, made by `{record['program']}`; model "
+                    f"{record['model']}; {versions}."]
     if "models" not in record:  # a JSON result: its own provenance record
         return ["", f"Data: [{data}]({data}) with its provenance: commit {record['commit'][:7]}"
                     f"{' (uncommitted changes)' if record['dirty'] else ''}, made by `{record['command']}`."]
@@ -364,9 +376,82 @@ def video_facts(rows, record):
                "statements cached whole"], body)
 
 
+def bootstrap_mean(xs, reps=2000, seed=0):
+    """The 95% percentile-bootstrap interval of the mean of xs (a fixed seed: the table is
+    reproducible)."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(reps))
+    return [means[int(0.025 * reps)], means[int(0.975 * reps) - 1]]
+
+
+def kvpress_prefill(j, record):
+    """scripts/kvpress_side_by_side.py's JSON: per press and compression ratio the perplexity (exp
+    of the mean NLL over the samples), the mean NLL difference from the full cache on the same
+    samples with its paired bootstrap 95% interval, and the needle's forced-choice and greedy
+    successes with their 95% Wilson intervals."""
+    ratios, res = j["ratios"], j["results"]
+    full = res["full"]
+    n = len(full["forced"])
+    head = ["press"] + [x for r in ratios for x in (f"{1 - r:.0%} kept: PPL (dNLL vs full [95%])",
+                                                    "needle forced, greedy")]
+    body = [["full cache", f"{full['ppl_mean_nll']:.3f}", f"{rate(sum(full['forced']), n)}, "
+             f"{rate(sum(full['greedy']), n)}"] + [""] * (2 * len(ratios) - 2)]
+
+    def cells(r):
+        dd = [a - b for a, b in zip(r["nll"], full["nll"])]
+        lo, hi = bootstrap_mean(dd)
+        return [f"{r['ppl_mean_nll']:.3f} ({sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}])",
+                f"{rate(sum(r['forced']), n)}, {rate(sum(r['greedy']), n)}"]
+
+    for press in dict.fromkeys(r["press"] for k, r in res.items() if k != "full"):
+        body.append([press] + [c for r in ratios for c in cells(res[f"{press} @ {r}"])])
+    return table(head, body)
+
+
+def kvpress_decoding(js, records):
+    """scripts/kvpress_side_by_side.py --decoding's JSONs (DATA: A.json+B.json, the presses of B
+    after A's; the full cache of the first): per press the perplexity, the NLL difference from
+    the full cache over the same 64-token blocks with its bootstrap 95% interval, and the slots
+    held at the end."""
+    results = OrderedDict()
+    for x in js:
+        results.update((k, v) for k, v in x["results"].items() if k not in results)
+    j = js[0]
+    full = results["full"]
+
+    def blocks(r):
+        return [sum(q[i:i + 64]) / len(q[i:i + 64]) for q in r["nll"] for i in range(0, len(q), 64)]
+
+    body = []
+    for name, r in results.items():
+        dd = [a - b for a, b in zip(blocks(r), blocks(full))]
+        lo, hi = bootstrap_mean(dd)
+        body.append([name, f"{r['ppl_mean_nll']:.3f}", "" if name == "full" else
+                     f"{sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}]", ", ".join(map(str, r["final_slots"]))])
+    return table([f"press (DecodingPress, target {j['target']}, interval {j['interval']})", "PPL",
+                  "dNLL vs full [95%]", "slots at the end"], body)
+
+
+def prefill_memory(j, record):
+    """scripts/prefill_memory.py's JSON: per prompt length the plain prefill's cache bytes and
+    resident-set growth beside block-wise prefill's peak and final cache bytes and its growth."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB"
+    runs = {(r["mode"], r["tokens"]): r for r in j["runs"]}
+    body = []
+    for tokens in sorted({t for _, t in runs}):
+        p, b = runs.get(("plain", tokens)), runs.get(("blockwise", tokens))
+        body.append([f"{tokens:,}"] + ([mib(p["kv_bytes_peak"]), mib(p["rss_growth_peak_bytes"])] if p else
+                                       ["not run", "not run"]) +
+                    ([mib(b["kv_bytes_peak"]), mib(b["kv_bytes_end"]), mib(b["rss_growth_peak_bytes"])] if b else
+                     ["not run"] * 3))
+    return table(["tokens", "plain: KV", "plain: RSS growth", "block-wise: peak KV", "block-wise: KV after",
+                  "block-wise: RSS growth"], body)
+
+
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
               "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
-              "targets": targets, "needles_cached": needles_cached}
+              "targets": targets, "needles_cached": needles_cached, "kvpress_prefill": kvpress_prefill,
+              "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory}
 
 
 def generate(doc_path):

@@ -21,7 +21,7 @@ bootstrap 95% interval of the mean NLL over samples and Wilson intervals of the 
 Run with the Python environment of scripts/python_env.sh, the package installed
 (scripts/python_test.sh installs it):
   $(scripts/python_env.sh)/bin/python scripts/kvpress_side_by_side.py --model M --text T > out.json
-  python3 scripts/kvpress_side_by_side.py --table out.json   # the markdown table of docs/evaluation.md"""
+  python3 scripts/kvpress_side_by_side.py --table out.json   # its markdown table (scripts/eval_report.py)"""
 import argparse
 import contextlib
 import importlib.metadata as md
@@ -33,6 +33,11 @@ import random
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import eval_report  # noqa: E402  (the tables and their statistics; standard library only)
+from eval_report import bootstrap_mean  # noqa: E402
+from eval_summary import wilson  # noqa: E402
 
 if "--table" not in sys.argv:  # the table needs only the JSON
     import torch
@@ -174,56 +179,12 @@ def decoding_main(a, model, ids, commit):
         "results": res}, indent=1))
 
 
-def wilson(k, n, z=1.96):
-    if n == 0:
-        return [0.0, 1.0]
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return [max(0.0, c - h), min(1.0, c + h)]
-
-
-def bootstrap_mean(xs, reps=2000, seed=0):
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(reps))
-    return [means[int(0.025 * reps)], means[int(0.975 * reps) - 1]]
-
-
 def table(path):
-    """Markdown: one row per press; per ratio the perplexity (exp of the mean NLL over the samples),
-    the mean NLL difference from the full cache on the same samples with its paired bootstrap 95%
-    interval, and the needle's forced-choice and greedy successes out of the samples."""
-    d = json.load(open(path, encoding="utf-8"))
-    if "target" in d:  # --decoding: one column, intervals over 64-token blocks paired with the full cache
-        full = d["results"]["full"]
-        blocks = lambda r: [sum(q[i:i + 64]) / len(q[i:i + 64]) for q in r["nll"] for i in range(0, len(q), 64)]
-        print(f"| press (DecodingPress, target {d['target']}, interval {d['interval']}) | PPL | "
-              "dNLL vs full [95%] | slots at the end |")
-        print("|---|---|---|---|")
-        for name, r in d["results"].items():
-            dd = [a - b for a, b in zip(blocks(r), blocks(full))]
-            lo, hi = bootstrap_mean(dd)
-            diff = "" if name == "full" else f"{sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}]"
-            print(f"| {name} | {r['ppl_mean_nll']:.3f} | {diff} | {', '.join(map(str, r['final_slots']))} |")
-        return
-    ratios, res = d["ratios"], d["results"]
-    full = res["full"]
-    n = len(full["forced"])
-    print("| press | " + " | ".join(f"{1 - r:.0%} kept: PPL (dNLL vs full [95%]) | needle forced, greedy"
-                                       for r in ratios) + " |")
-    print("|" + "---|" * (1 + 2 * len(ratios)))
-    print(f"| full cache | {full['ppl_mean_nll']:.3f} | {sum(full['forced'])}/{n}, {sum(full['greedy'])}/{n} |"
-          + " | |" * (len(ratios) - 1))
-
-    def cell(r):
-        dd = [a - b for a, b in zip(r["nll"], full["nll"])]
-        lo, hi = bootstrap_mean(dd)
-        return (f"{r['ppl_mean_nll']:.3f} ({sum(dd) / len(dd):+.3f} [{lo:+.3f}, {hi:+.3f}]) | "
-                f"{sum(r['forced'])}/{n}, {sum(r['greedy'])}/{n}")
-
-    for press in dict.fromkeys(r["press"] for k, r in res.items() if k != "full"):
-        print(f"| {press} | " + " | ".join(cell(res[f"{press} @ {r}"]) for r in ratios) + " |")
+    """The markdown table of docs/evaluation.md (scripts/eval_report.py's generators, which also
+    keep the document's copy equal to the JSON)."""
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    print("\n".join(eval_report.kvpress_decoding([d], [d]) if "target" in d else eval_report.kvpress_prefill(d, d)))
 
 
 def main():
