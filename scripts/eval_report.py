@@ -31,8 +31,8 @@ Generators:
   video_facts       infkv-video's answers (DATA_answers.csv): per policy and further frames, the
                     facts' forced-choice and greedy successes with 95% Wilson intervals
   needles_cached    per model, pooled over the evicting policies: of the full cache's forced
-                    successes, those a policy keeps, by the share of the statement it held
-                    (none, under half, half or more, all)
+                    successes (every question, without a full cache), those a policy keeps, by
+                    the share of the statement it held (none, under half, half or more, all)
   targets           DATA is PPL.csv+NEEDLES.csv, a perplexity and a needle sweep: per model and
                     policy run in both, the perplexity ratio to StreamingLLM and the share of the
                     full cache's forced successes kept, each with its interval and whether it
@@ -207,23 +207,26 @@ def needles_policies(rows, record):
 
 def needles_cached(rows, record):
     """Per model, pooled over the evicting policies and seeds: of the questions the full cache
-    answers by forced choice, how many each policy answers too, by how much of the needle's
-    statement it still held at the question (none, under half, half or more, all of its tokens)."""
+    answers by forced choice (every question where the data has no full cache), how many each
+    policy answers too, by how much of the needle's statement it still held at the question (none,
+    under half, half or more, all of its tokens)."""
     bins = ["none", "under half", "half or more", "all"]
     body = []
     for model in OrderedDict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         full_ok = full_successes(mine)
+        has_full = any(r["policy"] == "full" for r in mine)
         got = {b: [0, 0] for b in bins}
         for r in mine:
-            if r["policy"] == "full" or (r["seed"], r["trial"], r["distance"]) not in full_ok:
+            if r["policy"] == "full" or (has_full and (r["seed"], r["trial"], r["distance"]) not in full_ok):
                 continue
             share = statement_share(r)
             b = bins[0] if share == 0 else bins[3] if share == 1 else bins[1] if share < 0.5 else bins[2]
             got[b][0] += int(r["forced_success"])
             got[b][1] += 1
         policies = len({r["policy"] for r in mine} - {"full"})
-        body.append([f"{MODEL_NAMES.get(model, model)} ({policies} policies)"] +
+        body.append([f"{MODEL_NAMES.get(model, model)} ({policies} policies"
+                     f"{'' if has_full else ', every question: no full cache'})"] +
                     [rate(*got[b]) if got[b][1] else "-" for b in bins])
     return table(["model"] + [f"statement cached: {b}" for b in bins], body)
 
@@ -491,7 +494,8 @@ def self_test():
     statement, one with 6 of its 10 tokens, missing the one with none) and the question the full
     cache misses (statement whole: 65% cached on average); A's perplexity 1.02 times StreamingLLM's
     in every block (ratio 1.02, interval 1.02-1.02: not met), B's 1.005 times (met). Returns the
-    number of failures. Without the full cache's rows, needles_policies leaves its column out."""
+    number of failures. Without the full cache's rows, needles_policies leaves its column out and
+    needles_cached counts every question."""
     needles, blocks = [], []
     for trial, full_ok, a_ok, kept in [(1, 1, 1, 10), (2, 1, 0, 0), (3, 1, 1, 6), (4, 0, 1, 10)]:
         for policy, ok, k in (("full", full_ok, 10), ("A", a_ok, kept), ("B", a_ok, kept)):
@@ -504,13 +508,17 @@ def self_test():
             blocks.append({"model": "m", "skip": "0", "tokens": str(t), "scored": "128", "policy": policy,
                            "block_ppl": str(10.0 * wobble * f)})
     got = {"targets": targets([blocks, needles], [{}, {}]), "needles_cached": needles_cached(needles, {}),
-           "needles_policies": needles_policies([r for r in needles if r["policy"] != "full"], {})}
+           "needles_policies": needles_policies([r for r in needles if r["policy"] != "full"], {}),
+           "needles_cached, no full cache": needles_cached([r for r in needles if r["policy"] != "full"], {})}
     want = {"targets": ["| `A` | 1.0200 (1.0200-1.0200) | not met | 2/3 (21-94%) | not met | 65% |",
                         "| `B` | 1.0050 (1.0050-1.0050) | met | 2/3 (21-94%) | not met | 65% |"],
             "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"],
             # without a full cache (beyond the trained context) its column is left out
             "needles_policies": ["| policy | forced choice | greedy | forced, per seed | statement tokens cached |",
-                                 "| `A` | 3/4 (30-95%) | 3/4 (30-95%) | 3 | 65% |"]}
+                                 "| `A` | 3/4 (30-95%) | 3/4 (30-95%) | 3 | 65% |"],
+            # and needles_cached counts every question, the one the full cache missed included
+            "needles_cached, no full cache": ["| m (2 policies, every question: no full cache) | 0/2 (0-66%) | - | "
+                                              "2/2 (34-100%) | 4/4 (51-100%) |"]}
     bad = 0
     for name, lines in want.items():
         for line in lines:
