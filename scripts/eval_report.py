@@ -197,7 +197,7 @@ def needles_policies(rows, record):
             out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
                           f"({per_seed} questions per seed, distance {distance}; a uniform guess among the "
                           f"candidates would be chosen right in {chance:.1f} of the {len(first)} questions"
-                          f"{'' if has_full else '; no full cache: the distance is beyond the trained context'}):", ""]
+                          f"{'' if has_full else '; the full cache was not run'}):", ""]
             out_lines += table(["policy", "forced choice", "greedy"] +
                                (["of the full cache's forced successes"] if has_full else []) +
                                ["forced, per seed", "statement tokens cached"], body)
