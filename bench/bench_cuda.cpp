@@ -176,19 +176,19 @@ struct layer {
 void score(benchmark::State& state, infkv::policy_spec spec) {
   const layer ly(state.range(0));
   const infkv::cuda::backend be{nullptr, g_status};
-  const infkv::score_source src = spec.source;
-  spec.pool = infkv::pooling::none, spec.value_norm = false, spec.bias = {};
+  const infkv::score_source src = spec.score.source;
+  spec.score.pool = infkv::pooling::none, spec.score.value_norm = false, spec.score.bias = {};
   const auto in = ly.in();
   const infkv::plan p = infkv::make_plan(be, spec, {.ratio = 1.0}, infkv::shape_of(in));
   auto* ws = dmalloc<std::byte>(p.workspace_bytes);
   const std::span<std::byte> w(ws, p.workspace_bytes);
   timed(state, [&] { infkv::run_scores(p, be, in, w); });
   cudaFree(ws);
-  const auto c = shape(ly.n, ly.n, spec.queries);
+  const auto c = shape(ly.n, ly.n, spec.score.queries);
   report(state, src == infkv::score_source::key_diversity        ? infkv_bench::keydiff(c)
                 : src == infkv::score_source::expected_attention ? infkv_bench::expected_attention(c)
                 : src == infkv::score_source::last_query         ? infkv_bench::window_scoring(c, 1)
-                                                                 : infkv_bench::window_scoring(c, spec.queries));
+                                                                 : infkv_bench::window_scoring(c, spec.score.queries));
 }
 
 void BM_window_scoring(benchmark::State& s) { score(s, infkv::snapkv{.window = 32}.spec()); }
@@ -227,7 +227,7 @@ void select(benchmark::State& state, bool adakv) {
   ok(cudaMemcpy(dt, t.data(), t.size() * sizeof(infkv::token), cudaMemcpyHostToDevice));
   infkv::layer_inputs<> in;
   in.tokens = {dt, std::size_t(n)}, in.accumulated = {ds, heads, n, n};
-  const infkv::policy_spec spec{.name = "bench", .source = infkv::score_source::accumulated};
+  const infkv::policy_spec spec{.name = "bench", .score = {.source = infkv::score_source::accumulated}};
   infkv::plan_options opt{.g = infkv::granularity::per_head};
   if (adakv) opt.adakv = infkv::adakv{.alpha = 0.2};
   const infkv::plan p =
@@ -261,7 +261,7 @@ void BM_pool(benchmark::State& state) {
   for (std::int64_t i = 0; i < n; ++i) o[std::size_t(i)] = i;
   auto* order = dmalloc<std::int64_t>(o.size());
   ok(cudaMemcpy(order, o.data(), o.size() * 8, cudaMemcpyHostToDevice));
-  const infkv::policy_spec spec{.name = "bench", .pool = infkv::pooling::avg, .kernel = 7, .pool_tail = 32};
+  const infkv::score_spec spec{.pool = infkv::pooling::avg, .kernel = 7, .pool_tail = 32};
   auto* scratch = dmalloc<std::byte>(std::size_t(rows * n) * 4 + 4096);
   timed(state, [&] { be.pool({s, rows, n, n}, order, spec, {scratch, std::size_t(rows * n) * 4 + 4096}); });
   state.counters["of_copy"] = of_copy(double(rows * n) * 4 * 4 + double(rows * n) * 8 * 2);  // scores x4, order x2

@@ -39,8 +39,8 @@ struct cache {
 
 template <class R>
 void check(const layer_inputs<R>& in, const budget& b, granularity g) {
-  infkv_test::for_each_policy(in, [&](const std::string&, const auto& pol) {
-    const auto inputs = cpu::inputs_for(pol, in);
+  infkv_test::for_each_policy(in, [&](const std::string&, const auto& pol, const auto& with) {
+    const auto inputs = with(in);
     keep_set k;
     try {
       k = cpu::select(pol, b, inputs, g);
@@ -70,7 +70,7 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
     layer_inputs<> fixed;
     fixed.tokens = in.tokens, fixed.accumulated = scores.view();
     const policy_spec spec{
-        .name = "fixed", .source = score_source::accumulated, .protect_recent = pol.spec().protect_recent};
+        .name = "fixed", .score = {.source = score_source::accumulated}, .protect_recent = pol.spec().protect_recent};
     cuda::status_word status = cuda::status_ok;
     const infkv_test::host_cuda_backend gb{{}, &status};
     const plan gp = make_plan(gb, spec, b, shape_of(fixed), {.g = g});

@@ -174,7 +174,7 @@ def cases(a, tmp):
     out.append((a.bench, with_opt(pre, "--text", small), "--tokens", None))  # beyond the text
     out.append((a.bench, pre + ["--mode", "plain", "--tokens", "99999999999"], "--tokens", None))
     ints(a.bench, pre, "--mode", ["fast", ""])
-    ints(a.bench, pre, "--policy", ["no_such_policy", "h2o", "context_shift", "full"])
+    ints(a.bench, pre, "--policy", ["no_such_policy", "context_shift", "full"])
     if not a.video:
         return bases, out
 

@@ -11,4 +11,4 @@ export INFKV_MODEL INFKV_TEXT INFKV_REQUIRE_MODEL=1
 INFKV_MODEL=$(scripts/model.sh)
 INFKV_TEXT=$(scripts/kjv.sh)
 cd python   # outside the repository root: the installed package is tested, not python/infkv
-exec "$env/bin/pytest" -q -p no:cacheprovider tests "$@"
+exec "$env/bin/pytest" -q -rs -p no:cacheprovider tests "$@"   # -rs: every skip with its reason

@@ -5,6 +5,8 @@
 //              observation window left out (per query head for max, then the GQA group mean) ->
 //              window gets the row's mean -> attention bias -> fold into the reduction (per layer / token)
 //   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
+//   union (a spec with a second score): select `share` of the room by the first score's decision,
+//           mark those slots first in the second's, select the whole budget by the second
 //
 // CUB's two-phase convention: `make_plan` sizes every output and the caller's workspace (the
 // backend adds its own scratch), `run` uses only that workspace and the backend's executor (a
@@ -20,6 +22,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "allocation.hpp"
 #include "budget.hpp"
@@ -66,11 +69,12 @@ struct plan {
   budget keep;  ///< the budget after the policy's protection
   plan_options opt;
   layer_shape shape;
-  std::int64_t source_rows = 0;    ///< rows the source writes
-  std::int64_t finished_rows = 0;  ///< rows after pooling, group mean and bias
+  std::int64_t source_rows = 0;    ///< rows the (first) source writes
+  std::int64_t finished_rows = 0;  ///< rows after pooling, group mean and bias (first score)
   std::int64_t units = 0;          ///< decision units of the keep set
   std::int64_t keep_per_unit = 0;  ///< slots each unit keeps (AdaKV: on average)
   std::int64_t kept_total = 0;     ///< slots the keep set holds in all
+  std::int64_t first_share = 0;    ///< a union's slots kept by its first score (protected ones included)
   std::size_t order = 0, scores = 0, finished = 0, acc = 0, caps = 0, backend = 0;
   std::size_t workspace_bytes = 0;
 
@@ -82,26 +86,55 @@ struct plan {
 
 /// A backend: the primitives the pipeline calls, each implemented once per backend. Spans and
 /// views point to memory the backend can address (host memory for the CPU, device memory for a
-/// GPU); `scratch` is the backend's part of the workspace (`scratch_bytes` sized it), lent to
-/// each primitive in turn: nothing in it outlives the call.
+/// GPU); `scratch` is the backend's part of the workspace (`scratch_bytes` sized it for one score
+/// part), lent to each primitive in turn: nothing in it outlives the call. `mark(s, slots, count)`
+/// sets row 0 of `s` to +infinity at the `count` slots of `slots` (a union's first picks).
 template <class B, class R = const_tensor_view>
-concept backend = requires(const B& b, const policy_spec& spec, const layer_shape& shape, const plan_options& opt,
+concept backend = requires(const B& b, const score_spec& score, const layer_shape& shape, const plan_options& opt,
                            const layer_inputs<R>& in, std::span<const token> tokens, std::int64_t* order,
                            const std::int64_t* corder, score_view s, std::span<std::byte> scratch, std::int64_t* caps,
                            keep_view out, reduction r, const adakv& a, const budget& bud) {
-  { b.scratch_bytes(spec, shape, opt) } -> std::convertible_to<std::size_t>;
+  { b.scratch_bytes(score, shape, opt) } -> std::convertible_to<std::size_t>;
   b.time_order(tokens, order, scratch);
-  b.score(spec, in, corder, s, scratch);
+  b.score(score, in, corder, s, scratch);
   b.value_norm(s, in.values, scratch);
-  b.pool(s, corder, spec, scratch);
+  b.pool(s, corder, score, scratch);
   b.group_mean(s, s);
   b.fill_tail(s, corder, std::int64_t{0}, scratch);
-  b.bias(s, tokens, corder, spec, scratch);
+  b.bias(s, tokens, corder, score, scratch);
   b.reduce(s, s, r, true);
   b.finish_reduction(s, r, std::int64_t{1});
   b.allocate(a, s, corder, bud, std::int64_t{0}, caps, scratch);
   b.select(s, tokens, corder, caps, std::int64_t{0}, bud, out, scratch);
+  b.mark(s, corder, std::int64_t{0});
 };
+
+namespace detail {
+
+/// Checks one score part of `spec` against the shape; returns the rows its source writes and the
+/// rows its finish leaves.
+inline std::pair<std::int64_t, std::int64_t> check_part(const policy_spec& spec, std::int32_t i,
+                                                        const layer_shape& shape) {
+  const score_spec& s = spec.part(i);
+  const std::string name = std::string(spec.name) + (i == 0 ? "" : ".second");
+  INFKV_REQUIRE(s.kernel >= 1 && s.kernel % 2 == 1, name + ".kernel", s.kernel, "must be odd and >= 1");
+  INFKV_REQUIRE(s.pool_tail >= 0, name + ".pool_tail", s.pool_tail, "must be >= 0");
+  s.bias.validate();
+  if (s.source == score_source::expected_attention) s.expect.validate(name);
+  if (s.source == score_source::accumulated) s.accumulate.validate(name);
+  if (s.reads_queries()) {
+    INFKV_REQUIRE(s.queries >= 1, name + ".window", s.queries, "must be >= 1");
+    INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, name, " needs at least one query");
+    INFKV_REQUIRE(shape.q_heads >= 1 && shape.q_heads % shape.kv_heads == 0, "queries.n_heads", shape.q_heads,
+                  "must be a positive multiple of keys.n_heads (", shape.kv_heads, ")");
+  }
+  INFKV_REQUIRE(!s.value_norm || !s.one_row(), name + ".value_norm", "true", "value norms weight per-KV-head scores; ",
+                name, " scores one row for all heads");
+  const std::int64_t finished = s.one_row() ? 1 : shape.kv_heads;
+  return {s.pools_per_query_head() ? shape.q_heads : finished, finished};
+}
+
+}  // namespace detail
 
 /// Plans a run of policy spec `spec` with budget `b` over layers of shape `shape` on backend `be`.
 /// Checks every parameter against the shape (no data is read).
@@ -116,27 +149,32 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   INFKV_REQUIRE(opt.n_layers >= 1, "plan_options.n_layers", opt.n_layers, "must be >= 1");
   INFKV_REQUIRE(opt.n_layers == 1 || opt.g == granularity::per_token, "plan_options.n_layers", opt.n_layers,
                 "several layers combine only into a per_token decision; granularity = ", to_string(opt.g));
-  INFKV_REQUIRE(spec.kernel >= 1 && spec.kernel % 2 == 1, std::string(spec.name) + ".kernel", spec.kernel,
-                "must be odd and >= 1");
-  INFKV_REQUIRE(spec.pool_tail >= 0, std::string(spec.name) + ".pool_tail", spec.pool_tail, "must be >= 0");
-  spec.bias.validate();
-  if (spec.source == score_source::expected_attention) spec.expect.validate(spec.name);
-  if (spec.reads_queries()) {
-    INFKV_REQUIRE(spec.queries >= 1, std::string(spec.name) + ".window", spec.queries, "must be >= 1");
-    INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, spec.name, " needs at least one query");
-    INFKV_REQUIRE(shape.q_heads >= 1 && shape.q_heads % shape.kv_heads == 0, "queries.n_heads", shape.q_heads,
-                  "must be a positive multiple of keys.n_heads (", shape.kv_heads, ")");
+  const bool per_head = opt.g == granularity::per_head;
+  if (spec.second) {
+    INFKV_REQUIRE(std::isfinite(spec.share) && spec.share >= 0.0 && spec.share <= 1.0,
+                  std::string(spec.name) + ".share", spec.share, "must be in [0, 1]");
+    INFKV_REQUIRE(!per_head, "plan_options.g", to_string(opt.g), spec.name,
+                  " unites two selections of one decision per layer or token: plan per_layer or per_token");
+    INFKV_REQUIRE(!opt.adakv, "plan_options.adakv.alpha", opt.adakv ? opt.adakv->alpha : 0.0, spec.name,
+                  " has no per-head budgets to allocate");
+  }
+  std::int64_t scores_rows = 0, finished_rows = 0;
+  std::size_t scratch = 0;
+  for (std::int32_t i = 0; i < spec.parts(); ++i) {
+    const auto [source, finished] = detail::check_part(spec, i, shape);
+    if (i == 0) p.source_rows = source, p.finished_rows = finished;
+    scores_rows = std::max(scores_rows, source);
+    if (spec.part(i).pools_per_query_head()) finished_rows = std::max(finished_rows, finished);
+    scratch = std::max(scratch, std::size_t(be.scratch_bytes(spec.part(i), shape, opt)));
   }
   const std::int64_t n = shape.n_slots;
-  const bool one_row = spec.source == score_source::recency || spec.source == score_source::last_query;
-  INFKV_REQUIRE(!spec.value_norm || !one_row, std::string(spec.name) + ".value_norm", "true",
-                "value norms weight per-KV-head scores; ", spec.name, " scores one row for all heads");
-  p.source_rows = one_row ? 1 : spec.pools_per_query_head() ? shape.q_heads : shape.kv_heads;
-  p.finished_rows = one_row ? 1 : shape.kv_heads;
-  const bool per_head = opt.g == granularity::per_head;
   p.units = per_head ? p.finished_rows : 1;
   p.keep_per_unit = p.keep.keep_count(n);
   p.kept_total = p.units * p.keep_per_unit;
+  if (spec.second) {  // the protected slots, then round(share * room) of the others by the first score
+    const std::int64_t guarded = std::min(n, p.keep.sinks + p.keep.recent), room = p.keep_per_unit - guarded;
+    p.first_share = guarded + std::min<std::int64_t>(room, std::llround(spec.share * double(room)));
+  }
   if (opt.adakv) {
     opt.adakv->validate();
     INFKV_REQUIRE(per_head && p.units > 1, "plan_options.adakv.alpha", opt.adakv->alpha,
@@ -147,11 +185,11 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   detail::carver c;
   const auto f = sizeof(float), i64 = sizeof(std::int64_t);
   p.order = c.offset(std::size_t(n) * i64);
-  p.scores = c.offset(std::size_t(p.source_rows * n) * f);
-  p.finished = spec.pools_per_query_head() ? c.offset(std::size_t(p.finished_rows * n) * f) : p.scores;
+  p.scores = c.offset(std::size_t(scores_rows * n) * f);
+  p.finished = finished_rows > 0 ? c.offset(std::size_t(finished_rows * n) * f) : p.scores;
   p.acc = c.offset(per_head ? 0 : std::size_t(n) * f);
   p.caps = c.offset(opt.adakv ? std::size_t(p.units) * i64 : 0);
-  p.backend = c.offset(std::size_t(be.scratch_bytes(spec, shape, opt)));
+  p.backend = c.offset(scratch);
   p.workspace_bytes = c.size();
   return p;
 }
@@ -187,8 +225,8 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
   if (p.spec.reads_queries()) {
     INFKV_REQUIRE(s.q_heads == p.shape.q_heads && s.n_queries >= 1, at("queries.n_heads"), s.q_heads,
                   "the plan was made for ", p.shape.q_heads, " query heads; queries.n_slots = ", s.n_queries);
-    const std::int64_t planned = std::min(p.spec.queries, p.shape.n_queries);
-    INFKV_REQUIRE(std::min(p.spec.queries, s.n_queries) <= planned, at("queries.n_slots"), s.n_queries,
+    const std::int64_t planned = std::min(p.spec.queries(), p.shape.n_queries);
+    INFKV_REQUIRE(std::min(p.spec.queries(), s.n_queries) <= planned, at("queries.n_slots"), s.n_queries,
                   "the plan's workspace holds ", planned,
                   " window queries: plan with the largest query count the layers will have");
   }
@@ -198,7 +236,7 @@ void check_layer(const plan& p, const layer_inputs<R>& in, std::int32_t l) {
                   in.values.n_slots, "values must have the keys' ", s.n_slots, " slots and ", s.kv_heads,
                   " KV heads; values.n_heads = ", in.values.n_heads);
   }
-  if (p.spec.source == score_source::accumulated)
+  if (p.spec.needs().attention)
     INFKV_REQUIRE((in.accumulated.data != nullptr || p.shape.n_slots == 0) && in.accumulated.rows == p.shape.kv_heads &&
                       in.accumulated.cols == p.shape.n_slots,
                   at("accumulated.rows"), in.accumulated.rows, "must be ", p.shape.kv_heads, " x ", p.shape.n_slots,
@@ -218,7 +256,9 @@ void check_workspace(const plan& p, const B& be, std::span<std::byte> ws) {
                 " bytes");
   INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(ws.data()) % 64 == 0, "workspace.data()", "misaligned",
                 "must be 64-byte aligned");
-  const std::size_t need = be.scratch_bytes(p.spec, p.shape, p.opt);
+  std::size_t need = 0;
+  for (std::int32_t i = 0; i < p.spec.parts(); ++i)
+    need = std::max(need, std::size_t(be.scratch_bytes(p.spec.part(i), p.shape, p.opt)));
   INFKV_REQUIRE(need <= p.workspace_bytes - p.backend, "backend", "this backend", "needs ", need,
                 " bytes of scratch, the plan set aside ", p.workspace_bytes - p.backend,
                 ": make the plan with the backend that runs it (the same thread count)");
@@ -242,26 +282,30 @@ const std::int64_t* order_of(const plan& p, const B& be, std::span<const layer_i
 
 }  // namespace detail
 
-/// Scores of one layer after the finish (pooling, group mean, bias), in the workspace: a
-/// [finished_rows][n_slots] view. `order` is the tokens' time order (see `run`).
+/// Scores of one layer after the finish (pooling, group mean, bias) of score part `part` (0, or
+/// 1 for a union's second), in the workspace: a [rows][n_slots] view (finished_rows for part 0).
+/// `order` is the tokens' time order (see `run`).
 template <class B, row_source R>
 score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, const std::int64_t* order,
-                        std::span<std::byte> ws) {
+                        std::span<std::byte> ws, std::int32_t part = 0) {
   const std::int64_t n = p.shape.n_slots;
-  const score_view src{detail::at<float>(ws, p.scores), p.source_rows, n, n};
+  const score_spec& spec = p.spec.part(part);
+  const std::int64_t finished = spec.one_row() ? 1 : p.shape.kv_heads;
+  const std::int64_t rows = spec.pools_per_query_head() ? p.shape.q_heads : finished;
+  const score_view src{detail::at<float>(ws, p.scores), rows, n, n};
   const auto scratch = detail::scratch(p, ws);
-  be.score(p.spec, in, order, src, scratch);
-  if (p.spec.value_norm) be.value_norm(src, in.values, scratch);
+  be.score(spec, in, order, src, scratch);
+  if (spec.value_norm) be.value_norm(src, in.values, scratch);
   score_view out = src;
-  if (p.spec.pools_per_query_head()) {  // pool each query head, then average the group
-    be.pool(src, order, p.spec, scratch);
-    out = {detail::at<float>(ws, p.finished), p.finished_rows, n, n};
+  if (spec.pools_per_query_head()) {  // pool each query head, then average the group
+    be.pool(src, order, spec, scratch);
+    out = {detail::at<float>(ws, p.finished), finished, n, n};
     be.group_mean(src, out);
   } else {
-    be.pool(out, order, p.spec, scratch);
+    be.pool(out, order, spec, scratch);
   }
-  if (p.spec.pools()) be.fill_tail(out, order, p.spec.pool_tail, scratch);
-  be.bias(out, in.tokens, order, p.spec, scratch);
+  if (spec.pools()) be.fill_tail(out, order, spec.pool_tail, scratch);
+  be.bias(out, in.tokens, order, spec, scratch);
   return out;
 }
 
@@ -280,13 +324,13 @@ namespace detail {
 /// reduced into the workspace's accumulator.
 template <class B, row_source R>
 score_view decision_scores(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
-                           const std::int64_t* order, std::span<std::byte> ws) {
+                           const std::int64_t* order, std::span<std::byte> ws, std::int32_t part = 0) {
   const std::int64_t n = p.shape.n_slots;
   score_view final_scores;
   std::int64_t folded = 0;
   const score_view acc{at<float>(ws, p.acc), 1, n, n};
   for (std::size_t l = 0; l < layers.size(); ++l) {
-    const score_view s = finish_layer(p, be, layers[l], order, ws);
+    const score_view s = finish_layer(p, be, layers[l], order, ws, part);
     if (p.opt.g == granularity::per_head) {
       final_scores = s;
     } else {
@@ -302,15 +346,18 @@ score_view decision_scores(const plan& p, const B& be, std::span<const layer_inp
 }  // namespace detail
 
 /// The scores one decision selects by, without selecting: for a per_token or per_layer plan one
-/// row (every layer's heads reduced), for per_head the heads of the one layer; a view into `ws`
-/// (memory of the backend), valid until the workspace is used again. For callers that select
-/// themselves (e.g. whole positions: select_whole_positions). Allocates nothing.
+/// row (every layer's heads reduced), for per_head the heads of the one layer; of score part
+/// `part` (a union's second is 1). A view into `ws` (memory of the backend), valid until the
+/// workspace is used again. For callers that select themselves (e.g. whole positions:
+/// select_whole_positions). Allocates nothing.
 template <class B, row_source R>
 score_view run_decision_scores(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
-                               std::span<std::byte> ws) {
+                               std::span<std::byte> ws, std::int32_t part = 0) {
   detail::check_workspace(p, be, ws);
+  INFKV_REQUIRE(part >= 0 && part < p.spec.parts(), "part", part, p.spec.name, " has ", p.spec.parts(),
+                " score part(s)");
   const auto order = detail::order_of(p, be, layers, ws);
-  return detail::decision_scores(p, be, layers, order, ws);
+  return detail::decision_scores(p, be, layers, order, ws, part);
 }
 
 /// Runs the plan over `layers` (one, or n_layers for a per-token decision over several layers,
@@ -327,6 +374,14 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   const auto tokens = layers[0].tokens;
   if (!p.evicts()) {  // everything stays: no scoring needed
     be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, out, detail::scratch(p, ws));
+    return;
+  }
+  if (p.spec.second) {  // the union: the first score's share, then the budget by the second
+    const score_view a = detail::decision_scores(p, be, layers, order, ws, 0);
+    be.select(a, tokens, order, nullptr, p.first_share, p.keep, out, detail::scratch(p, ws));
+    const score_view b = detail::decision_scores(p, be, layers, order, ws, 1);
+    be.mark(b, out.slots, p.first_share);
+    be.select(b, tokens, order, nullptr, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
     return;
   }
   const score_view final_scores = detail::decision_scores(p, be, layers, order, ws);

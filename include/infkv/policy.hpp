@@ -6,10 +6,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "bias.hpp"
@@ -87,27 +89,39 @@ struct expectation {
   }
 };
 
-/// A policy as data: score source, finish (pooling along time with the observation window left
-/// out, then the attention bias) and the recent tokens it always keeps.
-struct policy_spec {
-  std::string_view name;
+/// How accumulated attention is kept (H2O's state, cpu::h2o_state): old mass forgotten by
+/// `forgetting` before each step, and optionally divided by the number of queries that saw the slot.
+struct accumulation {
+  bool normalize_lifetime = false;  ///< divide by the number of queries that saw the slot
+  double forgetting = 1.0;          ///< old mass is multiplied by this before each step, in (0, 1]
+
+  void validate(std::string_view policy) const {
+    INFKV_REQUIRE(std::isfinite(forgetting) && forgetting > 0.0 && forgetting <= 1.0,
+                  std::string(policy) + ".forgetting", forgetting, "must be in (0, 1]");
+  }
+  friend constexpr bool operator==(const accumulation&, const accumulation&) = default;
+};
+
+/// How one row set of scores is made: the source, then the finish (pooling along time with the
+/// observation window left out, then the attention bias). A backend's scoring primitives read only this.
+struct score_spec {
   score_source source = score_source::recency;
   std::int64_t queries = 0;  ///< the last queries the source reads (window_attention; 1 for last_query)
   pooling pool = pooling::none;
   std::int32_t kernel = 1;     ///< pooling width (odd)
   std::int64_t pool_tail = 0;  ///< last slots in time order left out of pooling (the observation window)
   attention_bias bias{};
-  std::int64_t protect_sinks = 0;   ///< the policy keeps at least this many oldest tokens
-  std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
-  granularity natural = granularity::per_token;
-  bool value_norm = false;  ///< scores times |v_j| of their KV head, before pooling
-  expectation expect{};     ///< expected_attention's parameters
+  bool value_norm = false;    ///< scores times |v_j| of their KV head, before pooling
+  expectation expect{};       ///< expected_attention's parameters
+  accumulation accumulate{};  ///< accumulated's parameters (how the engine's state keeps the mass)
 
   /// True when the source reads window queries (`queries` of them).
   constexpr bool reads_queries() const {
     return source == score_source::window_attention || source == score_source::last_query ||
            source == score_source::expected_attention;
   }
+  /// True when the source scores one row for all heads of the layer (recency, last_query).
+  constexpr bool one_row() const { return source == score_source::recency || source == score_source::last_query; }
   /// What the source reads (see capture_needs).
   constexpr capture_needs needs() const {
     return {.keys = source != score_source::recency && source != score_source::accumulated,
@@ -116,12 +130,6 @@ struct policy_spec {
             .attention = source == score_source::accumulated,
             .rope = source == score_source::expected_attention && expect.rotated};
   }
-  /// The budget the policy actually keeps: sinks widened to protect_sinks, recent to protect_recent.
-  budget protect(budget b) const {
-    b.sinks = std::max(b.sinks, protect_sinks);
-    b.recent = std::max(b.recent, protect_recent);
-    return b;
-  }
   /// True when max pooling must run per query head before the GQA group mean (as SnapKV and
   /// kvpress do); for avg and sum pooling the order does not matter.
   constexpr bool pools_per_query_head() const {
@@ -129,6 +137,51 @@ struct policy_spec {
   }
   /// True when pooling changes anything (and the observation window then gets the row's mean).
   constexpr bool pools() const { return pool != pooling::none && kernel > 1; }
+};
+
+/// A policy as data: how its scores are made, what it always keeps, and the granularity it is
+/// natural at. A union of two selections (union_of) has a second score: after the protected
+/// tokens, `share` of the room goes to the first score's best and the rest to the second's best
+/// among the others.
+struct policy_spec {
+  std::string_view name;
+  score_spec score{};
+  std::int64_t protect_sinks = 0;   ///< the policy keeps at least this many oldest tokens
+  std::int64_t protect_recent = 0;  ///< the policy keeps at least this many newest tokens
+  granularity natural = granularity::per_token;
+  std::optional<score_spec> second{};  ///< the union's second score (union_of)
+  double share = 1.0;                  ///< of the unprotected room, kept by `score` (with `second`); in [0, 1]
+
+  /// The score parts: `score`, and `second` when there is one.
+  constexpr std::int32_t parts() const { return second ? 2 : 1; }
+  constexpr const score_spec& part(std::int32_t i) const { return i == 0 ? score : *second; }
+  /// True when any part reads window queries.
+  constexpr bool reads_queries() const { return score.reads_queries() || (second && second->reads_queries()); }
+  /// The most window queries any part reads.
+  constexpr std::int64_t queries() const { return needs().queries; }
+  /// What the policy reads (both parts' needs for a union).
+  constexpr capture_needs needs() const {
+    const capture_needs a = score.needs();
+    if (!second) return a;
+    const capture_needs b = second->needs();
+    return {.keys = a.keys || b.keys,
+            .values = a.values || b.values,
+            .queries = std::max(a.queries, b.queries),
+            .attention = a.attention || b.attention,
+            .rope = a.rope || b.rope};
+  }
+  /// The accumulation a part reads, when one does (its engine keeps that state).
+  constexpr std::optional<accumulation> accumulates() const {
+    for (std::int32_t i = 0; i < parts(); ++i)
+      if (part(i).source == score_source::accumulated) return part(i).accumulate;
+    return std::nullopt;
+  }
+  /// The budget the policy actually keeps: sinks widened to protect_sinks, recent to protect_recent.
+  budget protect(budget b) const {
+    b.sinks = std::max(b.sinks, protect_sinks);
+    b.recent = std::max(b.recent, protect_recent);
+    return b;
+  }
 };
 
 /// A policy: a value that checks its parameters and describes itself as a `policy_spec`.

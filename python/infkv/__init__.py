@@ -11,6 +11,7 @@ import numpy as _np
 
 from ._infkv import (  # noqa: F401
     EngineError,
+    H2OState,
     KeepSet,
     Layer,
     LayerShape,
@@ -28,6 +29,7 @@ from ._infkv import (  # noqa: F401
     decay,
     expected_attention,
     granularity,
+    h2o,
     inf_mllm,
     keydiff,
     make_plan,
@@ -47,6 +49,7 @@ from ._infkv import (  # noqa: F401
     streaming_llm,
     text_tokens,
     tova,
+    union_of,
 )
 
 

@@ -9,6 +9,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstring>
 #include <infkv/cpu.hpp>
 #include <infkv/policies/expected_attention.hpp>
@@ -28,8 +29,23 @@ using namespace nb::literals;
 
 namespace {
 
+/// The union of two policies chosen at run time: their specs, united by infkv::unite (union_of's).
+struct py_union {
+  infkv::policy_spec first, second;
+  double share = 0.5;
+  std::string text;  // the repr
+
+  void validate() const { (void)spec(); }
+  infkv::policy_spec spec() const {
+    INFKV_REQUIRE(std::isfinite(share) && share >= 0.0 && share <= 1.0, "union_of.share", share, "must be in [0, 1]");
+    return infkv::unite(first, second, share);
+  }
+};
+
 using any_policy = std::variant<infkv::streaming_llm, infkv::snapkv, infkv::tova, infkv::keydiff, infkv::inf_mllm,
-                                infkv::expected_attention>;
+                                infkv::expected_attention, infkv::h2o, py_union>;
+/// A [kv_heads, slots] float32 array of accumulated scores (H2O's state).
+using scores_array = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using ro_array = nb::ndarray<nb::ro>;
 using rw_array = nb::ndarray<>;
 using positions_array = nb::ndarray<nb::ro, std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -80,7 +96,7 @@ View view_of(const A& a, const std::string& name, layout l) {
   INFKV_REQUIRE(a.shape(nh) <= std::size_t(INT32_MAX) && a.shape(2) <= std::size_t(INT32_MAX), name + ".shape",
                 a.shape(nh), "heads and head_dim must fit in int32");
   View v;
-  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  v.data = a.data();  // a read-only array gives only a read-only view (const_tensor_view)
   v.type = t;
   v.n_slots = std::int64_t(a.shape(ns));
   v.n_heads = std::int32_t(a.shape(nh));
@@ -149,6 +165,7 @@ struct layer {
   nb::object tokens_obj;  // a `tokens`
   std::optional<ro_array> keys, values, queries;
   std::optional<positions_array> query_pos;
+  std::optional<scores_array> accumulated;
   float scale = 0.f;
   std::optional<infkv::rope> rotary;
   layout lay = layout::nhd;
@@ -172,6 +189,14 @@ struct layer {
     if (queries) infkv::validate(in.queries, "queries");
     INFKV_REQUIRE(!keys || in.keys.n_slots == std::int64_t(in.tokens.size()), "tokens", in.tokens.size(),
                   "the layer has ", in.keys.n_slots, " keys: one token per cached slot");
+    if (accumulated) {
+      in.accumulated = {accumulated->data(), std::int64_t(accumulated->shape(0)), std::int64_t(accumulated->shape(1)),
+                        std::int64_t(accumulated->shape(1))};
+      INFKV_REQUIRE(in.accumulated.cols == std::int64_t(in.tokens.size()), "accumulated.shape[1]", in.accumulated.cols,
+                    "must equal the number of tokens (", in.tokens.size(), ")");
+      INFKV_REQUIRE(!keys || in.accumulated.rows == in.keys.n_heads, "accumulated.shape[0]", in.accumulated.rows,
+                    "must equal the keys' KV heads (", in.keys.n_heads, ")");
+    }
     in.scale = scale;
     in.rotary = rotary;
     return in;
@@ -448,6 +473,69 @@ NB_MODULE(_infkv, m) {
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::expected_attention::name); });
 
+  nb::class_<infkv::h2o>(m, "h2o",
+                         "H2O: heavy hitters by the attention accumulated over every decode (H2OState) + recent.")
+      .def(
+          "__init__",
+          [](infkv::h2o* p, bool normalize_lifetime, double forgetting) {
+            new (p) infkv::h2o{normalize_lifetime, forgetting};
+            p->validate();
+          },
+          nb::kw_only(), "normalize_lifetime"_a = false, "forgetting"_a = 1.0)
+      .def_rw("normalize_lifetime", &infkv::h2o::normalize_lifetime)
+      .def_rw("forgetting", &infkv::h2o::forgetting)
+      .def("__repr__",
+           [](const infkv::h2o& p) {
+             return infkv::detail::cat("h2o(normalize_lifetime=", p.normalize_lifetime ? "True" : "False",
+                                       ", forgetting=", p.forgetting, ")");
+           })
+      .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::h2o::name); });
+  nb::class_<py_union>(m, "union_of",
+                       "Two policies' selections united: `share` of the room after the protected tokens by the "
+                       "first's scores, the rest by the second's among the others (one decision per layer).")
+      .def(
+          "__init__",
+          [](py_union* u, const any_policy& first, const any_policy& second, double share) {
+            py_union made{spec_of(first), spec_of(second), share, ""};
+            made.validate();
+            const auto text = [](const any_policy& p) { return std::string(nb::repr(nb::cast(p)).c_str()); };
+            made.text = infkv::detail::cat("union_of(", text(first), ", ", text(second), ", share=", share, ")");
+            new (u) py_union(std::move(made));
+          },
+          "first"_a, "second"_a, "share"_a = 0.5)
+      .def_ro("share", &py_union::share)
+      .def("__repr__", [](const py_union& u) { return u.text; })
+      .def_prop_ro_static("name", [](nb::handle) { return std::string("union_of"); });
+
+  nb::class_<infkv::cpu::h2o_state>(m, "H2OState",
+                                    "H2O's accumulated attention per (KV head, slot), kept in the cache's slot order: "
+                                    "append new slots, observe each decode's queries, evict as the cache is.")
+      .def(
+          "__init__",
+          [](infkv::cpu::h2o_state* s, const infkv::h2o& policy, std::int32_t n_kv_heads) {
+            new (s) infkv::cpu::h2o_state(policy, n_kv_heads);
+          },
+          "policy"_a, "n_kv_heads"_a)
+      .def_prop_ro("n_slots", &infkv::cpu::h2o_state::n_slots)
+      .def("append", &infkv::cpu::h2o_state::append, "n"_a, "New slots at the end of the cache, with no mass yet.")
+      .def(
+          "observe",
+          [](infkv::cpu::h2o_state& s, const layer& l, int threads) {
+            const auto in = l.inputs();
+            nb::gil_scoped_release unlocked;
+            infkv::cpu::observe(s, in, {.threads = threads});
+          },
+          "layer"_a, nb::kw_only(), "threads"_a = 1,
+          "Adds the attention the layer's queries (one decode step) give to its keys.")
+      .def("evict", &infkv::cpu::h2o_state::evict, "keep"_a, "Keeps the slots of `keep`, compacted as the cache is.")
+      .def_prop_ro(
+          "scores",
+          [](const infkv::cpu::h2o_state& s) {
+            const auto& m = s.scores();
+            return to_numpy(m.data, {std::size_t(m.rows), std::size_t(m.cols)});
+          },
+          nb::rv_policy::move, "The scores [kv_heads, slots] (a copy): a Layer's `accumulated` for policy h2o.");
+
   m.def(
       "capture_needs_of", [](const any_policy& p) { return spec_of(p).needs(); }, "policy"_a,
       "What an engine must capture, per layer, for `policy` to score.");
@@ -495,22 +583,24 @@ NB_MODULE(_infkv, m) {
 
   nb::class_<layer>(m, "Layer",
                     "One layer's inputs: post-RoPE keys / values [slots, kv_heads, head_dim] ('nhd') or "
-                    "[kv_heads, slots, head_dim] ('hnd'), the last queries likewise with their positions. Arrays "
-                    "are viewed, not copied: keep them unchanged while the layer is used.")
+                    "[kv_heads, slots, head_dim] ('hnd'), the last queries likewise with their positions, H2O's "
+                    "accumulated scores [kv_heads, slots] (H2OState.scores). Arrays are viewed, not copied: keep "
+                    "them unchanged while the layer is used.")
       .def(
           "__init__",
           [](layer* l, nb::object toks, std::optional<ro_array> keys, std::optional<ro_array> values,
-             std::optional<ro_array> queries, std::optional<positions_array> query_pos, float scale,
-             std::optional<infkv::rope> rotary, const std::string& lay) {
+             std::optional<ro_array> queries, std::optional<positions_array> query_pos,
+             std::optional<scores_array> accumulated, float scale, std::optional<infkv::rope> rotary,
+             const std::string& lay) {
             if (!nb::isinstance<tokens>(toks))
               infkv::detail::fail_arg("tokens", nb::str(nb::handle(toks.type())).c_str(), "must be infkv.Tokens");
-            layer checked{toks, keys, values, queries, query_pos, scale, rotary, layout_of(lay)};
+            layer checked{toks, keys, values, queries, query_pos, accumulated, scale, rotary, layout_of(lay)};
             (void)checked.inputs();  // checks every array before the object exists
             new (l) layer(std::move(checked));
           },
           "tokens"_a, nb::kw_only(), "keys"_a.none() = nb::none(), "values"_a.none() = nb::none(),
-          "queries"_a.none() = nb::none(), "query_pos"_a.none() = nb::none(), "scale"_a = 0.f,
-          "rotary"_a.none() = nb::none(), "layout"_a = "nhd")
+          "queries"_a.none() = nb::none(), "query_pos"_a.none() = nb::none(), "accumulated"_a.none() = nb::none(),
+          "scale"_a = 0.f, "rotary"_a.none() = nb::none(), "layout"_a = "nhd")
       .def_prop_ro("shape", [](const layer& l) { return infkv::shape_of(l.inputs()); });
 
   nb::class_<infkv::plan_options>(m, "plan_options", "What a plan decides besides the policy and budget.")

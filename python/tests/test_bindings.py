@@ -195,3 +195,61 @@ def test_policies_print_their_parameters():
     assert repr(infkv.streaming_llm()) == "streaming_llm()"
     assert "bias.beta=0.5" in repr(infkv.inf_mllm(bias=infkv.attention_bias(beta=0.5)))
     assert repr(infkv.budget(capacity=8, sinks=2)) == "budget(capacity=8, ratio=0, sinks=2, recent=0)"
+
+
+def test_h2o_accumulates_the_reference_mass_and_keeps_its_heavy_hitters():
+    n, h, group, d = 60, 2, 2, 16
+    keys = rng.standard_normal((n, h, d)).astype(np.float32)
+    toks = infkv.text_tokens(n)
+    state = infkv.H2OState(infkv.h2o(forgetting=0.5), h)
+    state.append(n)
+    want = np.zeros((h, n))
+    for p in (40, 59):  # two decode steps, one query each; keys after p are not seen yet
+        q = rng.standard_normal((1, h * group, d)).astype(np.float32)
+        state.observe(infkv.Layer(toks, keys=keys, queries=q, query_pos=np.array([p])))
+        mass = window_attention_ref(keys, q, [p], np.arange(n), group)  # [hq, n]
+        want = 0.5 * want + mass.reshape(h, group, n).mean(axis=1)
+    np.testing.assert_allclose(state.scores, want, rtol=0, atol=2e-6)
+    layer = infkv.Layer(toks, keys=keys, accumulated=state.scores)
+    ks = infkv.select(infkv.h2o(forgetting=0.5), infkv.budget(capacity=20, recent=2), layer)
+    assert ks.n_units == h
+    for u in range(h):
+        np.testing.assert_array_equal(ks.unit(u), top_keep(state.scores[u], np.arange(n), 20, recent=2))
+    state.evict(ks)  # each head keeps its own slots, as the cache is compacted
+    assert state.n_slots == 20
+    for u in range(h):
+        np.testing.assert_allclose(state.scores[u], want[u][ks.unit(u)], rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match=re.escape("accumulated.rows = 0")):
+        infkv.select(infkv.h2o(), infkv.budget(capacity=20), infkv.Layer(toks, keys=keys))
+    with pytest.raises(ValueError, match=re.escape("accumulated.shape[1] = 60")):
+        infkv.Layer(infkv.text_tokens(59), accumulated=np.zeros((h, n), np.float32))
+    with pytest.raises(ValueError, match=re.escape("h2o.forgetting = 0")):
+        infkv.h2o(forgetting=0.0)
+
+
+def test_union_of_two_policies_as_one_policy():
+    n, h, group, d = 90, 2, 2, 8
+    keys = rng.standard_normal((n, h, d)).astype(np.float32)
+    queries = rng.standard_normal((6, h * group, d)).astype(np.float32)
+    layer = infkv.Layer(infkv.text_tokens(n), keys=keys, queries=queries, query_pos=np.arange(n - 6, n))
+    first, second = infkv.snapkv(window=4), infkv.keydiff()
+    b = infkv.budget(capacity=30, sinks=2)
+    wide = infkv.protect(first, b)  # the union protects both policies' tokens
+
+    def alone(p):
+        return infkv.select(p, wide, layer, granularity=infkv.granularity.per_layer).unit(0)
+
+    np.testing.assert_array_equal(infkv.select(infkv.union_of(first, second, share=1.0), b, layer).unit(0), alone(first))
+    np.testing.assert_array_equal(infkv.select(infkv.union_of(first, second, share=0.0), b, layer).unit(0),
+                                  alone(second))
+    half = infkv.select(infkv.union_of(first, second, share=0.5), b, layer)
+    assert half.n_units == 1 and half.size(0) == 30
+    assert not np.array_equal(half.unit(0), alone(first)) and not np.array_equal(half.unit(0), alone(second))
+    assert repr(infkv.union_of(first, second, share=0.25)) == (
+        "union_of(snapkv(window=4, kernel=5, pool=avg), keydiff(pool=none, kernel=1), share=0.25)")
+    assert infkv.capture_needs_of(infkv.union_of(first, second)).queries == 4
+    with pytest.raises(ValueError, match=re.escape("union_of.share = 1.5")):
+        infkv.union_of(first, second, share=1.5)
+    with pytest.raises(ValueError, match=re.escape("plan_options.g = per_head")):
+        infkv.make_plan(infkv.union_of(first, second), b, layer,
+                        infkv.plan_options(granularity=infkv.granularity.per_head))

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include <doctest/doctest.h>
-#include <infkv/cpu.hpp>  // cpu::h2o_state
+#include <infkv/infkv.hpp>
 
 using namespace infkv;
 
@@ -69,7 +69,7 @@ TEST_CASE("protect: snapkv and inf_mllm keep their window, other policies keep t
   CHECK(same(protect(tova{}, b)));
   CHECK(same(protect(keydiff{}, b)));
   CHECK(protect(inf_mllm{.window = 32}, b).recent == 32);  // its retrieval window, as SnapKV's
-  CHECK(same(protect(cpu::h2o_state(h2o{}, 2), b)));
+  CHECK(same(protect(h2o{}, b)));
   // A window that no longer fits the capacity makes the protected budget invalid.
   CHECK_THROWS_AS(protect(snapkv{.window = 80}, b).validate(), error);
 }

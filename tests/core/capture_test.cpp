@@ -3,7 +3,7 @@
 #include <optional>
 
 #include <doctest/doctest.h>
-#include <infkv/cpu.hpp>  // cpu::h2o_state
+#include <infkv/infkv.hpp>
 
 using namespace infkv;
 
@@ -21,7 +21,7 @@ TEST_CASE("capture_needs_of names what each policy reads") {
   CHECK(capture_needs_of(expected_attention{.window = 5, .rotary = std::nullopt, .value_norm = false}) ==
         capture_needs{.keys = true, .queries = 5});
   CHECK(capture_needs_of(h2o{}) == capture_needs{.attention = true});
-  CHECK(capture_needs_of(cpu::h2o_state(h2o{.forgetting = 0.5}, 2)) == capture_needs{.attention = true});
+  CHECK(capture_needs_of(h2o{.forgetting = 0.5}) == capture_needs{.attention = true});
   for (const capture_needs& c : {capture_needs{.keys = true}, capture_needs{.values = true},
                                  capture_needs{.queries = 1}, capture_needs{.attention = true}})
     CHECK(c.observes());

@@ -60,7 +60,7 @@ TEST_CASE("fuzz select: an empty cache with an accumulated (H2O-style) source pl
   score_matrix acc(3, 0);  // 3 heads, no slots: data() may be null
   layer_inputs<> in;
   in.accumulated = acc.view();
-  const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+  const policy_spec spec{.name = "fixed", .score = {.source = score_source::accumulated}};
   const plan p = make_plan(be, spec, budget{.capacity = 4}, shape_of(in), {.g = granularity::per_head});
   CHECK(p.units == 3);
   cpu::workspace ws(p.workspace_bytes);

@@ -112,17 +112,17 @@ TEST_CASE("plan / run with a caller workspace allocates nothing, for every polic
   const layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
   const layer_inputs<const_paged_rows> in_paged{key_rows(paged.paged, 1), {}, queries.tensor, p.qpos, p.tokens, 0.f};
   const budget b{.capacity = 100, .sinks = 4, .recent = 8};
-  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+  for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
     INFO(name);
-    const auto one = cpu::inputs_for(pol, in);
-    const auto one_paged = cpu::inputs_for(pol, in_paged);
+    const auto one = with(in);
+    const auto one_paged = with(in_paged);
     for (granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token}) {
       check_run(pol, std::span<const layer_inputs<>>(&one, 1), b, {.g = g});
       check_run(pol, std::span<const layer_inputs<const_paged_rows>>(&one_paged, 1), b, {.g = g, .r = reduction::max});
     }
     const std::vector<layer_inputs<>> three(3, one);  // one per-token decision over three layers
     check_run(pol, std::span<const layer_inputs<>>(three), b, {.g = granularity::per_token, .n_layers = 3});
-    if (pol.spec().natural == granularity::per_head && pol.spec().source != score_source::recency)
+    if (pol.spec().natural == granularity::per_head && pol.spec().score.source != score_source::recency)
       check_run(pol, std::span<const layer_inputs<>>(&one, 1), b,
                 {.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}});
   });

@@ -111,9 +111,9 @@ TEST_CASE("conformance: every policy x budget x granularity on shuffled random c
     for (const budget& b : budgets)
       for (granularity g : {granularity::per_head, granularity::per_layer, granularity::per_token}) {
         INFO(describe(b), " / ", to_string(g));
-        for_each_policy(in, [&](const std::string& name, const auto& pol) {
+        for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
           INFO(name);
-          check_conformance(pol, b, g, in);
+          check_conformance(pol, b, g, with(in));
         });
       }
   }
@@ -156,7 +156,7 @@ TEST_CASE("conformance: explicit ties keep the newest positions, then the lowest
       CHECK(std::vector<std::int64_t>(keep.unit(u).begin(), keep.unit(u).end()) == want);
   };
   check_all_units(cpu::select(keydiff{}, b, in));
-  check_all_units(cpu::select(fresh, b, in));
+  check_all_units(cpu::select(h2o{}, b, fresh.attach(in)));
   check_all_units(cpu::select(tova{}, b, in));
   check_all_units(cpu::select(snapkv{.window = 2, .kernel = 1}, budget{.capacity = 4, .sinks = 1}, in));
   // Capacity 9 with the sink at position 0: one of the two slots at position 1 goes, the higher.

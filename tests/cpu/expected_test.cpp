@@ -81,13 +81,13 @@ TEST_CASE("expected attention: both covariance forms within 5e-6 of float64 (row
       std::vector<keep_set> keeps;
       for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
         policy_spec spec = ea.spec();
-        spec.expect.form = form;
+        spec.score.expect.form = form;
         check_close(scores_spec(spec, ly.in()), want, 0.0, 5e-6,
                     form == covariance_form::matrix ? "matrix form" : "projections form");
         keeps.push_back(select_spec(spec, b, ly.in()));
       }
       CHECK(keeps[0] == keeps[1]);
-      CHECK(ea.spec().expect.matrix(m, d, 257) == covariance_as_matrix(m, d, 257));
+      CHECK(ea.spec().score.expect.matrix(m, d, 257) == covariance_as_matrix(m, d, 257));
     }
   CHECK_FALSE(covariance_as_matrix(16, 64, 4096));  // short windows: projections
   CHECK(covariance_as_matrix(2048, 64, 4096));      // long ones (kvpress's whole-prefill statistics): the matrix
@@ -238,7 +238,7 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
   for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
     CAPTURE(int(form));
     policy_spec ea = expected_attention{}.spec();
-    ea.expect.form = form;
+    ea.score.expect.form = form;
     const stored finite_key = with_key(1e19f);
     in.keys = finite_key.tensor;
     CHECK_NOTHROW(select_spec(ea, b, in));
@@ -260,6 +260,7 @@ TEST_CASE("expected attention and value norms refuse bad input by name") {
               "queries[slot 1, head 3] (largest |element| 3e+38): the mean and covariance");
   in.queries = ly.queries.tensor;
   // A one-row score (all heads together) has no KV head to take value norms from.
-  const policy_spec tova_v{.name = "tova_v", .source = score_source::last_query, .queries = 1, .value_norm = true};
+  const policy_spec tova_v{.name = "tova_v",
+                           .score = {.source = score_source::last_query, .queries = 1, .value_norm = true}};
   CHECK_ERROR(make_plan(cpu::backend{}, tova_v, b, shape_of(ly.in())), "tova_v.value_norm = true");
 }

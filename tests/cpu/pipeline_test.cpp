@@ -3,6 +3,7 @@
 // misuse (workspace too small or misaligned, a layer of another shape, a keep view of other
 // units, several layers at per-head granularity) raises naming the argument. run_decision_scores
 // gives the scores a decision selects by.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -25,10 +26,10 @@ TEST_CASE("pipeline: planned sizes are what run writes, several layers fold into
   const layer_inputs<> in = ly.in();
   const cpu::backend be{};
   const budget b{.capacity = 40, .sinks = 2, .recent = 6};
-  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+  for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
     INFO(name);
-    const auto l0 = cpu::inputs_for(pol, in);
-    auto l1 = cpu::inputs_for(pol, layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
+    const auto l0 = with(in);
+    auto l1 = with(layer_inputs<>{ly2.keys.tensor, {}, ly2.queries.tensor, p.qpos, p.tokens, 0.f});
     const plan pl =
         make_plan(be, pol, b, shape_of(l0), {.g = granularity::per_token, .r = reduction::sum, .n_layers = 2});
     CHECK(pl.units == 1);
@@ -87,9 +88,9 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
   const cpu::backend be{};
   const budget b{.capacity = 20, .sinks = 1, .recent = 4};
   int thread_dependent = 0;
-  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+  for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
     INFO(name);
-    const auto l0 = cpu::inputs_for(pol, in);
+    const auto l0 = with(in);
     const plan pl = make_plan(be, pol, b, shape_of(l0));
     plan_buffers buf(pl);
     const auto one = std::span<const layer_inputs<>>(&l0, 1);
@@ -123,7 +124,7 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
       fewer.queries.n_slots = 1;
       fewer.queries.data = l0.queries.row(3, 0);
       fewer.query_pos = fewer.query_pos.last(1);
-      if (pol.spec().source == score_source::window_attention) {
+      if (pol.spec().score.source == score_source::window_attention) {
         const plan small = make_plan(be, pol, b, shape_of(fewer));
         plan_buffers sbuf(small);
         CHECK_ERROR(run(small, be, one, sbuf.ws.span(), sbuf.out), "layers[0].queries.n_slots = 4");
@@ -132,12 +133,12 @@ TEST_CASE("pipeline: misuse raises naming the argument, for every policy") {
     }
     // A plan made for one thread, run by a backend of four whose scratch is larger: was an overrun.
     const cpu::backend wide{{.threads = 4}};
-    if (wide.scratch_bytes(pl.spec, pl.shape, pl.opt) > be.scratch_bytes(pl.spec, pl.shape, pl.opt)) {
+    if (wide.scratch_bytes(pl.spec.score, pl.shape, pl.opt) > be.scratch_bytes(pl.spec.score, pl.shape, pl.opt)) {
       ++thread_dependent;
       CHECK_ERROR(run(pl, wide, one, buf.ws.span(), buf.out), "make the plan with the backend that runs it");
     }
     run(pl, be, one, buf.ws.span(), buf.out);  // the buffers still work after the refusals
-    CHECK(keep_set::from_view(buf.out) == cpu::select(pol, b, in));
+    CHECK(keep_set::from_view(buf.out) == cpu::select(pol, b, l0));
   });
   CHECK(thread_dependent >= 3);
 }
@@ -159,12 +160,13 @@ TEST_CASE("pipeline: what capture_needs_of names is all a policy reads, and enou
   std::vector<float> v(std::size_t(60 * 2 * 8), 0.5f);
   const stored values = store(v, 60, 2, 8, dtype::f32, layout::nhd);
   const budget b{.capacity = 30, .sinks = 2, .recent = 6};
-  for_each_policy(full, [&](const std::string& label, const auto& pol) {
+  for_each_policy(full, [&](const std::string& label, const auto& pol, const auto& with) {
     INFO(label);
     const capture_needs c = capture_needs_of(pol);
     // Only what the policy needs: no keys, values or queries it does not read, and just its
     // last c.queries queries.
     layer_inputs<> in{.tokens = ly.p.tokens};
+    if (c.attention) in.accumulated = with(full).accumulated;
     if (c.keys) in.keys = full.keys;
     if (c.values) in.values = values.tensor;
     if (c.queries > 0) {
@@ -174,7 +176,7 @@ TEST_CASE("pipeline: what capture_needs_of names is all a policy reads, and enou
       in.queries.data = full.queries.row(drop, 0), in.queries.n_slots = c.queries;
       in.query_pos = std::span(ly.p.qpos).subspan(std::size_t(drop));
     }
-    layer_inputs<> all = full;
+    layer_inputs<> all = with(full);
     all.values = values.tensor;
     CHECK(cpu::select(pol, b, in) == cpu::select(pol, b, all));
   });
@@ -212,4 +214,67 @@ TEST_CASE("cpu::select of a union: share 1 and 0 select as the first and the sec
   CHECK(half.size(0) == 30);
   CHECK(half != alone(first));
   CHECK(half != alone(second));
+}
+
+TEST_CASE("pipeline: a union keeps what the set definition keeps over both policies' decision scores") {
+  // ref_union: the protected slots, round(share * room) by the first score's ranking, then the
+  // second's ranking until the budget is full; ties (repeated keys) and repeated positions included.
+  std::mt19937_64 rng(23);
+  const cpu::backend be{};
+  for (int trial = 0; trial < 48; ++trial) {
+    CAPTURE(trial);
+    const std::int64_t n = 6 + std::int64_t(rng() % 90);
+    problem p = make_problem(900 + std::uint64_t(trial), n, 2, 2, 8, 5, dtype::f32);
+    for (std::int64_t j = 2; j < n; j += 3) std::copy_n(p.k.begin() + 2 * 8, 2 * 8, p.k.begin() + j * 2 * 8);
+    if (trial % 3 == 0) p.tokens = random_tokens(rng, n);
+    const layer ly(p);
+    const layer_inputs<> in = ly.in();
+    cpu::h2o_state heavy(h2o{}, 2);
+    heavy.append(n);
+    cpu::observe(heavy, in);
+    const budget b{.capacity = 1 + std::int64_t(rng() % std::uint64_t(n + 4)),
+                   .sinks = std::int64_t(rng() % 3),
+                   .recent = std::int64_t(rng() % 4)};
+    const double share = double(rng() % 9) / 8.0;
+    const granularity g = trial % 2 ? granularity::per_layer : granularity::per_token;
+    const auto check = [&](const auto& u, const layer_inputs<>& inputs, const char* what) {
+      INFO(what, " share ", share, " capacity ", b.capacity, " ", to_string(g));
+      const budget pb = protect(u, b);
+      if (pb.capacity < pb.sinks + pb.recent) {  // cannot hold its protected tokens
+        CHECK_THROWS_AS(make_plan(be, u, b, shape_of(inputs), {.g = g}), infkv::invalid_argument);
+        return;
+      }
+      const plan pl = make_plan(be, u, b, shape_of(inputs), {.g = g});
+      plan_buffers buf(pl);
+      const std::span<const layer_inputs<>> one(&inputs, 1);
+      run(pl, be, one, buf.ws.span(), buf.out);
+      const keep_set got = keep_set::from_view(buf.out);
+      const score_view a = run_decision_scores(pl, be, one, buf.ws.span(), 0);
+      const std::vector<float> first(a.data, a.data + n);
+      const score_view s = run_decision_scores(pl, be, one, buf.ws.span(), 1);
+      const std::vector<float> second(s.data, s.data + n);
+      CHECK(std::vector<std::int64_t>(got.unit(0).begin(), got.unit(0).end()) ==
+            ref_union(first, second, p.tokens, pb.keep_count(n), pb.sinks, pb.recent, share));
+    };
+    check(union_of<inf_mllm, keydiff>{{.window = 3, .kernel = 3, .bias = {.beta = 0.5}}, {}, share}, in,
+          "inf_mllm + keydiff");
+    check(union_of<h2o, streaming_llm>{{}, {}, share}, heavy.attach(in), "h2o + streaming_llm");
+    check(union_of<tova, snapkv>{{}, {.window = 2, .kernel = 3, .pool = pooling::max}, share}, in, "tova + snapkv");
+  }
+}
+
+TEST_CASE("pipeline: a union refuses what it cannot serve, naming the argument") {
+  const layer ly(make_problem(3, 40, 2, 2, 8, 4));
+  const cpu::backend be{};
+  const union_of<snapkv, keydiff> u{{.window = 4}, {}, 0.5};
+  const budget b{.capacity = 20};
+  CHECK_ERROR(make_plan(be, u, b, shape_of(ly.in()), {.g = granularity::per_head}), "plan_options.g = per_head");
+  CHECK_ERROR(make_plan(be, u, b, shape_of(ly.in()), {.g = granularity::per_layer, .adakv = adakv{.alpha = 0.5}}),
+              "plan_options.adakv.alpha");
+  CHECK_ERROR((union_of<snapkv, keydiff>{.share = -0.1}.validate()), "union_of.share = -0.1");
+  policy_spec spec = u.spec();
+  spec.share = 1.5;
+  CHECK_ERROR(make_plan(be, spec, b, shape_of(ly.in()), {.g = granularity::per_layer}), "union_of.share = 1.5");
+  // H2O in a union reads the accumulated scores too.
+  CHECK_ERROR(cpu::select(union_of<h2o, keydiff>{}, b, ly.in()), "accumulated.rows");
 }

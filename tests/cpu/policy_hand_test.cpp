@@ -191,7 +191,7 @@ TEST_CASE("hand case: h2o sums steps, forgets old mass and normalises by lifetim
     check_row(st.scores(), 1, mass1);
     // Recent 1 keeps position 5; heavy hitters: head 0 positions 3 and 1; head 1 position 0, then
     // positions 1..3 tie exactly at 1/6 + 1/9 (equal logits) and the newest, 3, wins.
-    const auto keep = cpu::select(st, budget{.capacity = 3, .recent = 1}, step2.inputs());
+    const auto keep = cpu::select(h2o{}, budget{.capacity = 3, .recent = 1}, st.attach(step2.inputs()));
     REQUIRE(keep.n_units() == 2);
     CHECK(unit(keep, 0) == slots_at({1, 3, 5}));
     CHECK(unit(keep, 1) == slots_at({0, 3, 5}));

@@ -492,8 +492,48 @@ inline ref_matrix ref_scores(const problem& p, const infkv::keydiff& c) {
 inline ref_matrix ref_scores(const problem& p, const infkv::snapkv& c) { return ref_snapkv(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::inf_mllm& c) { return ref_inf_mllm(p, c); }
 inline ref_matrix ref_scores(const problem& p, const infkv::expected_attention& c) { return ref_expected(p, c); }
-inline ref_matrix ref_scores(const problem& p, const infkv::cpu::h2o_state& s) {
-  return ref_h2o(std::span<const problem>(&p, 1), s.config());
+inline ref_matrix ref_scores(const problem& p, const infkv::h2o& c) {
+  return ref_h2o(std::span<const problem>(&p, 1), c);
+}
+
+/// The union by sets: the protected slots, the first round(share * room) of score a's ranking,
+/// and the first m of score b's ranking for the smallest m that fills `cap` (each ranking: higher
+/// score, then newer position, then lower slot, over the unprotected slots).
+inline std::vector<std::int64_t> ref_union(std::span<const float> a, std::span<const float> b, std::span<const token> t,
+                                           std::int64_t cap, std::int64_t sinks, std::int64_t recent, double share) {
+  const auto n = std::int64_t(t.size());
+  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+  std::iota(all.begin(), all.end(), std::int64_t{0});
+  if (cap >= n) return all;
+  std::vector<std::int64_t> by_time = all;
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [&](std::int64_t x, std::int64_t y) { return t[std::size_t(x)].pos < t[std::size_t(y)].pos; });
+  std::set<std::int64_t> kept, rest;
+  for (std::int64_t i = 0; i < n; ++i) (i < sinks || i >= n - recent ? kept : rest).insert(by_time[std::size_t(i)]);
+  const auto ranking = [&](std::span<const float> s) {
+    std::vector<std::int64_t> r(rest.begin(), rest.end());
+    std::sort(r.begin(), r.end(), [&](std::int64_t x, std::int64_t y) {
+      if (s[std::size_t(x)] != s[std::size_t(y)]) return s[std::size_t(x)] > s[std::size_t(y)];
+      if (t[std::size_t(x)].pos != t[std::size_t(y)].pos) return t[std::size_t(x)].pos > t[std::size_t(y)].pos;
+      return x < y;
+    });
+    return r;
+  };
+  const std::int64_t room = cap - std::int64_t(kept.size());
+  const auto ra = ranking(a), rb = ranking(b);
+  const auto take = std::int64_t(std::llround(share * double(room)));
+  kept.insert(ra.begin(), ra.begin() + take);
+  for (std::int64_t m = 0; std::int64_t(kept.size()) < cap; ++m) kept.insert(rb[std::size_t(m)]);
+  return {kept.begin(), kept.end()};
+}
+
+/// A union of two finishes of the same accumulated scores (a backend's union path on given
+/// scores, infinities included): `share` of the room by `spec`'s score, the rest by max pooling
+/// over 5.
+inline infkv::policy_spec union_of_finishes(infkv::policy_spec spec, double share) {
+  spec.second = infkv::score_spec{.source = infkv::score_source::accumulated, .pool = infkv::pooling::max, .kernel = 5};
+  spec.share = share;
+  return spec;
 }
 
 /// A plan's workspace and keep-set buffers (poisoned: -7 everywhere before a run).

@@ -190,7 +190,7 @@ TEST_CASE("h2o accumulates the reference's running sum, with forgetting and life
             cpu::observe(two, in, cpu::executor{2});
           }
           const layer_inputs<std::decay_t<decltype(rows)>> last{rows, {}, {}, {}, steps[0].tokens, 0.f};
-          const auto got = cpu::layer_scores(one, last);
+          const auto got = cpu::layer_scores(cfg, one.attach(last));
           check_close(got, ref_h2o(steps, cfg), rtol_stored, atol_stored, "h2o");
           CHECK(two.scores().data == got.data);
           return 0;
@@ -208,7 +208,8 @@ TEST_CASE("h2o state follows eviction: kept slots keep their accumulated scores,
   st.append(p.n);
   cpu::observe(st, in);
   const auto before = st.scores();
-  const auto keep = cpu::select(st, budget{.capacity = 8, .sinks = 1, .recent = 2}, in, granularity::per_head);
+  const auto keep =
+      cpu::select(h2o{}, budget{.capacity = 8, .sinks = 1, .recent = 2}, st.attach(in), granularity::per_head);
   REQUIRE(keep.n_units() == 2);
   st.evict(keep);
   REQUIRE(st.n_slots() == 8);
@@ -223,8 +224,8 @@ TEST_CASE("h2o state follows eviction: kept slots keep their accumulated scores,
 
 TEST_CASE("every registered policy matches its float64 reference on every type, view and GQA group") {
   for_each_setup(700, [&](const problem& p, const auto& in, const std::string& label) {
-    for_each_policy(in, [&](const std::string& name, const auto& pol) {
-      check_policy(pol, p, in, label + "/" + name, [&](const problem& q) { return ref_scores(q, pol); });
+    for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
+      check_policy(pol, p, with(in), label + "/" + name, [&](const problem& q) { return ref_scores(q, pol); });
     });
   });
 }

@@ -229,11 +229,11 @@ TEST_CASE("ties through the pipeline: identical keys tie every attention and Key
   for (std::int64_t j = 0; j < p.n; j += 2)  // every other slot copies slot 1: half the scores tie
     std::copy_n(p.k.begin() + 1 * 16, 16, p.k.begin() + j * 16);
   const layer l(p);
-  for_each_policy(l.in(), [&](const std::string& name, const auto& pol) {
+  for_each_policy(l.in(), [&](const std::string& name, const auto& pol, const auto& with) {
     INFO(name);
     const budget b{.capacity = 24, .sinks = 2, .recent = 4};
-    const auto keep = cpu::select(pol, b, l.in(), granularity::per_head);
-    const auto scores = cpu::layer_scores(pol, l.in());
+    const auto keep = cpu::select(pol, b, with(l.in()), granularity::per_head);
+    const auto scores = cpu::layer_scores(pol, with(l.in()));
     const budget pb = protect(pol, b);
     for (std::int64_t u = 0; u < keep.n_units(); ++u) {
       const std::vector<double> row(scores.row(u).begin(), scores.row(u).end());

@@ -142,11 +142,11 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
         const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
         const device_tensor dk(keys), dq(queries);
         const layer ly(p);
-        for_each_policy(ly.in(), [&](const std::string& name, const auto& pol) {
+        for_each_policy(ly.in(), [&](const std::string& name, const auto& pol, const auto& with) {
           const std::string what = name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay);
           keys.visit([&](const auto& hk) {
             using R = read_only_t<std::decay_t<decltype(hk)>>;
-            const auto host_in = cpu::inputs_for(pol, layer_inputs<R>{hk, {}, queries.tensor, p.qpos, p.tokens, 0.f});
+            const auto host_in = with(layer_inputs<R>{hk, {}, queries.tensor, p.qpos, p.tokens, 0.f});
             const plan hp = make_plan(cpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(host_in));
             cpu::workspace hws(hp.workspace_bytes);
             const score_view want = run_scores(hp, cpu_be, host_in, hws.span());
@@ -177,7 +177,8 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
       }
 }
 
-TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, pooling, bias, layers)") {
+TEST_CASE(
+    "gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, pooling, bias, layers, unions)") {
   const cpu::backend cpu_be{};
   cudaStream_t stream = nullptr;  // a stream of its own: nothing may run on the default one
   ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -190,10 +191,11 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
     const auto heads = std::int32_t(1 + gen() % 8);
     const auto tokens = random_tokens(gen, n);
     const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
-    policy_spec spec{.name = "fixed", .source = score_source::accumulated};
-    if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
-    if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
-    if (round % 4 == 1) spec.bias = {.beta = 0.5, .unit = round % 8 == 1 ? age_unit::positions : age_unit::ranks};
+    policy_spec spec{.name = "fixed", .score = {.source = score_source::accumulated}};
+    if (round % 3 == 1) spec.score.pool = pooling::max, spec.score.kernel = 3;
+    if (round % 3 == 2)
+      spec.score.pool = pooling::avg, spec.score.kernel = 5, spec.score.pool_tail = spec.protect_recent = 3;
+    if (round % 4 == 1) spec.score.bias = {.beta = 0.5, .unit = round % 8 == 1 ? age_unit::positions : age_unit::ranks};
     const budget b{.capacity = std::int64_t(gen() % std::uint64_t(n + 2)) + 4,
                    .sinks = std::int64_t(gen() % 3),
                    .recent = std::int64_t(gen() % 4)};
@@ -220,6 +222,19 @@ TEST_CASE("gpu: given equal scores the keep sets are the CPU's (ties, signed zer
       device_run d(dp);
       run(dp, gpu_be, std::span<const layer_inputs<>>(dev.data(), std::size_t(o.n_layers)), d.ws.span(), d.out);
       cuda::check(status.p(), stream, "run");
+      CHECK(d.keep() == keep_set::from_view({hs.data(), ho.data(), hp.units, n}));
+    }
+    const policy_spec u = union_of_finishes(spec, double(round % 5) / 4.0);
+    for (const granularity g : {granularity::per_layer, granularity::per_token}) {
+      CAPTURE(to_string(g));
+      const plan hp = make_plan(cpu_be, u, b, shape_of(host[0]), {.g = g});
+      cpu::workspace hws(hp.workspace_bytes);
+      std::vector<std::int64_t> ho(std::size_t(hp.offsets_size())), hs(std::size_t(hp.kept_total));
+      run(hp, cpu_be, host[0], hws.span(), {hs.data(), ho.data(), hp.units, n});
+      const plan dp = make_plan(gpu_be, u, b, shape_of(dev[0]), {.g = g});
+      device_run d(dp);
+      run(dp, gpu_be, dev[0], d.ws.span(), d.out);
+      cuda::check(status.p(), stream, "run (union)");
       CHECK(d.keep() == keep_set::from_view({hs.data(), ho.data(), hp.units, n}));
     }
   }
@@ -402,7 +417,7 @@ TEST_CASE("gpu: one CUDA graph of h2o_observe, run, compact, h2o_evict and rerot
   ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const device_status status;
   const cuda::backend be{stream, status.p()};
-  const policy_spec spec{.name = "h2o", .source = score_source::accumulated};
+  const policy_spec spec{.name = "h2o", .score = {.source = score_source::accumulated}};
   const budget b{.capacity = kept, .sinks = 4, .recent = 16};
   const plan pl = make_plan(be, spec, b, shape_of(in), {.g = granularity::per_token});
   REQUIRE(pl.kept_total == kept);

@@ -110,12 +110,14 @@ TEST_CASE("cuda (stub runtime): infkv::run of every score source only queues wor
        inf_mllm{.window = 8, .bias = {.beta = 1.0, .shape = decay::exponential, .unit = age_unit::segments}}.spec()},
       {"expected_attention", expected_attention{.window = 8}.spec()},
       {"expected_attention mean only", expected_attention{.window = 8, .covariance = false}.spec()},
-      {"h2o (accumulated)", policy_spec{.name = "h2o", .source = score_source::accumulated}}};
+      {"h2o (accumulated)", policy_spec{.name = "h2o", .score = {.source = score_source::accumulated}}},
+      {"union inf_mllm + keydiff", union_of<inf_mllm, keydiff>{{.window = 8}, {}, 0.25}.spec()}};
   const budget b{.capacity = 1024, .sinks = 4, .recent = 32};
   for (const auto& [name, spec] : specs)
     for (const plan_options opt : {plan_options{.g = granularity::per_head}, plan_options{.g = granularity::per_token},
                                    plan_options{.g = granularity::per_head, .adakv = adakv{.alpha = 0.2}}}) {
-      if (opt.adakv && (spec.source == score_source::recency || spec.source == score_source::last_query)) continue;
+      if (opt.adakv && spec.score.one_row()) continue;
+      if (spec.second && opt.g == granularity::per_head) continue;  // a union is one decision per layer or token
       INFO(name, " ", to_string(opt.g), opt.adakv ? " adakv" : "");
       const plan p = make_plan(be, spec, b, shape_of(in), opt);
       auto* ws = dev<std::byte>(std::int64_t(p.workspace_bytes));

@@ -71,7 +71,7 @@ keep_set select_direct(const B0& be0, const score_matrix& s, std::span<const tok
   cuda::status_word word;
   const B0 be = with_status(be0, word);
   const std::int64_t n = s.cols, units = s.rows;
-  const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+  const score_spec spec{.source = score_source::accumulated};
   cpu::workspace ws(
       be.scratch_bytes(spec, layer_shape{.n_slots = n, .kv_heads = std::int32_t(units)}, {.g = granularity::per_head}));
   std::vector<std::int64_t> order(static_cast<std::size_t>(n)), slots(static_cast<std::size_t>(units * n + 1)),
@@ -91,7 +91,7 @@ std::vector<std::int64_t> allocate_direct(const B0& be0, const adakv& a, const s
   cuda::status_word word;
   const B0 be = with_status(be0, word);
   const std::int64_t n = s.cols, rows = s.rows;
-  const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+  const score_spec spec{.source = score_source::accumulated};
   const plan_options opt{.g = granularity::per_head, .adakv = a};
   cpu::workspace ws(be.scratch_bytes(spec, layer_shape{.n_slots = n, .kv_heads = std::int32_t(rows)}, opt));
   std::vector<std::int64_t> order(static_cast<std::size_t>(n)), caps(static_cast<std::size_t>(rows), -1);
@@ -137,8 +137,8 @@ TEST_CASE("cuda steps (host): finished scores of every policy match the CPU back
           using R = std::decay_t<decltype(k)>;
           const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
           const layer ly(p);
-          for_each_policy(ly.in(), [&](const std::string& name, const auto& pol) {
-            const auto inputs = cpu::inputs_for(pol, in);
+          for_each_policy(ly.in(), [&](const std::string& name, const auto& pol, const auto& with) {
+            const auto inputs = with(in);
             const auto want = finished(cpu_be, pol.spec(), inputs), got = finished(gpu_be, pol.spec(), inputs);
             check_close(got, as_ref(want), 2e-4, 2e-6,
                         name + " n=" + std::to_string(p.n) + " " + to_string(t) + " " + to_string(lay));
@@ -157,8 +157,8 @@ TEST_CASE("cuda steps (host): Expected Attention's two covariance forms match th
       const layer ly(p);
       for (const auto form : {covariance_form::cheaper, covariance_form::projections, covariance_form::matrix}) {
         policy_spec spec = expected_attention{.window = m, .rotary = rope{.theta = 500.0}, .sinks = 3}.spec();
-        spec.expect.form = form;
-        spec.value_norm = false;
+        spec.score.expect.form = form;
+        spec.score.value_norm = false;
         check_close(finished(gpu_be, spec, ly.in()), as_ref(finished(cpu_be, spec, ly.in())), 2e-5, 2e-6,
                     "m=" + std::to_string(m) + " " + to_string(t) + " form " + std::to_string(int(form)));
       }
@@ -198,7 +198,7 @@ TEST_CASE("cuda steps (host): value-weighted scores (Expected Attention, inf_mll
       }
 }
 
-TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ties and signed zeros included") {
+TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ties, signed zeros and unions included") {
   const cpu::backend cpu_be{};
   std::mt19937_64 gen(7);
   for (int round = 0; round < 60; ++round) {
@@ -209,9 +209,10 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
     const auto heads = std::int32_t(1 + gen() % 4);
     const auto tokens = random_tokens(gen, n);
     const std::vector<score_matrix> acc{tied_scores(gen, heads, n), tied_scores(gen, heads, n)};
-    policy_spec spec{.name = "fixed", .source = score_source::accumulated};
-    if (round % 3 == 1) spec.pool = pooling::max, spec.kernel = 3;
-    if (round % 3 == 2) spec.pool = pooling::avg, spec.kernel = 5, spec.pool_tail = spec.protect_recent = 3;
+    policy_spec spec{.name = "fixed", .score = {.source = score_source::accumulated}};
+    if (round % 3 == 1) spec.score.pool = pooling::max, spec.score.kernel = 3;
+    if (round % 3 == 2)
+      spec.score.pool = pooling::avg, spec.score.kernel = 5, spec.score.pool_tail = spec.protect_recent = 3;
     std::vector<layer_inputs<>> layers(2);
     for (int l = 0; l < 2; ++l)
       layers[std::size_t(l)].tokens = tokens, layers[std::size_t(l)].accumulated = acc[std::size_t(l)].view();
@@ -238,6 +239,14 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
         const std::span<const layer_inputs<>> first(layers.data(), 1);
         CHECK(keep_of(gpu_be, spec, b, first, ada) == keep_of(cpu_be, spec, b, first, ada));
       }
+    const policy_spec u = union_of_finishes(spec, double(round % 5) / 4.0);
+    for (const granularity g : {granularity::per_layer, granularity::per_token}) {
+      CAPTURE(to_string(g));
+      const std::span<const layer_inputs<>> first(layers.data(), 1);
+      cuda::status st;
+      CHECK(keep_of(gpu_be, u, b, first, {.g = g}, &st) == keep_of(cpu_be, u, b, first, {.g = g}));
+      CHECK(st.ok());
+    }
   }
 }
 
@@ -352,7 +361,7 @@ TEST_CASE("cuda steps (host): AdaKV over many heads: capacities and keep sets ar
     const budget b{.capacity = cap, .sinks = keep.sinks, .recent = keep.recent};
     layer_inputs<> in;
     in.tokens = tokens, in.accumulated = const_score_view{s.data.data(), rows, n, n};
-    const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    const policy_spec spec{.name = "fixed", .score = {.source = score_source::accumulated}};
     const plan_options ada{.g = granularity::per_head, .adakv = a};
     CHECK(keep_of(gpu_be, spec, b, std::span<const layer_inputs<>>(&in, 1), ada) ==
           keep_of(cpu_be, spec, b, std::span<const layer_inputs<>>(&in, 1), ada));
@@ -446,9 +455,9 @@ TEST_CASE("cuda steps (host): whole runs of every policy keep the CPU's sets on 
   const layer ly(make_problem(5, 400, 2, 2, 16, 6));
   const layer_inputs<> in = ly.in();
   const budget b{.capacity = 120, .sinks = 2, .recent = 8};
-  for_each_policy(in, [&](const std::string& name, const auto& pol) {
+  for_each_policy(in, [&](const std::string& name, const auto& pol, const auto& with) {
     INFO(name);
-    const auto inputs = cpu::inputs_for(pol, in);
+    const auto inputs = with(in);
     for (const granularity g : {granularity::per_head, granularity::per_token}) {
       const std::span<const layer_inputs<>> one(&inputs, 1);
       const auto want = keep_of(cpu_be, pol.spec(), b, one, {.g = g}),
@@ -457,11 +466,44 @@ TEST_CASE("cuda steps (host): whole runs of every policy keep the CPU's sets on 
       for (std::int64_t u = 0; u < got.n_units(); ++u) {
         std::vector<std::int64_t> diff;
         std::ranges::set_symmetric_difference(got.unit(u), want.unit(u), std::back_inserter(diff));
-        const bool exact = pol.spec().source == score_source::recency || pol.spec().source == score_source::accumulated;
+        const bool exact =
+            pol.spec().score.source == score_source::recency || pol.spec().score.source == score_source::accumulated;
         CHECK(diff.size() <= (exact ? 0u : 4u));
       }
     }
   });
+}
+
+TEST_CASE("cuda steps (host): unions of two policies keep the CPU's sets (exactly where both scores are exact)") {
+  const cpu::backend cpu_be{};
+  const host_cuda_backend gpu_be{};
+  const layer ly(make_problem(6, 300, 2, 2, 16, 6));
+  const layer_inputs<> in = ly.in();
+  cpu::h2o_state heavy(h2o{.forgetting = 0.9}, 2);
+  heavy.append(ly.p.n);
+  cpu::observe(heavy, in);
+  const auto check = [&](const auto& u, const layer_inputs<>& inputs, bool exact) {
+    for (const double share : {0.0, 0.3, 0.5, 1.0})
+      for (const granularity g : {granularity::per_layer, granularity::per_token}) {
+        CAPTURE(share);
+        auto v = u;
+        v.share = share;
+        const std::span<const layer_inputs<>> one(&inputs, 1);
+        const budget b{.capacity = 90, .sinks = 3, .recent = 5};
+        cuda::status st{};
+        const auto want = keep_of(cpu_be, v.spec(), b, one, {.g = g}),
+                   got = keep_of(gpu_be, v.spec(), b, one, {.g = g}, &st);
+        CHECK(st.ok());
+        REQUIRE(got.n_units() == 1);
+        CHECK(got.size(0) == want.size(0));
+        std::vector<std::int64_t> diff;
+        std::ranges::set_symmetric_difference(got.unit(0), want.unit(0), std::back_inserter(diff));
+        CHECK(diff.size() <= (exact ? 0u : 4u));
+      }
+  };
+  check(union_of<h2o, streaming_llm>{{.forgetting = 0.9}, {}}, heavy.attach(in), true);
+  check(union_of<inf_mllm, keydiff>{{.window = 4, .bias = {.beta = 0.5}}, {}}, in, false);
+  check(union_of<tova, snapkv>{{}, {.window = 3, .pool = pooling::max}}, in, false);
 }
 
 TEST_CASE("cuda steps (host): compaction moves exactly the CPU's bytes, contiguous and paged") {
@@ -631,7 +673,7 @@ TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the c
     acc(0, 33) = std::numeric_limits<float>::quiet_NaN();
     layer_inputs<> in;
     in.tokens = t, in.accumulated = acc.view();
-    const policy_spec spec{.name = "fixed", .source = score_source::accumulated};
+    const policy_spec spec{.name = "fixed", .score = {.source = score_source::accumulated}};
     cuda::status st;
     keep_of(be, spec, budget{.capacity = 30}, std::span<const layer_inputs<>>(&in, 1), {}, &st);
     CHECK((st.kind == cuda::fault::bad_position && st.b == 17));
@@ -797,7 +839,7 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
             const std::int64_t before = host_launcher::gemm_calls;
             const auto got = finished(gpu_be, spec, in);
             const std::int64_t calls = host_launcher::gemm_calls - before;
-            const std::int64_t w = std::min<std::int64_t>(spec.queries, p.nq), rows = p.hq * w;
+            const std::int64_t w = std::min<std::int64_t>(spec.score.queries, p.nq), rows = p.hq * w;
             const std::int64_t tile = cuda::detail::window_tile_keys(rows, p.n, limit), tiles = (p.n + tile - 1) / tile;
             const std::string what =
                 std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " limit " + std::to_string(limit);
@@ -842,8 +884,8 @@ TEST_CASE("cuda steps (host): Expected Attention's logits through GEMM tiles mat
             for (const auto form : {covariance_form::projections, covariance_form::matrix}) {
               if (!cov && form == covariance_form::matrix) continue;
               policy_spec spec = expected_attention{.window = 7, .sinks = 3, .covariance = cov}.spec();
-              spec.expect.form = form;
-              spec.value_norm = false;
+              spec.score.expect.form = form;
+              spec.score.value_norm = false;
               const bool matrix = cov && form == covariance_form::matrix;
               const std::int64_t rq = matrix ? p.d + 1 : cov ? p.nq + 1 : 1;
               const std::int64_t tile = cuda::detail::window_tile_keys(p.hkv * ((p.hq / p.hkv) * rq + p.d), p.n, limit);

@@ -153,6 +153,18 @@ TEST_CASE("llama session: session_options::for_policy captures what the policy r
     auto ctx = bound_context(model.get(), s);
     evict_and_go_on(s, p);
   }
+  SUBCASE("a union with h2o: the attention of every decode and the other policy's window") {
+    const infkv::union_of<infkv::h2o, infkv::snapkv> u{{.normalize_lifetime = true}, {.window = 6}, 0.5};
+    const auto o = lc::session_options::for_policy(u, base);
+    REQUIRE(o.track_h2o);
+    CHECK((o.capture && o.window == 6 && o.track_h2o->normalize_lifetime));
+    lc::session s(model.get(), o);
+    auto ctx = bound_context(model.get(), s);
+    evict_and_go_on(s, u);
+    // H2O's settings must be the session's: its state accumulated with them.
+    CHECK_THROWS_WITH_AS(s.evict(infkv::h2o{}, {.capacity = 20}), doctest::Contains("h2o.forgetting"),
+                         infkv::invalid_argument);
+  }
 }
 
 TEST_CASE("llama session: the per-token choice is the top of the layers' combined scores") {

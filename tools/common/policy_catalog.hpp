@@ -122,7 +122,7 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
 }
 
 /// Calls `f` with the policy object of `k` (window: streaming_llm, whose budget has no sinks;
-/// h2o: its configuration; saddle_union: an infkv::union_of) and returns what `f` returns; full, recompute and
+/// saddle_union: an infkv::union_of) and returns what `f` returns; full, recompute and
 /// context_shift evict nothing themselves and are refused.
 template <class F>
 decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
@@ -170,9 +170,7 @@ inline infkv::capture_needs policy_capture(policy_kind k, const policy_knobs& s)
 inline std::string budget_problem(policy_kind k, std::int64_t capacity, const policy_knobs& s) {
   auto b = policy_budget(k, capacity, s);
   if (!b) return {};
-  with_policy(k, s, [&](const auto& p) {
-    if constexpr (!std::is_same_v<std::decay_t<decltype(p)>, infkv::h2o>) b = infkv::protect(p, *b);
-  });
+  with_policy(k, s, [&](const auto& p) { b = infkv::protect(p, *b); });
   if (capacity > b->sinks + b->recent) return {};
   return fmt::format("--budget = {}: must exceed the tokens {} protects (sinks {} + recent {})", capacity,
                      policy_catalog[std::size_t(k)].name, b->sinks, b->recent);

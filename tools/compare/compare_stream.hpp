@@ -188,11 +188,9 @@ class policy_run {
     } else {
       for (std::int32_t h = 0; h < hkv_; ++h) {
         const auto in = head_inputs(h, group_rows(window_q, h), pos);
-        keep.push_back(infkv_tools::with_policy(kind_, s_, [&]<class P>(const P& p) {
-          if constexpr (std::is_same_v<P, infkv::h2o>)
-            return infkv::cpu::select(h2o_[std::size_t(h)], bud, in);  // the head's accumulated state
-          else
-            return infkv::cpu::select(p, bud, in);
+        keep.push_back(infkv_tools::with_policy(kind_, s_, [&](const auto& p) {
+          // H2O reads the head's accumulated state
+          return infkv::cpu::select(p, bud, kind_ == kind::h2o ? h2o_[std::size_t(h)].attach(in) : in);
         }));
       }
     }

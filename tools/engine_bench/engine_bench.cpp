@@ -209,7 +209,7 @@ int run_prefill(const options& o, const llama_model* m) {
   if (o.mode == "plain") {
     stream::check_cells(m, "--tokens", o.tokens, "plain prefill", double(o.tokens));
   } else {
-    if (!e || !stream::policy_budget(e->k, o.s) || e->k == stream::kind::h2o)
+    if (!e || !stream::policy_budget(e->k, o.s))
       infkv_tools::fail("--policy = {}: budgeted prefill takes a scoring policy (see infkv-stream --list-policies)",
                         o.policy);
     check_budget(o, e->k);
@@ -249,12 +249,7 @@ int run_prefill(const options& o, const llama_model* m) {
     const infkv::llama_cpp::prefill_options po{.sinks = b->sinks, .recent = b->recent};
     const auto t0 = clock_type::now();
     const auto res = infkv_tools::with_policy(e->k, o.s, [&](const auto& pol) {
-      if constexpr (!std::is_same_v<std::decay_t<decltype(pol)>, infkv::h2o>) {
-        return infkv::llama_cpp::prefill(session, std::span(&c, 1), pol, schedule, po);
-      } else {  // H2O (refused above) scores from every decode's attention, not one eviction's
-        infkv_tools::fail("--policy = {}: budgeted prefill takes a scoring policy", o.policy);
-        return infkv::llama_cpp::prefill_result{};
-      }
+      return infkv::llama_cpp::prefill(session, std::span(&c, 1), pol, schedule, po);
     });
     secs = since(t0);
     if (!res.ok())

@@ -81,8 +81,8 @@ result soak(const std::string& name, const P& policy, const infkv::budget& b, co
     }
   };
   const cpu::backend be{.ex = {.threads = 1}};
-  std::optional<cpu::h2o_state> h2o_st;
-  if constexpr (std::same_as<P, h2o>) h2o_st.emplace(policy, hkv);
+  std::optional<cpu::h2o_state> h2o_st;  // the state of a policy that reads accumulated attention
+  if (const auto a = policy.spec().accumulates()) h2o_st.emplace(*a, hkv);
   std::optional<plan> pl;
   std::optional<cpu::workspace> ws;
   std::vector<std::int64_t> offsets, slots;
@@ -110,17 +110,11 @@ result soak(const std::string& name, const P& policy, const infkv::budget& b, co
     if (h2o_st) {
       h2o_st->append(n - h2o_st->n_slots());
       cpu::observe(*h2o_st, in);
+      in = h2o_st->attach(in);
     }
-    const auto& p = [&]() -> const auto& {
-      if constexpr (std::same_as<P, h2o>)
-        return *h2o_st;
-      else
-        return policy;
-    }
-    ();
-    const auto inputs = cpu::inputs_for(p, in);
+    const auto& inputs = in;
     if (!pl || pl->shape.n_slots != n) {  // planned once the cache is full (every eviction sees budget + block)
-      pl = make_plan(be, p, b, shape_of(inputs), {.g = granularity::per_token});
+      pl = make_plan(be, policy, b, shape_of(inputs), {.g = granularity::per_token});
       if (!ws || ws->span().size() < pl->workspace_bytes) ws.emplace(pl->workspace_bytes);
       offsets.assign(std::size_t(pl->offsets_size()), 0), slots.assign(std::size_t(pl->kept_total), 0);
     }
@@ -181,8 +175,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (o.policies.empty())
     for (const auto& p : infkv_tools::policy_catalog)
-      if (p.k != policy_kind::full && p.k != policy_kind::saddle_union && !infkv_tools::engine_only(p.k))
-        o.policies.emplace_back(p.name);
+      if (p.k != policy_kind::full && !infkv_tools::engine_only(p.k)) o.policies.emplace_back(p.name);
   try {
     std::vector<result> results;
     const infkv_tools::policy_knobs knobs{};
@@ -191,17 +184,7 @@ int main(int argc, char** argv) {
       if (!entry || entry->k == policy_kind::full || infkv_tools::engine_only(entry->k))
         infkv_tools::fail("--policy = {}: not an evicting policy (see infkv-stream --list-policies)", name);
       const auto b = *infkv_tools::policy_budget(entry->k, o.budget, knobs);
-      results.push_back(infkv_tools::with_policy(entry->k, knobs, [&](const auto& p) {
-        if constexpr (infkv::is_union<std::decay_t<decltype(p)>>) {
-          infkv_tools::fail(
-              "--policy = {}: a union of two selections is not soaked (the soak runs one planned, "
-              "allocation-free pipeline)",
-              name);
-          return result{};
-        } else {
-          return soak(name, p, b, o);
-        }
-      }));
+      results.push_back(infkv_tools::with_policy(entry->k, knobs, [&](const auto& p) { return soak(name, p, b, o); }));
       const result& r = results.back();
       fmt::print(
           "{:<18} {:>9} tokens, {:>6} evictions: rss {:.1f} -> max {:.1f} MiB after warm-up, eviction {:.0f} -> {:.0f} "

@@ -43,7 +43,7 @@ bool device_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-std::size_t backend::scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt) const {
+std::size_t backend::scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt) const {
   return impl(*this).scratch_bytes(spec, shape, opt);
 }
 void backend::time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
@@ -51,11 +51,11 @@ void backend::time_order(std::span<const token> tokens, std::int64_t* order, std
   detail::require_workspace(scratch, 0, "the backend");
   impl(*this).time_order(tokens, order, scratch);
 }
-void backend::score(const policy_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
+void backend::score(const score_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
                     score_view out, std::span<std::byte> scratch) const {
   impl(*this).score(spec, in, order, out, scratch);
 }
-void backend::score(const policy_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
+void backend::score(const score_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
                     score_view out, std::span<std::byte> scratch) const {
   impl(*this).score(spec, in, order, out, scratch);
 }
@@ -65,7 +65,7 @@ void backend::value_norm(score_view s, const const_tensor_view& values, std::spa
 void backend::value_norm(score_view s, const const_paged_rows& values, std::span<std::byte> scratch) const {
   impl(*this).value_norm(s, values, scratch);
 }
-void backend::pool(score_view s, const std::int64_t* order, const policy_spec& spec,
+void backend::pool(score_view s, const std::int64_t* order, const score_spec& spec,
                    std::span<std::byte> scratch) const {
   impl(*this).pool(s, order, spec, scratch);
 }
@@ -74,7 +74,7 @@ void backend::fill_tail(score_view s, const std::int64_t* order, std::int64_t ta
                         std::span<std::byte> scratch) const {
   impl(*this).fill_tail(s, order, tail, scratch);
 }
-void backend::bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+void backend::bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const score_spec& spec,
                    std::span<std::byte> scratch) const {
   impl(*this).bias(s, tokens, order, spec, scratch);
 }
@@ -91,6 +91,9 @@ void backend::allocate(const adakv& a, score_view s, const std::int64_t* order, 
 void backend::select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
                      std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
   impl(*this).select(s, tokens, order, caps, cap, keep, out, scratch);
+}
+void backend::mark(score_view s, const std::int64_t* slots, std::int64_t count) const {
+  impl(*this).mark(s, slots, count);
 }
 
 void reset_status(status_word* status, cudaStream_t stream) {

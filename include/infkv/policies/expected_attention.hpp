@@ -41,12 +41,12 @@ struct expected_attention {
   }
   policy_spec spec() const {
     return {.name = name,
-            .source = score_source::expected_attention,
-            .queries = window,
+            .score = {.source = score_source::expected_attention,
+                      .queries = window,
+                      .value_norm = value_norm,
+                      .expect = expect()},
             .protect_sinks = sinks,
-            .natural = granularity::per_head,
-            .value_norm = value_norm,
-            .expect = expect()};
+            .natural = granularity::per_head};
   }
 };
 

@@ -5,33 +5,30 @@
 // Inputs: attention probabilities of every step (recomputed from Q and K by the backend, so
 // flash attention can stay on). Granularity: per KV head. State: one float pair per (head, slot).
 // Cost: O(Hq * n * d) per decode step to observe, O(Hkv * n) to score. The accumulators belong to
-// the backend that updates them (cpu::h2o_state on the host); the pipeline reads them as
-// layer_inputs::accumulated.
+// the engine's side, kept by the backend that updates them (cpu::h2o_state and cpu::observe on the
+// host, cuda::h2o_observe on a GPU); the pipeline reads them as layer_inputs::accumulated.
 #pragma once
 
-#include <cmath>
+#include <string_view>
 
-#include "../error.hpp"
 #include "../policy.hpp"
 
 namespace infkv {
 
-/// H2O configuration.
+/// H2O: a policy whose score source is the accumulated attention (score_source::accumulated).
 struct h2o {
+  static constexpr std::string_view name = "h2o";
+
   bool normalize_lifetime = false;  ///< divide by the number of queries that saw the slot
   double forgetting = 1.0;          ///< old mass is multiplied by this before each step, in (0, 1]
 
-  void validate() const {
-    INFKV_REQUIRE(std::isfinite(forgetting) && forgetting > 0.0 && forgetting <= 1.0, "h2o.forgetting", forgetting,
-                  "must be in (0, 1]");
+  void validate() const { accumulation{normalize_lifetime, forgetting}.validate(name); }
+  /// No protection of its own: its recent window is the budget's.
+  policy_spec spec() const {
+    return {.name = name,
+            .score = {.source = score_source::accumulated, .accumulate = {normalize_lifetime, forgetting}},
+            .natural = granularity::per_head};
   }
 };
-
-/// What an engine must capture for H2O: the attention of every decoded query, accumulated
-/// (cpu::observe after each decode, cpu::h2o_state scores).
-inline capture_needs capture_needs_of(const h2o& config) {
-  config.validate();
-  return {.attention = true};
-}
 
 }  // namespace infkv

@@ -31,15 +31,15 @@ struct inf_mllm {
   /// kept; then the attention bias.
   policy_spec spec() const {
     return {.name = name,
-            .source = score_source::window_attention,
-            .queries = window,
-            .pool = pool,
-            .kernel = kernel,
-            .pool_tail = window,
-            .bias = bias,
+            .score = {.source = score_source::window_attention,
+                      .queries = window,
+                      .pool = pool,
+                      .kernel = kernel,
+                      .pool_tail = window,
+                      .bias = bias,
+                      .value_norm = value_norm},
             .protect_recent = window,
-            .natural = granularity::per_head,
-            .value_norm = value_norm};
+            .natural = granularity::per_head};
   }
 };
 

@@ -24,9 +24,7 @@ struct keydiff {
   }
   policy_spec spec() const {
     return {.name = name,
-            .source = score_source::key_diversity,
-            .pool = pool,
-            .kernel = kernel,
+            .score = {.source = score_source::key_diversity, .pool = pool, .kernel = kernel},
             .natural = granularity::per_head};
   }
 };

@@ -27,11 +27,11 @@ struct snapkv {
   /// head, then the G heads of a group are averaged.
   policy_spec spec() const {
     return {.name = name,
-            .source = score_source::window_attention,
-            .queries = window,
-            .pool = pool,
-            .kernel = kernel,
-            .pool_tail = window,
+            .score = {.source = score_source::window_attention,
+                      .queries = window,
+                      .pool = pool,
+                      .kernel = kernel,
+                      .pool_tail = window},
             .protect_recent = window,
             .natural = granularity::per_head};
   }

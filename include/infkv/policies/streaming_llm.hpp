@@ -16,7 +16,7 @@ struct streaming_llm {
 
   void validate() const {}
   policy_spec spec() const {
-    return {.name = name, .source = score_source::recency, .natural = granularity::per_token};
+    return {.name = name, .score = {.source = score_source::recency}, .natural = granularity::per_token};
   }
 };
 

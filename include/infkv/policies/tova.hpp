@@ -14,7 +14,8 @@ struct tova {
 
   void validate() const {}
   policy_spec spec() const {
-    return {.name = name, .source = score_source::last_query, .queries = 1, .natural = granularity::per_layer};
+    return {
+        .name = name, .score = {.source = score_source::last_query, .queries = 1}, .natural = granularity::per_layer};
   }
 };
 

@@ -90,11 +90,6 @@ struct prefill_result {
   bool ok() const { return status == 0; }
 };
 
-/// What prefill evicts with: a policy, an `h2o` configuration (scores the session accumulates), or
-/// the union of two policies' selections (`union_of`).
-template <class P>
-concept prefill_policy = policy<P> || std::same_as<P, h2o> || is_union<P>;
-
 /// Per-token metadata of `chunks` as planned: segment first_segment + i for chunk i, its
 /// modality, and the input index as position.
 inline std::vector<token> input_tokens(std::span<const chunk> chunks, std::int32_t first_segment = 0) {
@@ -142,27 +137,6 @@ inline void validate_chunk(const chunk& c, std::size_t i, const llama_model* m, 
   INFKV_REQUIRE(c.n_pos >= 0, at + ".n_pos", c.n_pos, "must be >= 0");
 }
 
-/// The budget `p` evicts to: its own protection applied (H2O adds none; its recent window is the
-/// budget's).
-template <class P>
-budget protect_for(const P& p, const budget& b) {
-  if constexpr (std::same_as<P, h2o>)
-    return b;
-  else
-    return protect(p, b);  // a policy's, or both of a union's
-}
-
-/// The name errors give `p`.
-template <class P>
-std::string_view name_of(const P& p) {
-  if constexpr (std::same_as<P, h2o>)
-    return "h2o";
-  else if constexpr (is_union<P>)
-    return "union_of";
-  else
-    return p.spec().name;
-}
-
 /// Restores causal attention when a non-causal chunk is done (or throws).
 struct causal_scope {
   llama_context* ctx;
@@ -184,10 +158,10 @@ struct causal_scope {
 /// opt.sinks, opt.recent and what the policy protects). A session that already holds more than
 /// the budget is evicted first; a session that holds anything plans its first block of
 /// schedule.block tokens, so the cache never exceeds budget + block slots. All arguments are
-/// checked before anything is decoded. Cost: the decodes plus one eviction per block. `p` is a
-/// policy, or an `h2o` configuration: then the session accumulates H2O's scores at every decode
-/// (session_options::for_policy(h2o{})), non-causal chunks included as if causal.
-template <prefill_policy P>
+/// checked before anything is decoded. Cost: the decodes plus one eviction per block. With `h2o`
+/// the session accumulates H2O's scores at every decode (session_options::for_policy(h2o{})),
+/// non-causal chunks included as if causal.
+template <policy P>
 prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, const block_prefill& schedule,
                        const prefill_options& opt = {}) {
   llama_context* ctx = s.context();
@@ -198,18 +172,12 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
   const budget b{.capacity = schedule.budget, .sinks = opt.sinks, .recent = opt.recent};
   INFKV_REQUIRE(opt.sinks >= 0, "prefill_options.sinks", opt.sinks, "must be >= 0");
   INFKV_REQUIRE(opt.recent >= 0, "prefill_options.recent", opt.recent, "must be >= 0");
-  const budget pb = detail::protect_for(p, b);
+  const policy_spec spec = p.spec();
+  const budget pb = spec.protect(b);
   INFKV_REQUIRE(schedule.budget >= pb.sinks + pb.recent, "block_prefill.budget", schedule.budget,
-                "cannot hold the protected tokens of ", detail::name_of(p), ": sinks (", pb.sinks, ") + recent (",
-                pb.recent, ")");
-  if constexpr (std::same_as<P, h2o>)
-    INFKV_REQUIRE(s.options().track_h2o.has_value(), "session_options.track_h2o", "unset",
-                  "H2O needs the attention of every decode: create the session with "
-                  "session_options::for_policy(h2o{})");
-  else if constexpr (is_union<P>)
-    s.require_captures(p.first.spec()), s.require_captures(p.second.spec());
-  else
-    s.require_captures(p.spec());
+                "cannot hold the protected tokens of ", spec.name, ": sinks (", pb.sinks, ") + recent (", pb.recent,
+                ")");
+  s.require_captures(spec);
   const std::int64_t n_ctx = llama_n_ctx(ctx);
   INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx, "the context cannot hold block_prefill.budget (",
                 schedule.budget, ") + block (", schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());

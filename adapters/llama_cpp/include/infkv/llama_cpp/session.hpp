@@ -68,15 +68,16 @@ struct session_options {
 
   /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
   /// window queries, the values where it weights by them, nothing at all where it reads nothing
-  /// (streaming_llm), H2O's running scores for an `h2o` configuration.
-  template <class P>
+  /// (streaming_llm), H2O's running scores where it reads accumulated attention.
+  template <policy P>
   static session_options for_policy(const P& policy, session_options base = {}) {
     const capture_needs needs = capture_needs_of(policy);
     base.window = std::max<std::int64_t>(1, needs.queries);
     base.values = needs.values;
     base.capture = needs.observes();
     base.track_h2o.reset();
-    if constexpr (std::same_as<P, h2o>) base.track_h2o = policy;
+    if (const auto a = policy.spec().accumulates())
+      base.track_h2o = h2o{.normalize_lifetime = a->normalize_lifetime, .forgetting = a->forgetting};
     return base;
   }
 };
@@ -241,18 +242,20 @@ class session {
   }
 
   /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
-  /// their positions, tokens, the layer's RoPE.
+  /// their positions, tokens, H2O's accumulated scores (track_h2o), the layer's RoPE.
   layer_inputs<const_tensor_view> inputs(std::int32_t layer) {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
     const rope_info& r = layer_rope_[std::size_t(layer)];
-    return {.keys = l.keys(),
-            .values = l.values(),
-            .queries = l.queries(),
-            .query_pos = l.query_pos(),
-            .tokens = tokens_,
-            .scale = opt_.scale,
-            .rotary = r.has_rope && r.supported ? std::optional(r.params) : std::nullopt};
+    return {
+        .keys = l.keys(),
+        .values = l.values(),
+        .queries = l.queries(),
+        .query_pos = l.query_pos(),
+        .tokens = tokens_,
+        .scale = opt_.scale,
+        .accumulated = std::size_t(layer) < h2o_.size() ? h2o_[std::size_t(layer)].scores().view() : const_score_view{},
+        .rotary = r.has_rope && r.supported ? std::optional(r.params) : std::nullopt};
   }
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
@@ -349,45 +352,42 @@ class session {
 
   /// Evicts down to `b` (after the policy's protection): scores every layer with `p`, combines heads and
   /// layers with the session's reduction, keeps the top tokens, removes the others' position
-  /// runs from the llama memory, then compacts positions in compact mode.
+  /// runs from the llama memory, then compacts positions in compact mode. H2O scores from what
+  /// the session accumulated at every decode (session_options.track_h2o); a union (`union_of`)
+  /// cannot evict cached slots that share a position (M-RoPE images): it raises.
   template <policy P>
   eviction_result evict(const P& p, const budget& b) {
-    return run_pipeline(p, b, [&](std::int32_t l) { return inputs(l); });
-  }
-
-  /// H2O eviction from the scores accumulated at every decode (session_options.track_h2o).
-  eviction_result evict(const h2o& config, const budget& b) {
-    require_h2o();
-    INFKV_REQUIRE(config.forgetting == opt_.track_h2o->forgetting &&
-                      config.normalize_lifetime == opt_.track_h2o->normalize_lifetime,
-                  "h2o.forgetting", config.forgetting, "must match session_options.track_h2o (",
-                  opt_.track_h2o->forgetting, ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
-    if (h2o_.empty()) return {0, size(), {}, false};
-    return run_pipeline(h2o_.front(), b, [&](std::int32_t l) {
-      auto in = inputs(l);
-      in.accumulated = h2o_[std::size_t(l)].scores().view();
-      return in;
-    });
-  }
-
-  /// Evicts down to `b` with the union of two policies' selections: each scores every layer
-  /// (heads and layers combined by the session's reduction), then select_union keeps both
-  /// policies' protected tokens, `u.share` of the rest by the first's scores and the remainder by
-  /// the second's. Not on cached slots that share a position (M-RoPE images): raises.
-  template <policy A, policy B>
-  eviction_result evict(const union_of<A, B>& u, const budget& b) {
-    u.validate();
-    require_captures(u.first.spec());
-    require_captures(u.second.spec());
-    const budget pb = protect(u, b);
-    if (pb.keep_count(size()) >= size()) return {0, size(), {}, false};
-    INFKV_REQUIRE(!shares_positions(), "union_of", "two policies",
+    p.validate();
+    const policy_spec spec = p.spec();
+    require_captures(spec);
+    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    INFKV_REQUIRE(!spec.second || !shares_positions(), spec.name, "two policies",
                   "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
     std::optional<stopwatch> w{std::in_place, stats_.score};
-    const std::vector<float> a = decision_scores(u.first, b), s = decision_scores(u.second, b);
-    const keep_set keep = select_union(a, s, tokens_, pb.keep_count(size()), pb.sinks, pb.recent, u.share);
+    const cpu::backend be{opt_.executor};
+    layers_in_.clear();
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      layers_in_.push_back(inputs(l));
+      if (spec.reads_queries())
+        INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
+                      "decode at least one token after the last eviction before scoring with ", spec.name);
+    }
+    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
+                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
+    if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
+    const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
+    if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
+      const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
+      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens_, pl.keep_per_unit,
+                                                   pl.keep.sinks, pl.keep.recent);
+      w.reset();
+      return apply(keep);
+    }
+    std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
+    const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
+    run(pl, be, layers, workspace_->span(), out);
     w.reset();
-    return apply(keep);
+    return apply(keep_set::from_view(out));
   }
 
   /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
@@ -435,6 +435,13 @@ class session {
   /// (spec.needs(); session_options::for_policy sets exactly that).
   void require_captures(const policy_spec& spec) const {
     const capture_needs needs = spec.needs();
+    if (const auto a = spec.accumulates()) {
+      require_h2o();
+      INFKV_REQUIRE(
+          a->forgetting == opt_.track_h2o->forgetting && a->normalize_lifetime == opt_.track_h2o->normalize_lifetime,
+          "h2o.forgetting", a->forgetting, "must match session_options.track_h2o (", opt_.track_h2o->forgetting,
+          ", normalize_lifetime ", opt_.track_h2o->normalize_lifetime, ")");
+    }
     INFKV_REQUIRE(opt_.capture || !needs.observes(), "session_options.capture", "false", spec.name,
                   " reads the keys or queries: create the session with capture = true "
                   "(session_options::for_policy sets what a policy needs)");
@@ -461,61 +468,6 @@ class session {
   }
 
  private:
-  /// Plans `p`'s per-token decision over every layer (inputs_of(layer) into layers_in_), heads and
-  /// layers combined by the session's reduction, and sizes the workspace for it.
-  template <policy P, class Inputs>
-  plan plan_layers(const cpu::backend& be, const P& p, const budget& b, Inputs&& inputs_of) {
-    const policy_spec spec = p.spec();
-    const capture_needs needs = spec.needs();
-    layers_in_.clear();
-    for (std::int32_t l = 0; l < n_layers(); ++l) {
-      layers_in_.push_back(inputs_of(l));
-      if (needs.queries > 0)
-        INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
-                      "decode at least one token after the last eviction before scoring with ", spec.name);
-    }
-    const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
-                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
-    if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
-    return pl;
-  }
-
-  /// The per-token scores `p`'s decision selects by (see plan_layers), copied out.
-  template <policy P>
-  std::vector<float> decision_scores(const P& p, const budget& b) {
-    const cpu::backend be{opt_.executor};
-    const plan pl = plan_layers(be, p, b, [&](std::int32_t l) { return inputs(l); });
-    const score_view s =
-        run_decision_scores(pl, be, std::span<const layer_inputs<const_tensor_view>>(layers_in_), workspace_->span());
-    return {s.data, s.data + s.cols};
-  }
-
-  /// Runs the pipeline over every layer (inputs_of(layer)) for one per-token decision and applies
-  /// the keep set.
-  template <policy P, class Inputs>
-  eviction_result run_pipeline(const P& p, const budget& b, Inputs&& inputs_of) {
-    p.validate();
-    const policy_spec spec = p.spec();
-    require_captures(spec);
-    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
-    std::optional<stopwatch> w{std::in_place, stats_.score};
-    const cpu::backend be{opt_.executor};
-    const plan pl = plan_layers(be, p, b, inputs_of);
-    const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
-    if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
-      const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
-      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens_, pl.keep_per_unit,
-                                                   pl.keep.sinks, pl.keep.recent);
-      w.reset();
-      return apply(keep);
-    }
-    std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
-    const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
-    run(pl, be, layers, workspace_->span(), out);
-    w.reset();
-    return apply(keep_set::from_view(out));
-  }
-
   /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
   bool shares_positions() const {
     std::vector<std::int64_t> pos;
@@ -531,7 +483,8 @@ class session {
   }
   void require_h2o() const {
     INFKV_REQUIRE(opt_.track_h2o.has_value(), "session_options.track_h2o", "unset",
-                  "H2O needs the attention of every decode: set it when creating the session");
+                  "H2O needs the attention of every decode: create the session with "
+                  "session_options::for_policy(h2o{})");
   }
   std::int64_t min_pos() const {
     return std::min_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include <infkv/pipeline.hpp>
@@ -111,9 +112,9 @@ void keydiff_into(const R& keys, score_view out, std::byte* scratch, const execu
 struct backend {
   executor ex{};
 
-  /// Scratch of the primitives for layers of `shape`, in bytes: the largest of the score
-  /// source's, pooling's (one row), the bias's, selection's and AdaKV's.
-  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
+  /// Scratch of the primitives for one score part over layers of `shape`, in bytes: the largest
+  /// of the score source's, pooling's (one row), the bias's, selection's and AdaKV's.
+  std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
     const std::int64_t group = shape.q_heads / shape.kv_heads, m = std::min(spec.queries, shape.n_queries);
     std::size_t source = 0;
@@ -146,7 +147,7 @@ struct backend {
   }
 
   template <row_source R>
-  void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
+  void score(const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const {
     std::byte* const f = scratch.data();
     const std::int64_t n = out.cols;
@@ -188,7 +189,7 @@ struct backend {
     value_norm_into(s, values);
   }
 
-  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+  void pool(score_view s, const std::int64_t* order, const score_spec& spec, std::span<std::byte> scratch) const {
     auto* tmp = reinterpret_cast<float*>(scratch.data());
     for (std::int64_t r = 0; r < s.rows; ++r)
       pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
@@ -207,7 +208,7 @@ struct backend {
     }
   }
 
-  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const score_spec& spec,
             std::span<std::byte> scratch) const {
     spec.bias.apply(s, tokens, order, reinterpret_cast<double*>(scratch.data()));
   }
@@ -239,6 +240,11 @@ struct backend {
       }
       out.offsets[u + 1] = out.offsets[u] + m;
     }
+  }
+
+  /// Row 0 of `s` gets +infinity at the `count` slots of `slots` (a union's first picks).
+  void mark(score_view s, const std::int64_t* slots, std::int64_t count) const {
+    for (std::int64_t i = 0; i < count; ++i) s(0, slots[i]) = std::numeric_limits<float>::infinity();
   }
 };
 

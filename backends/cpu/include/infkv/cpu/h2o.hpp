@@ -1,6 +1,7 @@
 // infkv CPU backend: H2O's state, accumulated attention per (KV head, slot) in host memory, kept
-// in the cache's slot order by the hooks, and the observation hook that feeds it. The state is
-// a policy (score source: accumulated) that the pipeline reads through layer_inputs::accumulated.
+// in the cache's slot order by the hooks, and the observation hook that feeds it. The policy is
+// `infkv::h2o` (score source: accumulated); the pipeline reads the state's scores through
+// layer_inputs::accumulated (`attach`).
 #pragma once
 
 #include <algorithm>
@@ -19,26 +20,30 @@
 
 namespace infkv::cpu {
 
-/// Accumulated attention per (KV head, slot), kept in the cache's slot order by the hooks.
-/// It is itself a policy: `cpu::select(state, budget, inputs)` selects from its scores.
+/// Accumulated attention per (KV head, slot), kept in the cache's slot order by the hooks: the
+/// state behind policy `h2o`, whose pipeline reads `attach(inputs)`.
 class h2o_state {
  public:
-  static constexpr std::string_view name = "h2o";
-
-  h2o_state(h2o config, std::int32_t n_kv_heads) : cfg_(config), heads_(n_kv_heads) {
-    cfg_.validate();
+  h2o_state(accumulation config, std::int32_t n_kv_heads) : cfg_(config), heads_(n_kv_heads) {
+    cfg_.validate(h2o::name);
     INFKV_REQUIRE(n_kv_heads > 0, "n_kv_heads", n_kv_heads, "must be > 0");
     refresh();
   }
-
-  void validate() const { cfg_.validate(); }
-  policy_spec spec() const {
-    return {.name = name, .source = score_source::accumulated, .natural = granularity::per_head};
-  }
+  h2o_state(const h2o& policy, std::int32_t n_kv_heads) : h2o_state(policy.spec().score.accumulate, n_kv_heads) {}
 
   std::int64_t n_slots() const { return n_; }
   std::int32_t n_heads() const { return heads_; }
-  const h2o& config() const { return cfg_; }
+  const accumulation& config() const { return cfg_; }
+
+  /// `in` with this state's scores as its accumulated scores (what policy `h2o` reads); the state
+  /// must mirror the cache `in` describes (as many slots).
+  template <row_source R>
+  layer_inputs<R> attach(layer_inputs<R> in) const {
+    INFKV_REQUIRE(n_ == std::int64_t(in.tokens.size()), "h2o_state.n_slots()", n_, "must equal the cached slots (",
+                  in.tokens.size(), ")");
+    in.accumulated = score_.view();
+    return in;
+  }
 
   /// New slots appended at the end of the cache with no mass yet.
   void append(std::int64_t n) {
@@ -113,7 +118,7 @@ class h2o_state {
       score_.data[i] = cfg_.normalize_lifetime ? acc_[i] / std::max(life_[i], 1.f) : acc_[i];
   }
 
-  h2o cfg_;
+  accumulation cfg_;
   std::int32_t heads_;
   std::int64_t n_ = 0;
   std::vector<float> acc_, life_;

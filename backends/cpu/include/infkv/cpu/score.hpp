@@ -29,26 +29,14 @@ score_matrix keydiff_scores(const R& keys, const executor& ex = {}) {
   return out;
 }
 
-/// The inputs `p` scores from: `in`, with the accumulated scores attached when `p` is a stateful
-/// policy (H2O's state owns them); any other policy's inputs are `in` unchanged.
-template <policy P, row_source R>
-layer_inputs<R> inputs_for(const P& p, layer_inputs<R> in) {
-  if constexpr (std::same_as<P, h2o_state>) {
-    INFKV_REQUIRE(p.n_slots() == std::int64_t(in.tokens.size()), "h2o_state.n_slots()", p.n_slots(),
-                  "must equal the cached slots (", in.tokens.size(), ")");
-    in.accumulated = p.scores().view();
-  }
-  return in;
-}
-
-/// Scores of one layer after the policy's finish (pooling, group mean, bias): [units][n_slots].
+/// Scores of one layer after the policy's finish (pooling, group mean, bias): [units][n_slots]
+/// (a union's first score). H2O reads `in.accumulated` (its state's scores: h2o_state::scores()).
 template <policy P, row_source R>
 score_matrix layer_scores(const P& p, const layer_inputs<R>& in, const executor& ex = {}) {
   const backend be{ex};
-  const auto inputs = inputs_for(p, in);
-  const plan pl = make_plan(be, p, budget{.ratio = 1.0}, shape_of(inputs));
+  const plan pl = make_plan(be, p, budget{.ratio = 1.0}, shape_of(in));
   workspace ws(pl.workspace_bytes);
-  const score_view s = run_scores(pl, be, inputs, ws.span());
+  const score_view s = run_scores(pl, be, in, ws.span());
   score_matrix out(s.rows, s.cols);
   for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r).begin());
   return out;
@@ -57,36 +45,17 @@ score_matrix layer_scores(const P& p, const layer_inputs<R>& in, const executor&
 /// Keep set of one layer at granularity `g`: per KV head (one unit per scored row: one per KV
 /// head, or a single unit for policies that score the layer as a whole), or per layer / per
 /// token (one unit, head rows combined by `r`). `g` defaults to the policy's natural granularity.
+/// H2O reads `in.accumulated` (its state's scores: h2o_state::scores()).
 template <policy P, row_source R>
 keep_set select(const P& p, const budget& b, const layer_inputs<R>& in, std::optional<granularity> g = {},
                 reduction r = reduction::mean, const executor& ex = {}) {
   const backend be{ex};
-  const auto inputs = inputs_for(p, in);
-  const plan pl = make_plan(be, p, b, shape_of(inputs), {.g = g.value_or(p.spec().natural), .r = r});
+  const plan pl = make_plan(be, p, b, shape_of(in), {.g = g.value_or(p.spec().natural), .r = r});
   workspace ws(pl.workspace_bytes);
   std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
   const keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
-  run(pl, be, std::span<const layer_inputs<R>>(&inputs, 1), ws.span(), out);
+  run(pl, be, std::span<const layer_inputs<R>>(&in, 1), ws.span(), out);
   return keep_set::from_view(out);
-}
-
-/// Keep set of one layer for the union of two policies: each policy's finished scores with its
-/// rows combined by `r` (one decision for the layer), then select_union with both policies'
-/// protection and `u.share`.
-template <policy A, policy B, row_source R>
-keep_set select(const union_of<A, B>& u, const budget& b, const layer_inputs<R>& in, reduction r = reduction::mean,
-                const executor& ex = {}) {
-  u.validate();
-  const auto one_row = [&](const auto& p) {
-    score_reducer red(r);
-    red.add(layer_scores(p, in, ex));
-    return red.result();
-  };
-  const score_matrix a = one_row(u.first), s = one_row(u.second);
-  const budget pb = protect(u, b);
-  pb.validate();
-  return select_union(a.row(0), s.row(0), in.tokens, pb.keep_count(std::int64_t(in.tokens.size())), pb.sinks, pb.recent,
-                      u.share);
 }
 
 /// Per-token keep set from several layers' scores (each [units][n_slots] over the same slots),

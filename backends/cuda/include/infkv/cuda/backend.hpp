@@ -48,18 +48,18 @@ struct backend {
   cudaStream_t stream = nullptr;
   status_word* status = nullptr;
 
-  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const;
+  std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const;
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const;
-  void score(const policy_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
+  void score(const score_spec& spec, const layer_inputs<const_tensor_view>& in, const std::int64_t* order,
              score_view out, std::span<std::byte> scratch) const;
-  void score(const policy_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
+  void score(const score_spec& spec, const layer_inputs<const_paged_rows>& in, const std::int64_t* order,
              score_view out, std::span<std::byte> scratch) const;
   void value_norm(score_view s, const const_tensor_view& values, std::span<std::byte> scratch) const;
   void value_norm(score_view s, const const_paged_rows& values, std::span<std::byte> scratch) const;
-  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const;
+  void pool(score_view s, const std::int64_t* order, const score_spec& spec, std::span<std::byte> scratch) const;
   void group_mean(score_view in, score_view out) const;
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const;
-  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const score_spec& spec,
             std::span<std::byte> scratch) const;
   void reduce(score_view acc, score_view s, reduction r, bool first) const;
   void finish_reduction(score_view acc, reduction r, std::int64_t rows) const;
@@ -67,6 +67,7 @@ struct backend {
                 std::int64_t* caps, std::span<std::byte> scratch) const;
   void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
               std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
+  void mark(score_view s, const std::int64_t* slots, std::int64_t count) const;
 };
 
 static_assert(infkv::backend<backend>);

@@ -26,7 +26,7 @@ struct h2o_state_view {
 /// Scratch h2o_observe_steps needs for a layer of `shape` (every query of the layer observed).
 template <class L>
 std::size_t h2o_scratch_bytes(const layer_shape& shape) {
-  const policy_spec spec{.name = "h2o", .source = score_source::window_attention, .queries = shape.n_queries};
+  const score_spec spec{.source = score_source::window_attention, .queries = shape.n_queries};
   detail::carver c{nullptr, basic_backend<L>{}.scratch_bytes(spec, shape)};
   c.take<float>(std::int64_t(shape.kv_heads) * shape.n_slots), c.take<float>(shape.n_slots);
   return c.size();
@@ -47,8 +47,7 @@ void h2o_observe_steps(const L& launch, status_word* status, const h2o_state_vie
   INFKV_REQUIRE(std::int64_t(in.tokens.size()) == n, "tokens.size()", in.tokens.size(), "must equal keys.n_slots (", n,
                 ")");
   const basic_backend<L> be{launch};
-  const std::size_t after =
-      be.scratch_bytes({.name = "h2o", .source = score_source::window_attention, .queries = nq}, shape_of(in));
+  const std::size_t after = be.scratch_bytes({.source = score_source::window_attention, .queries = nq}, shape_of(in));
   detail::carver c{scratch.data(), after};
   const score_view mass{c.take<float>(st.heads * n), st.heads, n, n};
   float* seen = c.take<float>(n);

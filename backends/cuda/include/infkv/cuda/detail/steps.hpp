@@ -38,6 +38,8 @@
 // thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
 #pragma once
 
+#include <limits>
+
 #include "common.hpp"
 #include "window_steps.hpp"
 
@@ -55,7 +57,7 @@ struct basic_backend {
   std::int64_t window_tile_limit = detail::window_tile_limit;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape`.
-  std::size_t scratch_bytes(const policy_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
+  std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t n = shape.n_slots, hkv = shape.kv_heads, units = opt.g == granularity::per_head ? hkv : 1;
     check_sort_bits(units, n);
     const std::int64_t rows = std::max<std::int64_t>(shape.q_heads, hkv);  // score rows at most
@@ -131,7 +133,7 @@ struct basic_backend {
   }
 
   template <row_source R>
-  void score(const policy_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
+  void score(const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const {
     const std::int64_t n = out.cols;
     switch (spec.source) {
@@ -187,7 +189,7 @@ struct basic_backend {
   }
 
   /// Pools every row along time order, the last `spec.pool_tail` slots left out (pool_row).
-  void pool(score_view s, const std::int64_t* order, const policy_spec& spec, std::span<std::byte> scratch) const {
+  void pool(score_view s, const std::int64_t* order, const score_spec& spec, std::span<std::byte> scratch) const {
     const std::int64_t n = s.cols, len = n - std::min(spec.pool_tail, n), half = spec.kernel / 2;
     if (spec.pool == pooling::none || spec.kernel == 1 || len == 0) return;
     detail::carver c{scratch.data(), 0};
@@ -242,7 +244,7 @@ struct basic_backend {
   }
 
   /// The attention bias (attention_bias::apply): each row divided by its mean, plus beta f(age).
-  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const policy_spec& spec,
+  void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const score_spec& spec,
             std::span<std::byte> scratch) const {
     const attention_bias b = spec.bias;
     const std::int64_t n = std::int64_t(tokens.size()), nc = detail::chunks(n);
@@ -516,6 +518,12 @@ struct basic_backend {
       if (x == items - 1) offsets[units] = index[x] + kept[x];
       if (kept[x] && index[x] < room) slots[index[x]] = x % n;
     });
+  }
+
+  /// Row 0 of `s` gets +infinity at the `count` slots of `slots` (a union's first picks).
+  void mark(score_view s, const std::int64_t* slots, std::int64_t count) const {
+    launch.for_each(count,
+                    [=] INFKV_HOST_DEVICE(std::int64_t i) { s(0, slots[i]) = std::numeric_limits<float>::infinity(); });
   }
 };
 
