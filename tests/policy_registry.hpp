@@ -7,6 +7,8 @@
 
 #include <infkv/cpu.hpp>
 
+#include "added_policy.hpp"
+
 namespace infkv_test {
 
 /// What a registered policy reads besides the layer: H2O's accumulated scores, attached to a
@@ -49,6 +51,7 @@ void for_each_policy(const infkv::layer_inputs<R>& observed, F&& f) {
                        .covariance = false,
                        .value_norm = false},
     none);
+  f("renewing_tova (added by one file)", renewing_tova{}, none);
   for (const h2o cfg : {h2o{}, h2o{.normalize_lifetime = true, .forgetting = 0.8}}) {
     cpu::h2o_state st(cfg, observed.keys.n_heads);
     st.append(observed.keys.n_slots);

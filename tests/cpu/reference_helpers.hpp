@@ -496,6 +496,46 @@ inline ref_matrix ref_scores(const problem& p, const infkv::h2o& c) {
   return ref_h2o(std::span<const problem>(&p, 1), c);
 }
 
+/// The float64 reference of the score a spec composes from the sources and finishes above, for a
+/// policy that has no reference of its own (one added by a file and a registry line): the source's
+/// scores (recency, last query, key diversity, window attention), pooling along time with the
+/// last pool_tail slots left out and given the pooled mean (window attention: per query head, as
+/// SnapKV), then the bias. What it does not compose (value norms, accumulated and expected
+/// attention, a window source whose pool_tail is not its window) fails the test, naming it.
+template <class P>
+ref_matrix ref_scores(const problem& p, const P& policy) {
+  const infkv::score_spec s = policy.spec().score;
+  ref_matrix out;
+  const bool pooled = s.pool != infkv::pooling::none && s.kernel > 1;
+  if (s.value_norm || (s.source == infkv::score_source::window_attention && s.pool_tail != s.queries) ||
+      s.source == infkv::score_source::accumulated || s.source == infkv::score_source::expected_attention ||
+      (s.source == infkv::score_source::last_query && s.queries != 1)) {
+    FAIL("ref_scores: the spec of ", policy.spec().name, " is not composed by the generic reference");
+    return out;
+  }
+  if (s.source == infkv::score_source::window_attention) {
+    out = ref_window_pooled(p, s.queries, pooled ? s.kernel : 1, s.pool);
+  } else {
+    out = s.source == infkv::score_source::recency      ? ref_streaming_llm(p)
+          : s.source == infkv::score_source::last_query ? ref_tova(p)
+                                                        : ref_keydiff(p);
+    const auto o = ref_time_order(p.tokens);
+    const auto n = std::int64_t(o.size()), prefix = n - std::min(s.pool_tail, n);
+    if (pooled && prefix > 0)
+      for (auto& row : out) {
+        std::vector<double> t(o.size());
+        for (std::size_t i = 0; i < o.size(); ++i) t[i] = row[std::size_t(o[i])];
+        t = ref_pool(t, prefix, s.kernel, s.pool);
+        double mean = 0;
+        for (std::int64_t i = 0; i < prefix; ++i) mean += t[std::size_t(i)] / double(prefix);
+        for (std::int64_t i = prefix; i < n; ++i) t[std::size_t(i)] = mean;
+        for (std::size_t i = 0; i < o.size(); ++i) row[std::size_t(o[i])] = t[i];
+      }
+  }
+  ref_bias(out, p.tokens, s.bias);
+  return out;
+}
+
 /// The union by sets: the protected slots, the first round(share * room) of score a's ranking,
 /// and the first m of score b's ranking for the smallest m that fills `cap` (each ranking: higher
 /// score, then newer position, then lower slot, over the unprotected slots).
