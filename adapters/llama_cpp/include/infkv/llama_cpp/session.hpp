@@ -1,15 +1,15 @@
 // infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
-// post-RoPE Q and K (and V on request) through `cb_eval`, keeps its own position <-> slot
-// bookkeeping (llama.h has no public cell -> position map) and a host copy of each layer's keys
-// (values) in the cache's own type and of its recent queries, copied straight from the graph,
-// so that every infkv policy can score (memory() says what that holds); it evicts by removing position runs with
-// llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add (llama.cpp
-// re-rotates its K; the session re-rotates its own copy). Per-token granularity: head and layer
-// scores are combined by the chosen reduction.
+// post-RoPE Q and K (and V on request) through `cb_eval` and keeps a host copy of each layer's
+// keys (values) in the cache's own type and of its recent queries, copied straight from the graph
+// (detail/layer_cache.hpp), so that every infkv policy can score (memory() says what that holds);
+// its position <-> slot bookkeeping is detail/positions.hpp (llama.h has no public cell ->
+// position map), its options and reports session_options.hpp. It evicts by removing position runs
+// with llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add
+// (llama.cpp re-rotates its K; the session re-rotates its own copy). Per-token granularity: head
+// and layer scores are combined by the chosen reduction.
 #pragma once
 
 #include <algorithm>
-#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,106 +26,11 @@
 
 #include "capture.hpp"
 #include "detail/layer_cache.hpp"
+#include "detail/positions.hpp"
 #include "model_info.hpp"
+#include "session_options.hpp"
 
 namespace infkv::llama_cpp {
-
-/// What happens to positions after an eviction.
-enum class position_mode : std::uint8_t {
-  compact,  ///< close the gaps (llama_memory_seq_add): positions stay 0..n-1; needs can_shift
-  keep,     ///< original positions, holes left (M-RoPE models, or by choice)
-};
-
-/// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
-/// that wraps its memory passes its own; tests pass failing ones to check that the session's
-/// bookkeeping still follows the memory when the engine refuses.
-struct memory_calls {
-  std::function<bool(llama_memory_t, llama_seq_id, llama_pos, llama_pos)> seq_rm = llama_memory_seq_rm;
-  std::function<void(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos)> seq_add = llama_memory_seq_add;
-  std::function<bool(llama_memory_t)> can_shift = llama_memory_can_shift;
-};
-
-/// Session configuration.
-struct session_options {
-  llama_seq_id seq = 0;      ///< the sequence the session owns
-  std::int64_t window = 32;  ///< recent queries kept per layer
-  /// Type of the host copy of the keys (and values): f32 or f16. Unset: the cache's own (f16 for
-  /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones).
-  std::optional<dtype> key_type{};
-  bool values = false;  ///< also copy the values (value-norm policies)
-  /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
-  /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
-  /// then cost the decode nothing. Evicting with a policy that reads them raises.
-  bool capture = true;
-  reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
-  position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
-  std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
-  /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
-  /// session keeps for its whole life.
-  cpu::executor executor{};
-  float scale = 0.f;      ///< attention scale; 0 = 1/sqrt(head_dim)
-  memory_calls memory{};  ///< how the cache is changed (llama.h by default)
-
-  /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
-  /// window queries, the values where it weights by them, nothing at all where it reads nothing
-  /// (streaming_llm), H2O's running scores where it reads accumulated attention.
-  template <policy P>
-  static session_options for_policy(const P& policy, session_options base = {}) {
-    const capture_needs needs = capture_needs_of(policy);
-    base.window = std::max<std::int64_t>(1, needs.queries);
-    base.values = needs.values;
-    base.capture = needs.observes();
-    base.track_h2o.reset();
-    if (const auto a = policy.spec().accumulates())
-      base.track_h2o = h2o{.normalize_lifetime = a->normalize_lifetime, .forgetting = a->forgetting};
-    return base;
-  }
-};
-
-/// Metadata given to the tokens of one decode call.
-struct token_meta {
-  std::int32_t segment = 0;
-  modality kind = modality::text;
-};
-
-/// Where a session's time went, in seconds, accumulated since bind (or reset_stats()).
-struct session_stats {
-  double decode = 0;      ///< llama_decode: the graph, the capture callbacks and llama.cpp's K-shift included
-  double capture = 0;     ///< inside cb_eval: copying Q / K (V) rows out of the graph (part of decode)
-  double append = 0;      ///< after each decode: rows into the host copies (f16 conversion, query windows)
-  double h2o = 0;         ///< H2O's attention of every decoded query (track_h2o)
-  double score = 0;       ///< the policy's pipeline: scores and selection
-  double seq_rm = 0;      ///< llama_memory_seq_rm
-  double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
-  double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
-  double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
-  std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
-  /// The session's own work outside llama_decode.
-  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
-};
-
-/// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
-/// V for comparison.
-struct session_memory {
-  std::int64_t keys = 0;       ///< host copies of the cached keys, every layer (in the key type)
-  std::int64_t values = 0;     ///< host copies of the values (policies that weight by value norms)
-  std::int64_t queries = 0;    ///< window queries, and the queries kept of the last decode
-  std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
-  std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
-  std::int64_t tokens = 0;     ///< the position bookkeeping
-  /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
-  /// types (computed; 0 before the first decode shows the heads).
-  std::int64_t kv = 0;
-  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens; }
-};
-
-/// What one eviction did.
-struct eviction_result {
-  std::int64_t evicted = 0;           ///< slots removed
-  std::int64_t kept = 0;              ///< slots left
-  std::vector<position_run> removed;  ///< position runs removed, before any shift
-  bool shifted = false;               ///< positions were compacted
-};
 
 /// A session over one llama_context and sequence. Usage: construct from the model, `attach` to
 /// the context parameters, create the context, `bind` it, then `decode` and `evict`.
@@ -217,20 +122,20 @@ class session {
     }
     for (const auto& h : h2o_) m.h2o += h.bytes();
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
-    m.tokens = std::int64_t(tokens_.capacity() * sizeof(token));
+    m.tokens = book_.bytes();
     return m;
   }
   /// Where the time went since bind (or the last reset_stats()).
   const session_stats& stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }
   /// Metadata of the cached tokens, in the session's slot order.
-  std::span<const token> tokens() const { return tokens_; }
-  std::int64_t size() const { return std::int64_t(tokens_.size()); }
+  std::span<const token> tokens() const { return book_.tokens(); }
+  std::int64_t size() const { return book_.size(); }
   std::int32_t n_layers() const { return std::int32_t(layers_.size()); }
   /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
   /// consecutive positions), or the stream's next position when nothing is cached; at least the
   /// end of what reserve_positions() took.
-  std::int64_t next_pos() const { return std::max(tokens_.empty() ? stream_next_ : max_pos() + 1, reserved_); }
+  std::int64_t next_pos() const { return book_.next_pos(); }
   /// Marks the stream positions below `end` as taken (keep mode only): an M-RoPE image puts all
   /// its rows at one t but takes mtmd_input_chunk_get_n_pos stream positions, which the text
   /// after it must skip. prefill calls it after every explicitly positioned chunk.
@@ -238,7 +143,7 @@ class session {
     INFKV_REQUIRE(end >= 0 && end <= max_position, "end", end, "must be in [0, 2^62]");
     INFKV_REQUIRE(mode() == position_mode::keep, "end", end,
                   "reserving positions needs position_mode::keep (compaction renumbers them)");
-    reserved_ = std::max(reserved_, end);
+    book_.reserve(end);
   }
 
   /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
@@ -252,7 +157,7 @@ class session {
         .values = l.values(),
         .queries = l.queries(),
         .query_pos = l.query_pos(),
-        .tokens = tokens_,
+        .tokens = book_.tokens(),
         .scale = opt_.scale,
         .accumulated = std::size_t(layer) < h2o_.size() ? h2o_[std::size_t(layer)].scores().view() : const_score_view{},
         .rotary = r.has_rope && r.supported ? std::optional(r.params) : std::nullopt};
@@ -330,7 +235,7 @@ class session {
     }
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
-    for (std::int64_t i = 0; i < n; ++i) tokens_.push_back({pos[std::size_t(i)], meta.segment, meta.kind});
+    book_.append(pos, meta.segment, meta.kind);
     if (opt_.capture) {
       const stopwatch w{stats_.append};
       for (std::int32_t l = 0; l < n_layers(); ++l) {
@@ -340,7 +245,6 @@ class session {
       }
       layer_rope_seen_ = true;  // a layer's RoPE does not change between decodes
     }
-    stream_next_ = std::max(stream_next_, *std::max_element(pos.begin(), pos.end()) + 1);
     ++stats_.decodes, stats_.decoded_tokens += n;
     if (opt_.track_h2o) {
       const stopwatch w{stats_.h2o};
@@ -361,7 +265,7 @@ class session {
     const policy_spec spec = p.spec();
     require_captures(spec);
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
-    INFKV_REQUIRE(!spec.second || !shares_positions(), spec.name, "two policies",
+    INFKV_REQUIRE(!spec.second || !book_.shares_positions(), spec.name, "two policies",
                   "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
     std::optional<stopwatch> w{std::in_place, stats_.score};
     const cpu::backend be{opt_.executor};
@@ -376,9 +280,9 @@ class session {
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
     const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
-    if (shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
+    if (book_.shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
-      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens_, pl.keep_per_unit,
+      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
                                                    pl.keep.sinks, pl.keep.recent);
       w.reset();
       return apply(keep);
@@ -397,7 +301,7 @@ class session {
     INFKV_REQUIRE(keep.n_units() == 1, "keep.n_units()", keep.n_units(), "llama.cpp frees per token: one unit");
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
-    res.removed = keep.evicted_runs(tokens_);
+    res.removed = keep.evicted_runs(tokens());
     ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
@@ -409,9 +313,10 @@ class session {
       if (!removed) {
         const std::vector<position_run> done(res.removed.begin(), res.removed.begin() + std::ptrdiff_t(i));
         std::vector<std::int64_t> left;
-        for (std::size_t s = 0; s < tokens_.size(); ++s)
+        const auto cached = tokens();
+        for (std::size_t s = 0; s < cached.size(); ++s)
           if (std::none_of(done.begin(), done.end(),
-                           [&](const position_run& d) { return tokens_[s].pos >= d.begin && tokens_[s].pos < d.end; }))
+                           [&](const position_run& d) { return cached[s].pos >= d.begin && cached[s].pos < d.end; }))
             left.push_back(std::int64_t(s));
         keep_set partial(size());
         partial.add_unit(left);
@@ -425,7 +330,7 @@ class session {
     }
     res.evicted = size() - keep.size(0);
     drop(keep);
-    if (shift_ && !tokens_.empty()) res.shifted = compact_positions();
+    if (shift_ && !book_.empty()) res.shifted = compact_positions();
     res.kept = size();
     verify();
     return res;
@@ -451,32 +356,16 @@ class session {
                   "exceeds the queries the session keeps (session_options.window = ", opt_.window, ")");
   }
 
-  /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch.
-  /// With sliding-window layers llama.cpp answers from their cache, whose cells of tokens that
-  /// fell out of the window may already be reused (and position compaction may since have moved
-  /// the rest closer): its minimum then lies anywhere from the session's to the newest position.
+  /// Checks the bookkeeping against llama_memory_seq_pos_min/max; throws infkv::error on a mismatch
+  /// (with sliding-window layers llama.cpp's minimum may lie anywhere up to the newest position:
+  /// position_book::check).
   void verify() const {
     if (mem_ == nullptr) return;
-    const llama_pos lo = llama_memory_seq_pos_min(mem_, opt_.seq), hi = llama_memory_seq_pos_max(mem_, opt_.seq);
-    const std::int64_t want_lo = tokens_.empty() ? -1 : min_pos(), want_hi = tokens_.empty() ? -1 : max_pos();
-    INFKV_REQUIRE(n_swa_ > 0 ? lo >= want_lo && lo <= want_hi : lo == want_lo,
-                  "llama_memory_seq_pos_min(seq = " + std::to_string(opt_.seq) + ")", lo,
-                  "the session's bookkeeping says ", want_lo,
-                  n_swa_ > 0 ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
-    INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(opt_.seq) + ")", hi,
-                  "the session's bookkeeping says ", want_hi);
+    book_.check(llama_memory_seq_pos_min(mem_, opt_.seq), llama_memory_seq_pos_max(mem_, opt_.seq), opt_.seq,
+                n_swa_ > 0);
   }
 
  private:
-  /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
-  bool shares_positions() const {
-    std::vector<std::int64_t> pos;
-    pos.reserve(tokens_.size());
-    for (const auto& t : tokens_) pos.push_back(t.pos);
-    std::ranges::sort(pos);
-    return std::ranges::adjacent_find(pos) != pos.end();
-  }
-
   static std::int32_t checked_layers(const llama_model* model) {
     if (model == nullptr) infkv::detail::fail("infkv: model = null: a llama_model is required");
     return llama_model_n_layer(model);
@@ -486,18 +375,12 @@ class session {
                   "H2O needs the attention of every decode: create the session with "
                   "session_options::for_policy(h2o{})");
   }
-  std::int64_t min_pos() const {
-    return std::min_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
-  }
-  std::int64_t max_pos() const {
-    return std::max_element(tokens_.begin(), tokens_.end(), [](auto& a, auto& b) { return a.pos < b.pos; })->pos;
-  }
 
   /// After a decode the session cannot follow (`why`): removes whatever llama.cpp kept of the
   /// batch beyond the bookkeeping. When the memory refuses, the session cannot follow it (the
   /// batch's keys were not captured) and says so.
   void rollback(const std::string& why) {
-    const llama_pos p0 = tokens_.empty() ? -1 : llama_pos(max_pos() + 1);
+    const llama_pos p0 = book_.empty() ? -1 : llama_pos(book_.max_pos() + 1);
     const llama_pos kept = llama_memory_seq_pos_max(mem_, opt_.seq);
     if (kept >= std::max<llama_pos>(p0, 0) && !opt_.memory.seq_rm(mem_, opt_.seq, p0, -1))
       infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0,
@@ -524,13 +407,11 @@ class session {
   /// Keeps the slots of `keep` in the bookkeeping, key copies, query windows and H2O states.
   void drop(const keep_set& keep) {
     const stopwatch w{stats_.host_evict};
-    for (auto& l : layers_) l.evict(keep, tokens_);
+    for (auto& l : layers_) l.evict(keep, tokens());
     for (auto& s : h2o_) s.evict(keep);
-    std::vector<token> kept;
-    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]);
-    tokens_ = std::move(kept);
+    book_.keep(keep);
     std::vector<std::pair<std::int64_t, std::int64_t>> same;
-    for (const auto& t : tokens_) same.push_back({t.pos, 0});
+    for (const auto& t : tokens()) same.push_back({t.pos, 0});
     std::sort(same.begin(), same.end());
     for (auto& l : layers_) l.remap_queries(same, nullptr, opt_.executor);
   }
@@ -538,8 +419,8 @@ class session {
   /// Gives the cached tokens positions 0..n-1 in time order: llama_memory_seq_add per run of
   /// equal delta, the key copies and window queries re-rotated alike. True when anything moved.
   bool compact_positions() {
-    const std::vector<token> old = tokens_;
-    const auto delta = cpu::compact_positions(tokens_, 0);
+    const std::vector<token> old(tokens().begin(), tokens().end());
+    const auto delta = book_.compact();
     const auto order = time_order(old);
     bool moved = false;
     for (std::size_t i = 0; i < order.size();) {
@@ -555,7 +436,6 @@ class session {
       i = j;
     }
     if (!moved) return false;
-    stream_next_ = max_pos() + 1;
     if (!opt_.capture) return true;  // no host copies to turn
     const stopwatch w{stats_.rerotate};
     std::vector<std::pair<std::int64_t, std::int64_t>> map;
@@ -566,7 +446,7 @@ class session {
       if (r) layers_[l].rerotate_keys(delta, *r, opt_.executor);
       layers_[l].remap_queries(map, r, opt_.executor);
     }
-    for (auto& s : h2o_) s.shift(tokens_);
+    for (auto& s : h2o_) s.shift(tokens());
     return true;
   }
 
@@ -585,11 +465,9 @@ class session {
   dtype key_type_ = dtype::f16;                                // the host copies' type (attach)
   ggml_type type_k_ = GGML_TYPE_F16, type_v_ = GGML_TYPE_F16;  // llama.cpp's cache types (attach)
   session_stats stats_;
-  std::vector<token> tokens_;
+  detail::position_book book_;  // the cached tokens in slot order, where the stream goes on
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
-  std::int64_t stream_next_ = 0;
-  std::int64_t reserved_ = 0;                               // reserve_positions(): next_pos() is at least this
   std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
 };

@@ -1,0 +1,92 @@
+// infkv llama.cpp adapter: a session's position bookkeeping. llama.h has no public cell ->
+// position map, so the session keeps the cached tokens itself, in its slot order (the order of
+// its host copies), with the stream's next position and the positions reserved by explicitly
+// positioned chunks; `check` holds it against what llama.cpp reports.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <llama.h>
+
+#include <infkv/rope.hpp>
+#include <infkv/error.hpp>
+#include <infkv/keep_set.hpp>
+#include <infkv/tokens.hpp>
+
+namespace infkv::llama_cpp::detail {
+
+/// The cached tokens of one sequence in slot order, and where the stream goes on.
+class position_book {
+ public:
+  std::span<const token> tokens() const { return tokens_; }
+  std::int64_t size() const { return std::int64_t(tokens_.size()); }
+  bool empty() const { return tokens_.empty(); }
+  /// Bytes of the bookkeeping (its capacity).
+  std::int64_t bytes() const { return std::int64_t(tokens_.capacity() * sizeof(token)); }
+  /// Oldest and newest cached positions (-1 when nothing is cached).
+  std::int64_t min_pos() const {
+    return empty() ? -1 : std::ranges::min_element(tokens_, {}, &token::pos)->pos;
+  }
+  std::int64_t max_pos() const {
+    return empty() ? -1 : std::ranges::max_element(tokens_, {}, &token::pos)->pos;
+  }
+  /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
+  /// consecutive positions), or the stream's next position when nothing is cached; at least the
+  /// end of what reserve() took.
+  std::int64_t next_pos() const { return std::max(empty() ? stream_next_ : max_pos() + 1, reserved_); }
+  /// Marks the stream positions below `end` as taken.
+  void reserve(std::int64_t end) { reserved_ = std::max(reserved_, end); }
+
+  /// The tokens of a successful decode at positions `pos`, appended after the cached ones.
+  void append(std::span<const std::int64_t> pos, std::int32_t segment, modality kind) {
+    for (const auto p : pos) tokens_.push_back({p, segment, kind});
+    if (!pos.empty()) stream_next_ = std::max(stream_next_, *std::ranges::max_element(pos) + 1);
+  }
+  /// Keeps the slots of unit 0 of `keep`, in its (slot) order.
+  void keep(const keep_set& keep) {
+    std::vector<token> kept;
+    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]);
+    tokens_ = std::move(kept);
+  }
+  /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
+  bool shares_positions() const {
+    std::vector<std::int64_t> pos;
+    pos.reserve(tokens_.size());
+    for (const auto& t : tokens_) pos.push_back(t.pos);
+    std::ranges::sort(pos);
+    return std::ranges::adjacent_find(pos) != pos.end();
+  }
+  /// Gives the cached tokens positions 0..n-1 in time order and returns each slot's delta (new -
+  /// old); when anything moved, the stream goes on after the newest.
+  std::vector<std::int64_t> compact() {
+    auto delta = infkv::compact_positions(tokens_, 0);
+    if (std::ranges::any_of(delta, [](std::int64_t d) { return d != 0; })) stream_next_ = max_pos() + 1;
+    return delta;
+  }
+
+  /// Checks the bookkeeping against llama_memory_seq_pos_min / max (`lo`, `hi`) of sequence `seq`;
+  /// throws infkv::error on a mismatch. With sliding-window layers (`sliding`) llama.cpp answers
+  /// from their cache, whose cells of tokens that fell out of the window may already be reused
+  /// (and position compaction may since have moved the rest closer): its minimum then lies
+  /// anywhere from the session's to the newest position.
+  void check(llama_pos lo, llama_pos hi, llama_seq_id seq, bool sliding) const {
+    const std::int64_t want_lo = min_pos(), want_hi = max_pos();
+    INFKV_REQUIRE(sliding ? lo >= want_lo && lo <= want_hi : lo == want_lo,
+                  "llama_memory_seq_pos_min(seq = " + std::to_string(seq) + ")", lo,
+                  "the session's bookkeeping says ", want_lo,
+                  sliding ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
+    INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(seq) + ")", hi,
+                  "the session's bookkeeping says ", want_hi);
+  }
+
+ private:
+  std::vector<token> tokens_;
+  std::int64_t stream_next_ = 0;
+  std::int64_t reserved_ = 0;
+};
+
+}  // namespace infkv::llama_cpp::detail

@@ -1,0 +1,116 @@
+// infkv llama.cpp adapter: what a session is configured with and what it reports: the position
+// mode, the memory calls it makes, its options (and the options a policy needs), the metadata of
+// decoded tokens, where its time went, the bytes it holds, and what one eviction did.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include <llama.h>
+
+#include <infkv/cpu/executor.hpp>
+#include <infkv/infkv.hpp>
+
+namespace infkv::llama_cpp {
+
+/// What happens to positions after an eviction.
+enum class position_mode : std::uint8_t {
+  compact,  ///< close the gaps (llama_memory_seq_add): positions stay 0..n-1; needs can_shift
+  keep,     ///< original positions, holes left (M-RoPE models, or by choice)
+};
+
+/// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
+/// that wraps its memory passes its own; tests pass failing ones to check that the session's
+/// bookkeeping still follows the memory when the engine refuses.
+struct memory_calls {
+  std::function<bool(llama_memory_t, llama_seq_id, llama_pos, llama_pos)> seq_rm = llama_memory_seq_rm;
+  std::function<void(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos)> seq_add = llama_memory_seq_add;
+  std::function<bool(llama_memory_t)> can_shift = llama_memory_can_shift;
+};
+
+/// Session configuration.
+struct session_options {
+  llama_seq_id seq = 0;      ///< the sequence the session owns
+  std::int64_t window = 32;  ///< recent queries kept per layer
+  /// Type of the host copy of the keys (and values): f32 or f16. Unset: the cache's own (f16 for
+  /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones).
+  std::optional<dtype> key_type{};
+  bool values = false;  ///< also copy the values (value-norm policies)
+  /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
+  /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
+  /// then cost the decode nothing. Evicting with a policy that reads them raises.
+  bool capture = true;
+  reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
+  position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
+  std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
+  /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
+  /// session keeps for its whole life.
+  cpu::executor executor{};
+  float scale = 0.f;      ///< attention scale; 0 = 1/sqrt(head_dim)
+  memory_calls memory{};  ///< how the cache is changed (llama.h by default)
+
+  /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
+  /// window queries, the values where it weights by them, nothing at all where it reads nothing
+  /// (streaming_llm), H2O's running scores where it reads accumulated attention.
+  template <policy P>
+  static session_options for_policy(const P& policy, session_options base = {}) {
+    const capture_needs needs = capture_needs_of(policy);
+    base.window = std::max<std::int64_t>(1, needs.queries);
+    base.values = needs.values;
+    base.capture = needs.observes();
+    base.track_h2o.reset();
+    if (const auto a = policy.spec().accumulates())
+      base.track_h2o = h2o{.normalize_lifetime = a->normalize_lifetime, .forgetting = a->forgetting};
+    return base;
+  }
+};
+
+/// Metadata given to the tokens of one decode call.
+struct token_meta {
+  std::int32_t segment = 0;
+  modality kind = modality::text;
+};
+
+/// Where a session's time went, in seconds, accumulated since bind (or reset_stats()).
+struct session_stats {
+  double decode = 0;      ///< llama_decode: the graph, the capture callbacks and llama.cpp's K-shift included
+  double capture = 0;     ///< inside cb_eval: copying Q / K (V) rows out of the graph (part of decode)
+  double append = 0;      ///< after each decode: rows into the host copies (f16 conversion, query windows)
+  double h2o = 0;         ///< H2O's attention of every decoded query (track_h2o)
+  double score = 0;       ///< the policy's pipeline: scores and selection
+  double seq_rm = 0;      ///< llama_memory_seq_rm
+  double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
+  double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
+  double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
+  std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
+  /// The session's own work outside llama_decode.
+  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
+};
+
+/// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
+/// V for comparison.
+struct session_memory {
+  std::int64_t keys = 0;       ///< host copies of the cached keys, every layer (in the key type)
+  std::int64_t values = 0;     ///< host copies of the values (policies that weight by value norms)
+  std::int64_t queries = 0;    ///< window queries, and the queries kept of the last decode
+  std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
+  std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
+  std::int64_t tokens = 0;     ///< the position bookkeeping
+  /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
+  /// types (computed; 0 before the first decode shows the heads).
+  std::int64_t kv = 0;
+  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens; }
+};
+
+/// What one eviction did.
+struct eviction_result {
+  std::int64_t evicted = 0;           ///< slots removed
+  std::int64_t kept = 0;              ///< slots left
+  std::vector<position_run> removed;  ///< position runs removed, before any shift
+  bool shifted = false;               ///< positions were compacted
+};
+
+}  // namespace infkv::llama_cpp
