@@ -102,36 +102,6 @@ inline void finish_reduction(score_view acc, reduction r, std::int64_t rows_fold
   for (std::int64_t c = 0; c < acc.cols; ++c) acc(0, c) /= float(rows_folded);
 }
 
-/// Combines score rows column by column: add() any number of matrices with the same cols, then
-/// result() gives one row. Use it across heads (per layer) and across layers (per token).
-class score_reducer {
- public:
-  explicit score_reducer(reduction r) : r_(r) {}
-  void add(const score_matrix& s) {
-    if (count_ == 0) acc_ = score_matrix(1, s.cols);
-    INFKV_REQUIRE(acc_.cols == s.cols, "scores.cols", s.cols, "must match the columns added before (", acc_.cols, ")");
-    reduce_into(acc_.view(), s.view(), r_, count_ == 0);
-    count_ += s.rows;
-  }
-  score_matrix result() const {
-    score_matrix out = acc_;
-    finish_reduction(out.view(), r_, count_);
-    return out;
-  }
-
- private:
-  reduction r_;
-  score_matrix acc_;
-  std::int64_t count_ = 0;
-};
-
-/// One row combining all rows of `s`.
-inline score_matrix reduce_rows(const score_matrix& s, reduction r) {
-  score_reducer red(r);
-  red.add(s);
-  return red.result();
-}
-
 /// 1-D pooling kinds along time.
 enum class pooling : std::uint8_t {
   none,
@@ -180,23 +150,6 @@ inline void fill_tail(float* row, const std::int64_t* order, std::int64_t n, std
   for (std::int64_t i = 0; i < len; ++i) sum += row[order[i]];
   const auto mean = float(sum / double(len));
   for (std::int64_t i = len; i < n; ++i) row[order[i]] = mean;
-}
-
-/// Pools every row of `s` along time order (see `pool_row`); `tail` slots at the end of time
-/// order are the observation window, left out of the pooling and then given the row's mean
-/// pooled score (`fill_tail`). O(rows * cols * kernel).
-inline void pool_along_time(score_matrix& s, std::span<const token> tokens, std::int32_t kernel, pooling kind,
-                            std::int64_t tail = 0) {
-  if (kind == pooling::none) return;
-  INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "kernel", kernel, "pooling kernel must be odd and >= 1");
-  INFKV_REQUIRE(tail >= 0, "tail", tail, "must be >= 0");
-  validate_tokens(tokens, s.cols);
-  const auto order = time_order(tokens);
-  std::vector<float> tmp(static_cast<std::size_t>(s.cols));
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    pool_row(s.row(r).data(), order.data(), s.cols, kernel, kind, tail, tmp.data());
-    if (kernel > 1) fill_tail(s.row(r).data(), order.data(), s.cols, tail);
-  }
 }
 
 /// Throws `infkv::invalid_argument` naming the first NaN score.

@@ -242,8 +242,6 @@ TEST_CASE("bad policy parameters") {
   CHECK_ERROR((cpu::select(inf_mllm{.bias = {.beta = -0.5}}, b, in)), "bias.beta = -0.5");
   CHECK_ERROR((cpu::select(inf_mllm{.bias = {.beta = nan_v}}, b, in)), "bias.beta = nan");
   CHECK_ERROR((attention_bias{.beta = 1.0, .rate = 0.0}.validate()), "bias.rate = 0");
-  score_matrix s(1, 6);
-  CHECK_ERROR(pool_along_time(s, L.tokens, 6, pooling::avg), "kernel = 6");
   CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = 0.0}, 2)), "h2o.forgetting = 0");
   CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = 1.5}, 2)), "h2o.forgetting = 1.5");
   CHECK_ERROR((cpu::h2o_state(h2o{.forgetting = -0.5}, 2)), "h2o.forgetting = -0.5");
@@ -295,8 +293,4 @@ TEST_CASE("bad allocation and reduction arguments") {
   CHECK_ERROR((pyramidkv{}.allocate(4, budget{.ratio = 0.5})), "PyramidKV needs an absolute capacity");
   CHECK_ERROR((pyramidkv{}.allocate(0, b)), "n_layers = 0");
   CHECK_ERROR((pyramidkv{.beta = 0.5}.allocate(4, b)), "pyramidkv.beta = 0.5");
-  score_reducer red(reduction::mean);
-  red.add(score_matrix(2, 5));
-  CHECK_ERROR(red.add(score_matrix(1, 4)), "scores.cols = 4");
-  CHECK_ERROR((cpu::select_tokens({}, t, b)), "layers.size() = 0");
 }

@@ -41,7 +41,7 @@ TEST_CASE("pipeline: planned sizes are what run writes, several layers fold into
     // The decision is select_top over the sum of both layers' finished scores.
     const auto s0 = cpu::layer_scores(pol, l0), s1 = cpu::layer_scores(pol, l1);
     const std::vector<score_matrix> both{s0, s1};
-    CHECK(keep_set::from_view(buf.out) == cpu::select_tokens(both, p.tokens, protect(pol, b), reduction::sum));
+    CHECK(keep_set::from_view(buf.out) == select_top(reduce_rows(both, reduction::sum), p.tokens, protect(pol, b)));
     // run_decision_scores hands out the scores that decision selects by: the two layers summed.
     const score_view d = run_decision_scores(pl, be, std::span<const layer_inputs<>>(layers), buf.ws.span());
     REQUIRE(d.rows == 1);

@@ -576,6 +576,22 @@ inline infkv::policy_spec union_of_finishes(infkv::policy_spec spec, double shar
   return spec;
 }
 
+/// One row combining every row of every matrix of `m` (the same columns) by `r`: a per-layer or
+/// per-token decision's scores, from finished per-head scores.
+inline infkv::score_matrix reduce_rows(std::span<const infkv::score_matrix> m, infkv::reduction r) {
+  infkv::score_matrix out(1, m[0].cols);
+  std::int64_t rows = 0;
+  for (const auto& s : m) {
+    infkv::reduce_into(out.view(), s.view(), r, rows == 0);
+    rows += s.rows;
+  }
+  infkv::finish_reduction(out.view(), r, rows);
+  return out;
+}
+inline infkv::score_matrix reduce_rows(const infkv::score_matrix& s, infkv::reduction r) {
+  return reduce_rows(std::span<const infkv::score_matrix>(&s, 1), r);
+}
+
 /// A plan's workspace and keep-set buffers (poisoned: -7 everywhere before a run).
 struct plan_buffers {
   infkv::cpu::workspace ws;

@@ -44,7 +44,8 @@ score_matrix finished(const B0& be0, const policy_spec& spec, const layer_inputs
   const B0 be = with_status(be0, word);
   const plan pl = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(in));
   cpu::workspace ws(pl.workspace_bytes);
-  std::fill(ws.as<std::byte>(), ws.as<std::byte>() + pl.workspace_bytes, std::byte{0xff});  // poison: NaN floats
+  std::fill(ws.span().begin(), ws.span().begin() + std::ptrdiff_t(pl.workspace_bytes),
+            std::byte{0xff});  // poison: NaN floats
   const score_view s = run_scores(pl, be, in, ws.span());
   score_matrix out(s.rows, s.cols);
   for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + s.cols, out.row(r).begin());
@@ -435,7 +436,7 @@ TEST_CASE("cuda steps (host): the radix select's bound is the wanted key of a so
     infkv::detail::carver sizing;
     cuda::detail::radix_scratch::carve(sizing, segments);
     cpu::workspace ws(sizing.size());
-    infkv::detail::carver c{ws.as<std::byte>()};
+    infkv::detail::carver c{ws.span().data()};
     const auto w = cuda::detail::radix_scratch::carve(c, segments);
     std::copy(wanted.begin(), wanted.end(), w.need);
     be.radix_select(keys.data(), segments, len, bits, w);

@@ -58,14 +58,4 @@ keep_set select(const P& p, const budget& b, const layer_inputs<R>& in, std::opt
   return keep_set::from_view(out);
 }
 
-/// Per-token keep set from several layers' scores (each [units][n_slots] over the same slots),
-/// every row of every layer combined by `r`.
-inline keep_set select_tokens(std::span<const score_matrix> layers, std::span<const token> tokens, const budget& b,
-                              reduction r = reduction::mean) {
-  INFKV_REQUIRE(!layers.empty(), "layers.size()", 0, "needs at least one layer's scores");
-  score_reducer red(r);
-  for (const auto& s : layers) red.add(s);
-  return select_top(red.result(), tokens, b);
-}
-
 }  // namespace infkv::cpu

@@ -19,11 +19,6 @@ class workspace {
   workspace(const workspace&) = delete;
   workspace& operator=(const workspace&) = delete;
   std::span<std::byte> span() const { return {p_, bytes_}; }
-  /// The start of the buffer as T* (floats for the kernels' scratch).
-  template <class T>
-  T* as() const {
-    return reinterpret_cast<T*>(p_);
-  }
 
  private:
   std::size_t bytes_;

@@ -12,9 +12,9 @@
 
 #include <llama.h>
 
-#include <infkv/rope.hpp>
 #include <infkv/error.hpp>
 #include <infkv/keep_set.hpp>
+#include <infkv/rope.hpp>
 #include <infkv/tokens.hpp>
 
 namespace infkv::llama_cpp::detail {
@@ -28,12 +28,8 @@ class position_book {
   /// Bytes of the bookkeeping (its capacity).
   std::int64_t bytes() const { return std::int64_t(tokens_.capacity() * sizeof(token)); }
   /// Oldest and newest cached positions (-1 when nothing is cached).
-  std::int64_t min_pos() const {
-    return empty() ? -1 : std::ranges::min_element(tokens_, {}, &token::pos)->pos;
-  }
-  std::int64_t max_pos() const {
-    return empty() ? -1 : std::ranges::max_element(tokens_, {}, &token::pos)->pos;
-  }
+  std::int64_t min_pos() const { return empty() ? -1 : std::ranges::min_element(tokens_, {}, &token::pos)->pos; }
+  std::int64_t max_pos() const { return empty() ? -1 : std::ranges::max_element(tokens_, {}, &token::pos)->pos; }
   /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
   /// consecutive positions), or the stream's next position when nothing is cached; at least the
   /// end of what reserve() took.
@@ -76,9 +72,8 @@ class position_book {
   void check(llama_pos lo, llama_pos hi, llama_seq_id seq, bool sliding) const {
     const std::int64_t want_lo = min_pos(), want_hi = max_pos();
     INFKV_REQUIRE(sliding ? lo >= want_lo && lo <= want_hi : lo == want_lo,
-                  "llama_memory_seq_pos_min(seq = " + std::to_string(seq) + ")", lo,
-                  "the session's bookkeeping says ", want_lo,
-                  sliding ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
+                  "llama_memory_seq_pos_min(seq = " + std::to_string(seq) + ")", lo, "the session's bookkeeping says ",
+                  want_lo, sliding ? " (sliding-window layers: up to " + std::to_string(want_hi) + ")" : std::string());
     INFKV_REQUIRE(hi == want_hi, "llama_memory_seq_pos_max(seq = " + std::to_string(seq) + ")", hi,
                   "the session's bookkeeping says ", want_hi);
   }
