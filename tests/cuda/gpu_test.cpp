@@ -18,6 +18,7 @@
 #include <doctest/doctest.h>
 #include <infkv/cpu.hpp>
 #include <infkv/cuda.hpp>
+#include <infkv/cuda/detail/common.hpp>  // element loads, to read device rows back
 
 #include "cpu/reference_helpers.hpp"
 #include "policy_registry.hpp"

@@ -1,6 +1,7 @@
 // infkv CUDA backend: cuda::backend's primitives, compaction and re-rotation, each the steps of
 // cuda/steps.hpp and cuda/cache_steps.hpp run by the device launcher (one kernel per step).
 #include <infkv/cuda/backend.hpp>
+#include <infkv/cuda/detail/cache_steps.hpp>
 
 #include "launcher.cuh"
 

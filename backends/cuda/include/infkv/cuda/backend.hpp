@@ -28,7 +28,13 @@
 
 #include <cuda_runtime_api.h>
 
-#include "detail/cache_steps.hpp"
+#include <infkv/kv_view.hpp>
+#include <infkv/pipeline.hpp>
+#include <infkv/policies/h2o.hpp>
+#include <infkv/rope.hpp>
+
+#include "cache.hpp"
+#include "status.hpp"
 
 namespace infkv::cuda {
 

@@ -6,22 +6,10 @@
 
 #include <initializer_list>
 
+#include "../cache.hpp"
 #include "steps.hpp"
 
 namespace infkv::cuda {
-
-/// H2O's state on a device: accumulated mass, lifetime (queries that could see the slot) and the
-/// score the pipeline reads (`layer_inputs::accumulated = scores`), each [heads][n_slots] with row
-/// stride `ld` (>= n_slots: room to append). Memory of the caller.
-struct h2o_state_view {
-  float* acc = nullptr;
-  float* life = nullptr;
-  float* score = nullptr;
-  std::int32_t heads = 0;
-  std::int64_t n_slots = 0;
-  std::int64_t ld = 0;
-  score_view scores() const { return {score, heads, n_slots, ld}; }
-};
 
 /// Scratch h2o_observe_steps needs for a layer of `shape` (every query of the layer observed).
 template <class L>
@@ -71,16 +59,6 @@ void h2o_observe_steps(const L& launch, status_word* status, const h2o_state_vie
   });
 }
 
-/// Page ids a compaction of a paged sequence frees: the last ones of its page list, given the
-/// sequence's slots before and after.
-inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
-  return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
-}
-
-/// The most scratch a compaction uses, whatever the cache's size (unless one slot's K and V rows
-/// alone are larger): the kept rows move in chunks of at most this many bytes.
-inline constexpr std::int64_t compact_scratch_limit = std::int64_t(16) << 20;
-
 namespace detail {
 
 /// Checks a keep set of `units` units of `m` slots each over `n` slots (offsets u * m, slots
@@ -112,20 +90,6 @@ inline int word_bytes(std::int64_t row_bytes, std::initializer_list<std::uint64_
 
 struct alignas(16) w16 {
   std::uint64_t a, b;
-};
-
-/// How a compaction is cut: slots of K and V (every head) per chunk, token entries per chunk.
-struct compact_chunks {
-  std::int64_t slots, tokens;
-  static compact_chunks of(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes, std::int64_t limit) {
-    const std::int64_t per_slot = 2 * std::int64_t(heads) * std::max<std::int64_t>(row_bytes, 1),
-                       most = std::max<std::int64_t>(kept, 1);
-    return {std::clamp<std::int64_t>(limit / per_slot, 1, most),
-            std::clamp<std::int64_t>(limit / std::int64_t(sizeof(token)), 1, most * heads)};
-  }
-  std::size_t bytes(std::int32_t heads, std::int64_t row_bytes) const {
-    return std::size_t(std::max(2 * slots * heads * row_bytes, tokens * std::int64_t(sizeof(token))));
-  }
 };
 
 /// One phase of moving slots [a, b) of K and V (every head, one launch): unit u's kept slot i
@@ -182,14 +146,6 @@ void move_token_chunk(const L& launch, token* tokens, std::int64_t n, const_keep
 }
 
 }  // namespace detail
-
-/// Scratch a compaction of `kept` slots of `heads` heads of `row_bytes` (K and V) needs: at most
-/// `limit` (or one slot's K and V rows) whatever the cache's size. (A smaller limit than the
-/// library's cuts the move into more chunks: the tests use one.)
-inline std::size_t compact_scratch_bytes(std::int64_t kept, std::int32_t heads, std::int64_t row_bytes,
-                                         std::int64_t limit = compact_scratch_limit) {
-  return detail::compact_chunks::of(kept, heads, row_bytes, limit).bytes(heads, row_bytes);
-}
 
 /// Compacts K, V (V may be empty; both strided views or both one sequence's paged rows) and
 /// tokens in place: unit u (or unit 0 for all heads) of `keep`, `m` slots per unit, moves to
