@@ -36,9 +36,8 @@
 //
 // Per eviction the time order is the one sort; the selection and AdaKV's allocation find their
 // thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
+// This file holds the scoring steps; select_steps.hpp (included at its end) the selection steps.
 #pragma once
-
-#include <limits>
 
 #include "common.hpp"
 #include "window_steps.hpp"
@@ -331,127 +330,14 @@ struct basic_backend {
   /// equal digits with integer atomics), then a thread per segment finds the digit that holds the
   /// wanted rank and clears the histogram for the next pass.
   void radix_select(const std::uint64_t* keys, std::int64_t segments, std::int64_t len, int bits,
-                    const detail::radix_scratch& w) const {
-    using detail::counter, detail::select_bins, detail::select_digit, detail::select_tile;
-    const std::int64_t tiles = detail::select_tiles(len);
-    std::int64_t* need = w.need;
-    std::uint64_t *prefix = w.prefix, *bound = w.bound;
-    counter* hist = w.hist;
-    launch.for_each(segments * select_bins, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      hist[x] = 0;
-      if (x % select_bins == 0)
-        prefix[x / select_bins] = 0, bound[x / select_bins] = 0;  // 0 stays when nothing is wanted
-    });
-    const int passes = bits <= select_digit ? 1 : (bits + select_digit - 1) / select_digit;
-    for (int p = passes - 1; p >= 0; --p) {
-      const int shift = p * select_digit, above = shift + select_digit;
-      launch.for_each(segments * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-        const std::int64_t g = x / tiles, lo = (x % tiles) * select_tile,
-                           hi = lo + select_tile < len ? lo + select_tile : len;
-        if (need[g] <= 0) return;
-        const std::uint64_t* k = keys + g * len;
-        const std::uint64_t pre = prefix[g];
-        counter* h = hist + g * select_bins;
-        std::uint32_t digit = 0, run = 0;  // a run of equal digits, added at once
-        for (std::int64_t j = lo; j < hi; ++j) {
-          const std::uint64_t key = k[j];
-          if (key == detail::no_key || (above < 64 && key >> above != pre)) continue;
-          const auto d = std::uint32_t(key >> shift) & std::uint32_t(select_bins - 1);
-          if (run > 0 && d != digit) detail::add_count(h + digit, run), run = 0;
-          digit = d, ++run;
-        }
-        if (run > 0) detail::add_count(h + digit, run);
-      });
-      launch.for_each(segments, [=] INFKV_HOST_DEVICE(std::int64_t g) {
-        if (need[g] <= 0) return;
-        counter* h = hist + g * select_bins;
-        const auto want = counter(need[g]);
-        counter before = 0;  // candidates of smaller digits
-        std::int64_t digit = select_bins;
-        for (std::int64_t d = 0; d < select_bins; ++d) {
-          const counter c = h[d];
-          h[d] = 0;
-          if (digit < select_bins) continue;
-          if (before + c >= want)
-            digit = d;
-          else
-            before += c;
-        }
-        if (digit == select_bins) {  // fewer candidates than wanted (first pass only): all of them
-          bound[g] = detail::no_key, need[g] = 0;
-          return;
-        }
-        const std::uint64_t found = (prefix[g] << select_digit) | std::uint64_t(digit);
-        if (shift == 0)
-          bound[g] = found + 1, need[g] = 0;
-        else
-          prefix[g] = found, need[g] = std::int64_t(want - before);
-      });
-    }
-  }
+                    const detail::radix_scratch& w) const;
 
   /// AdaKV (adakv::allocate_into): the layer's top rows x (cap - protected) unprotected scores by
   /// (score, lower row, newer slot), found by one radix select over rows x slots, counted per row
   /// (a thread per tile), blended with an equal share and rounded by largest remainder, a thread
   /// per row ranking its remainder among the rows' (larger first, ties to the lower row).
   void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
-                std::int64_t* caps, std::span<std::byte> scratch) const {
-    a.validate();
-    const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
-    const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
-    check_sort_bits(rows, n);
-    const int ub = detail::bits_for(rows), rb = detail::bits_for(n);
-    status_word* st = checked_status();
-    detail::carver c{scratch.data(), 0};
-    const auto w = detail::allocate_scratch::carve(c, items, rows);
-    std::uint64_t* keys = w.keys;
-    std::int64_t *need = w.radix.need, *fl = w.floor;
-    detail::counter* wins = w.wins;
-    double* share = w.share;
-    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t r = x / n, i = x % n;
-      const float v = s(r, order[i]);
-      if (v != v) detail::record(st, encode(fault::nan_score, r, 0, order[i]));
-      const bool candidate = i >= sinks && i < n - recent;
-      keys[x] = candidate ? (std::uint64_t(detail::descending_bits(v)) << (ub + rb)) | (std::uint64_t(r) << rb) |
-                                std::uint64_t(n - 1 - i)
-                          : detail::no_key;
-    });
-    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
-      wins[r] = 0;
-      if (r == 0) need[0] = total;
-    });
-    radix_select(keys, 1, items, 32 + ub + rb, w.radix);
-    const std::uint64_t* bound = w.radix.bound;
-    const std::int64_t tiles = detail::select_tiles(n);
-    launch.for_each(rows * tiles, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t r = x / tiles, lo = (x % tiles) * detail::select_tile;
-      const std::int64_t hi = lo + detail::select_tile < n ? lo + detail::select_tile : n;
-      std::uint32_t k = 0;
-      for (std::int64_t i = lo; i < hi; ++i) k += keys[r * n + i] < bound[0] ? 1u : 0u;
-      if (k > 0) detail::add_count(wins + r, k);
-    });
-    const double alpha = a.alpha;
-    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
-      const double won = double(wins[r]), even = double(free_each);
-#if defined(__CUDA_ARCH__)  // rounded as the CPU rounds it: no fused multiply-add
-      share[r] = __dadd_rn(__dmul_rn(won, 1.0 - alpha), __dmul_rn(alpha, even));
-#else
-      share[r] = won * (1.0 - alpha) + alpha * even;
-#endif
-      fl[r] = std::int64_t(floor(share[r] + 1e-9));
-    });
-    launch.for_each(rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
-      std::int64_t sum = 0, ahead = 0;  // the floors' sum; rows whose remainder goes first
-      const double mine = share[r] - double(fl[r]);
-      for (std::int64_t q = 0; q < rows; ++q) {
-        const double rem = share[q] - double(fl[q]);
-        sum += fl[q];
-        ahead += rem > mine || (rem == mine && q < r) ? 1 : 0;
-      }
-      caps[r] = fl[r] + (ahead < total - sum ? 1 : 0) + prot;
-    });
-  }
+                std::int64_t* caps, std::span<std::byte> scratch) const;
 
   /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
   /// best by `keep_before`, found per unit by a radix select of (descending score bits, tie rank)
@@ -459,72 +345,12 @@ struct basic_backend {
   /// slot) and an exclusive scan of the flags places them, increasing, in out.slots. s.data null
   /// keeps every slot.
   void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
-    const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
-    check_sort_bits(units, n);
-    const int rb = detail::bits_for(n);
-    std::int64_t* offsets = out.offsets;
-    std::int64_t* slots = out.slots;
-    if (s.data == nullptr || n == 0) {
-      launch.for_each(units + 1, [=] INFKV_HOST_DEVICE(std::int64_t u) { offsets[u] = u * n; });
-      launch.for_each(units * n, [=] INFKV_HOST_DEVICE(std::int64_t x) { slots[x] = x % n; });
-      return;
-    }
-    status_word* st = checked_status();
-    const token* t = tokens.data();
-    // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
-    const std::int64_t items = units * n, room = units * cap, guarded = std::min(n, sinks + recent);
-    detail::carver c{scratch.data(), 0};
-    const auto w = detail::select_scratch::carve(c, items, n, units);
-    const auto temp = launch.temp(scratch.subspan(c.size()));
-    std::int64_t *start = w.start, *group = w.group, *first = w.first, *rank = w.rank;
-    std::int64_t *kept = w.kept, *index = w.index, *need = w.radix.need;
-    std::uint64_t* keys = w.keys;
-    // Tie rank, newer position first, then the lower slot: the slot at time index i, whose group of
-    // equal positions spans [b, e) of the time order, ranks (n - e) + (i - b).
-    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-      start[i] = i == 0 || t[order[i]].pos != t[order[i - 1]].pos ? 1 : 0;
-    });
-    temp.exclusive_scan(start, group, n);  // time index i is in group group[i] + start[i] - 1
-    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-      if (start[i]) first[group[i]] = i;
-      if (i == n - 1) first[group[i] + start[i]] = n;  // the end of the last group
-    });
-    launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-      const std::int64_t g = group[i] + start[i] - 1;
-      rank[order[i]] = (n - first[g + 1]) + (i - first[g]);
-    });
-    launch.for_each(units, [=] INFKV_HOST_DEVICE(std::int64_t u) {  // candidates wanted: <= 0 is none
-      const std::int64_t want = caps ? caps[u] : cap;
-      need[u] = (want < n ? want : n) - guarded;
-    });
-    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t u = x / n, i = x % n, slot = order[i];
-      const float v = s(u, slot);
-      if (v != v) detail::record(st, encode(fault::nan_score, u, 0, slot));
-      keys[x] = i < sinks || i >= n - recent
-                    ? detail::no_key
-                    : (std::uint64_t(detail::descending_bits(v)) << rb) | std::uint64_t(rank[slot]);
-    });
-    radix_select(keys, units, n, 32 + rb, w.radix);
-    const std::uint64_t* bound = w.radix.bound;
-    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t u = x / n, i = x % n;
-      kept[u * n + order[i]] = i < sinks || i >= n - recent || keys[x] < bound[u] ? 1 : 0;
-    });
-    temp.exclusive_scan(kept, index, items);
-    launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      if (x % n == 0) offsets[x / n] = index[x];
-      if (x == items - 1) offsets[units] = index[x] + kept[x];
-      if (kept[x] && index[x] < room) slots[index[x]] = x % n;
-    });
-  }
+              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
 
   /// Row 0 of `s` gets +infinity at the `count` slots of `slots` (a union's first picks).
-  void mark(score_view s, const std::int64_t* slots, std::int64_t count) const {
-    launch.for_each(count,
-                    [=] INFKV_HOST_DEVICE(std::int64_t i) { s(0, slots[i]) = std::numeric_limits<float>::infinity(); });
-  }
+  void mark(score_view s, const std::int64_t* slots, std::int64_t count) const;
 };
 
 }  // namespace infkv::cuda
+
+#include "select_steps.hpp"  // the selection steps: radix_select, allocate, select, mark
