@@ -72,8 +72,8 @@ void basic_backend<L>::radix_select(const std::uint64_t* keys, std::int64_t segm
 }
 
 template <class L>
-void basic_backend<L>::allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
-                                std::int64_t* caps, std::span<std::byte> scratch) const {
+void basic_backend<L>::allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b,
+                                std::int64_t cap, std::int64_t* caps, std::span<std::byte> scratch) const {
   a.validate();
   const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
   const std::int64_t items = rows * n, total = rows * free_each, sinks = b.sinks, recent = b.recent;
@@ -132,8 +132,9 @@ void basic_backend<L>::allocate(const adakv& a, score_view s, const std::int64_t
 }
 
 template <class L>
-void basic_backend<L>::select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-                              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+void basic_backend<L>::select(score_view s, std::span<const token> tokens, const std::int64_t* order,
+                              const std::int64_t* caps, std::int64_t cap, const budget& keep, keep_view out,
+                              std::span<std::byte> scratch) const {
   const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
   check_sort_bits(units, n);
   const int rb = detail::bits_for(n);
