@@ -111,8 +111,22 @@ concept backend = requires(const B& b, const score_spec& score, const layer_shap
 
 namespace detail {
 
-/// Checks one score part of `spec` against the shape; returns the rows its source writes and the
-/// rows its finish leaves.
+/// The rows a score's source writes and the rows its finish leaves, for layers of `shape`.
+inline std::pair<std::int64_t, std::int64_t> part_rows(const score_spec& s, const layer_shape& shape) {
+  const std::int64_t finished = s.one_row() ? 1 : shape.kv_heads;
+  return {s.pools_per_query_head() ? shape.q_heads : finished, finished};
+}
+
+/// The backend's scratch for the largest of `spec`'s score parts.
+template <class B>
+std::size_t scratch_need(const B& be, const policy_spec& spec, const layer_shape& shape, const plan_options& opt) {
+  std::size_t need = 0;
+  for (std::int32_t i = 0; i < spec.parts(); ++i)
+    need = std::max(need, std::size_t(be.scratch_bytes(spec.part(i), shape, opt)));
+  return need;
+}
+
+/// Checks one score part of `spec` against the shape; returns part_rows.
 inline std::pair<std::int64_t, std::int64_t> check_part(const policy_spec& spec, std::int32_t i,
                                                         const layer_shape& shape) {
   const score_spec& s = spec.part(i);
@@ -130,8 +144,7 @@ inline std::pair<std::int64_t, std::int64_t> check_part(const policy_spec& spec,
   }
   INFKV_REQUIRE(!s.value_norm || !s.one_row(), name + ".value_norm", "true", "value norms weight per-KV-head scores; ",
                 name, " scores one row for all heads");
-  const std::int64_t finished = s.one_row() ? 1 : shape.kv_heads;
-  return {s.pools_per_query_head() ? shape.q_heads : finished, finished};
+  return part_rows(s, shape);
 }
 
 }  // namespace detail
@@ -159,13 +172,11 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
                   " has no per-head budgets to allocate");
   }
   std::int64_t scores_rows = 0, finished_rows = 0;
-  std::size_t scratch = 0;
   for (std::int32_t i = 0; i < spec.parts(); ++i) {
     const auto [source, finished] = detail::check_part(spec, i, shape);
     if (i == 0) p.source_rows = source, p.finished_rows = finished;
     scores_rows = std::max(scores_rows, source);
     if (spec.part(i).pools_per_query_head()) finished_rows = std::max(finished_rows, finished);
-    scratch = std::max(scratch, std::size_t(be.scratch_bytes(spec.part(i), shape, opt)));
   }
   const std::int64_t n = shape.n_slots;
   p.units = per_head ? p.finished_rows : 1;
@@ -189,7 +200,7 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   p.finished = finished_rows > 0 ? c.offset(std::size_t(finished_rows * n) * f) : p.scores;
   p.acc = c.offset(per_head ? 0 : std::size_t(n) * f);
   p.caps = c.offset(opt.adakv ? std::size_t(p.units) * i64 : 0);
-  p.backend = c.offset(scratch);
+  p.backend = c.offset(detail::scratch_need(be, spec, shape, opt));
   p.workspace_bytes = c.size();
   return p;
 }
@@ -256,9 +267,7 @@ void check_workspace(const plan& p, const B& be, std::span<std::byte> ws) {
                 " bytes");
   INFKV_REQUIRE(reinterpret_cast<std::uintptr_t>(ws.data()) % 64 == 0, "workspace.data()", "misaligned",
                 "must be 64-byte aligned");
-  std::size_t need = 0;
-  for (std::int32_t i = 0; i < p.spec.parts(); ++i)
-    need = std::max(need, std::size_t(be.scratch_bytes(p.spec.part(i), p.shape, p.opt)));
+  const std::size_t need = scratch_need(be, p.spec, p.shape, p.opt);
   INFKV_REQUIRE(need <= p.workspace_bytes - p.backend, "backend", "this backend", "needs ", need,
                 " bytes of scratch, the plan set aside ", p.workspace_bytes - p.backend,
                 ": make the plan with the backend that runs it (the same thread count)");
@@ -290,8 +299,7 @@ score_view finish_layer(const plan& p, const B& be, const layer_inputs<R>& in, c
                         std::span<std::byte> ws, std::int32_t part = 0) {
   const std::int64_t n = p.shape.n_slots;
   const score_spec& spec = p.spec.part(part);
-  const std::int64_t finished = spec.one_row() ? 1 : p.shape.kv_heads;
-  const std::int64_t rows = spec.pools_per_query_head() ? p.shape.q_heads : finished;
+  const auto [rows, finished] = detail::part_rows(spec, p.shape);
   const score_view src{detail::at<float>(ws, p.scores), rows, n, n};
   const auto scratch = detail::scratch(p, ws);
   be.score(spec, in, order, src, scratch);

@@ -476,17 +476,28 @@ inline ref_matrix ref_expected(const problem& p, const infkv::expected_attention
 /// registry's state observed, p's own queries).
 inline ref_matrix ref_scores(const problem& p, const infkv::streaming_llm&) { return ref_streaming_llm(p); }
 inline ref_matrix ref_scores(const problem& p, const infkv::tova&) { return ref_tova(p); }
-/// KeyDiff's scores pooled along time over every slot (no observation window).
-inline ref_matrix ref_scores(const problem& p, const infkv::keydiff& c) {
-  ref_matrix s = ref_keydiff(p);
-  if (c.pool == infkv::pooling::none || c.kernel == 1) return s;
-  const auto o = ref_time_order(p.tokens);
+/// Every row of `s` pooled along time order except its last `tail` slots, which get the pooled
+/// mean of the rest (nothing when no prefix remains).
+inline void ref_pool_rows(ref_matrix& s, std::span<const token> tokens, std::int32_t kernel, infkv::pooling kind,
+                          std::int64_t tail) {
+  const auto o = ref_time_order(tokens);
+  const auto n = std::int64_t(o.size()), prefix = n - std::min(tail, n);
+  if (kind == infkv::pooling::none || kernel == 1 || prefix == 0) return;
   for (auto& row : s) {
     std::vector<double> t(o.size());
     for (std::size_t i = 0; i < o.size(); ++i) t[i] = row[std::size_t(o[i])];
-    t = ref_pool(t, std::int64_t(t.size()), c.kernel, c.pool);
+    t = ref_pool(t, prefix, kernel, kind);
+    double mean = 0;
+    for (std::int64_t i = 0; i < prefix; ++i) mean += t[std::size_t(i)] / double(prefix);
+    for (std::int64_t i = prefix; i < n; ++i) t[std::size_t(i)] = mean;
     for (std::size_t i = 0; i < o.size(); ++i) row[std::size_t(o[i])] = t[i];
   }
+}
+
+/// KeyDiff's scores pooled along time over every slot (no observation window).
+inline ref_matrix ref_scores(const problem& p, const infkv::keydiff& c) {
+  ref_matrix s = ref_keydiff(p);
+  ref_pool_rows(s, p.tokens, c.kernel, c.pool, 0);
   return s;
 }
 inline ref_matrix ref_scores(const problem& p, const infkv::snapkv& c) { return ref_snapkv(p, c); }
@@ -519,18 +530,7 @@ ref_matrix ref_scores(const problem& p, const P& policy) {
     out = s.source == infkv::score_source::recency      ? ref_streaming_llm(p)
           : s.source == infkv::score_source::last_query ? ref_tova(p)
                                                         : ref_keydiff(p);
-    const auto o = ref_time_order(p.tokens);
-    const auto n = std::int64_t(o.size()), prefix = n - std::min(s.pool_tail, n);
-    if (pooled && prefix > 0)
-      for (auto& row : out) {
-        std::vector<double> t(o.size());
-        for (std::size_t i = 0; i < o.size(); ++i) t[i] = row[std::size_t(o[i])];
-        t = ref_pool(t, prefix, s.kernel, s.pool);
-        double mean = 0;
-        for (std::int64_t i = 0; i < prefix; ++i) mean += t[std::size_t(i)] / double(prefix);
-        for (std::int64_t i = prefix; i < n; ++i) t[std::size_t(i)] = mean;
-        for (std::size_t i = 0; i < o.size(); ++i) row[std::size_t(o[i])] = t[i];
-      }
+    ref_pool_rows(out, p.tokens, s.kernel, s.pool, s.pool_tail);
   }
   ref_bias(out, p.tokens, s.bias);
   return out;
