@@ -69,8 +69,10 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
     for (std::int64_t r = 0; r < s.rows; ++r) std::copy(s.row(r), s.row(r) + n, scores.row(r).begin());
     layer_inputs<> fixed;
     fixed.tokens = in.tokens, fixed.accumulated = scores.view();
-    const policy_spec spec{
-        .name = "fixed", .score = {.source = score_source::accumulated}, .protect_recent = pol.spec().protect_recent};
+    const policy_spec spec{.name = "fixed",
+                           .score = {.source = score_source::accumulated},
+                           .protect_sinks = pol.spec().protect_sinks,
+                           .protect_recent = pol.spec().protect_recent};
     cuda::status_word status = cuda::status_ok;
     const infkv_test::host_cuda_backend gb{{}, &status};
     const plan gp = make_plan(gb, spec, b, shape_of(fixed), {.g = g});
