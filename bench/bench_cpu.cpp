@@ -209,7 +209,7 @@ void BM_select_top(benchmark::State& state) {
   b.recent = 32;
   const loop_clock clock;
   for (auto _ : state) {
-    auto keep = select_top(s, tokens, b);
+    auto keep = cpu::select_top(s, tokens, b);
     benchmark::DoNotOptimize(keep.n_units());
   }
   state.SetItemsProcessed(std::int64_t(state.iterations()) * rows * n);

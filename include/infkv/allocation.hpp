@@ -78,49 +78,6 @@ struct adakv {
 
   /// Scratch `allocate_into` needs for `rows` x `cols` scores, in int64 entries.
   static std::int64_t scratch_size(std::int64_t rows, std::int64_t cols) { return rows * cols + 3 * rows; }
-
-  /// Capacities per row of `s` (KV heads) into `caps`, adding up to rows x `cap` (the budget's
-  /// keep count, below the slot count): each row keeps sinks + recent, the rest is shared.
-  /// `order` is the slots' time order; `scratch` holds scratch_size(rows, cols) int64. Allocates
-  /// nothing. The global top scores are ranked by score, ties to the lower row, then the newer slot.
-  void allocate_into(const_score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
-                     std::span<std::int64_t> scratch, std::int64_t* caps) const {
-    validate();
-    const std::int64_t n = s.cols, rows = s.rows, prot = b.sinks + b.recent, free_each = cap - prot;
-    INFKV_REQUIRE(std::int64_t(scratch.size()) >= scratch_size(rows, n), "scratch.size()", scratch.size(),
-                  "must be >= ", scratch_size(rows, n));
-    std::int64_t* cand = scratch.data();  // r * n + time rank, unprotected slots only
-    std::int64_t nc = 0;
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t i = b.sinks; i < n - b.recent; ++i) cand[nc++] = r * n + i;
-    const auto score = [&](std::int64_t c) { return s(c / n, order[c % n]); };
-    const std::int64_t total = rows * free_each;
-    std::nth_element(cand, cand + total, cand + nc, [&](std::int64_t x, std::int64_t y) {
-      const float sx = score(x), sy = score(y);
-      if (sx != sy) return sx > sy;
-      return x / n != y / n ? x / n < y / n : x % n > y % n;
-    });
-    auto* wins = reinterpret_cast<double*>(scratch.data() + rows * n);
-    std::fill(wins, wins + rows, 0.0);
-    for (std::int64_t i = 0; i < total; ++i) wins[cand[i] / n] += 1.0;
-    for (std::int64_t r = 0; r < rows; ++r) wins[r] = wins[r] * (1.0 - alpha) + alpha * double(free_each);
-    detail::round_shares_into({wins, std::size_t(rows)}, total, caps, scratch.data() + rows * n + rows);
-    for (std::int64_t r = 0; r < rows; ++r) caps[r] += prot;
-  }
-
-  /// Capacities per row of `scores` (KV heads), adding up to rows x b.keep_count(cols).
-  std::vector<std::int64_t> allocate(const score_matrix& scores, std::span<const token> tokens, const budget& b) const {
-    validate();
-    check_scores(scores);
-    validate_tokens(tokens, scores.cols);
-    const std::int64_t n = scores.cols, cap = b.keep_count(n), rows = scores.rows;
-    std::vector<std::int64_t> out(static_cast<std::size_t>(rows), n);
-    if (cap >= n) return out;
-    const auto order = time_order(tokens);
-    std::vector<std::int64_t> scratch(static_cast<std::size_t>(scratch_size(rows, n)));
-    allocate_into(scores.view(), order.data(), b, cap, scratch, out.data());
-    return out;
-  }
 };
 
 }  // namespace infkv

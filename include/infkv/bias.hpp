@@ -48,44 +48,6 @@ struct attention_bias {
     if (shape == decay::linear) return 1.0 - a;
     return (::exp(-rate * a) - ::exp(-rate)) / (1.0 - ::exp(-rate));
   }
-
-  /// Applies the bias to every row of `s`. `order` lists the slots in time order; `when` holds
-  /// s.cols doubles of scratch. Allocates nothing.
-  void apply(score_view s, std::span<const token> tokens, const std::int64_t* order, double* when) const {
-    if (beta == 0.0 || s.cols == 0) return;
-    const auto n = std::int64_t(tokens.size());
-    std::int64_t rank = -1;  // ranks: index among the distinct cached positions, oldest = 0
-    for (std::int64_t i = 0; i < n; ++i) {
-      const token& t = tokens[std::size_t(order[i])];
-      if (i == 0 || t.pos != tokens[std::size_t(order[i - 1])].pos) ++rank;
-      when[order[i]] = unit == age_unit::ranks       ? double(rank)
-                       : unit == age_unit::positions ? double(t.pos)
-                                                     : double(t.segment);
-    }
-    const auto [oldest, newest] = std::minmax_element(when, when + n);
-    const double top = *newest, span = *newest - *oldest;
-    for (std::int64_t r = 0; r < s.rows; ++r) {
-      float* row = s.row(r);
-      double mean = 0;
-      for (std::int64_t c = 0; c < s.cols; ++c) mean += row[c];
-      mean /= double(s.cols);
-      const double inv = mean > 0 ? 1.0 / mean : 1.0;
-      for (std::int64_t c = 0; c < s.cols; ++c) {
-        const double a = span > 0 ? (top - when[c]) / span : 0.0;
-        row[c] = float(row[c] * inv + beta * recency(a));
-      }
-    }
-  }
-
-  /// Applies the bias to every row of `s` (allocating its scratch).
-  void apply(score_matrix& s, std::span<const token> tokens) const {
-    validate();
-    if (beta == 0.0 || s.cols == 0) return;
-    validate_tokens(tokens, s.cols);
-    const auto order = time_order(tokens);
-    std::vector<double> when(tokens.size());
-    apply(s.view(), tokens, order.data(), when.data());
-  }
 };
 
 }  // namespace infkv

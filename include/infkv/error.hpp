@@ -27,7 +27,9 @@ class engine_error : public error {
   using error::error;
 };
 
-namespace detail {
+/// Building infkv's messages and errors (for adapters and bindings too): `cat` concatenates,
+/// `fail` throws `invalid_argument`, `raise<E>` any `infkv::error`, `fail_arg` the standard
+/// "infkv: <arg> = <value>: <why>" message.
 
 /// Concatenates `parts` with operator<<.
 template <class... Parts>
@@ -57,13 +59,12 @@ template <class Arg, class Value, class... Why>
   fail("infkv: ", arg, " = ", value, ": ", why...);
 }
 
-}  // namespace detail
 }  // namespace infkv
 
 /// Checks `ok`; when it fails, throws `infkv::invalid_argument("infkv: <arg> = <value>: <why>")`.
 /// The arguments after `ok` are evaluated only on failure.
-#define INFKV_REQUIRE(ok, ...)                \
-  do {                                        \
-    if (!(ok)) [[unlikely]]                   \
-      ::infkv::detail::fail_arg(__VA_ARGS__); \
+#define INFKV_REQUIRE(ok, ...)        \
+  do {                                \
+    if (!(ok)) [[unlikely]]           \
+      ::infkv::fail_arg(__VA_ARGS__); \
   } while (0)

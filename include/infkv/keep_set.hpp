@@ -120,8 +120,8 @@ class keep_set {
     for (std::size_t i = 0; i < order.size(); ++i) {
       const auto s = std::size_t(order[i]);
       if (i && tokens[s].pos == tokens[std::size_t(order[i - 1])].pos && m[s] != m[std::size_t(order[i - 1])])
-        detail::fail("infkv: tokens: position ", tokens[s].pos,
-                     " is held by a kept and an evicted slot; it cannot be expressed as position runs");
+        infkv::fail("infkv: tokens: position ", tokens[s].pos,
+                    " is held by a kept and an evicted slot; it cannot be expressed as position runs");
       if (m[s] == keep) {
         if (open && out.back().end > tokens[s].pos) continue;  // same position again
         if (open)

@@ -219,7 +219,7 @@ concept row_source = requires(const R& r, std::int64_t slot, std::int32_t head) 
 /// Checks that a row source is usable; `name` is the argument's name in the message.
 template <row_source R>
 void validate(const R& r, const char* name) {
-  if (r.empty()) detail::fail("infkv: ", name, ".data = null: the view holds no storage");
+  if (r.empty()) infkv::fail("infkv: ", name, ".data = null: the view holds no storage");
   INFKV_REQUIRE(r.n_slots >= 0, std::string(name) + ".n_slots", r.n_slots, "must be >= 0");
   INFKV_REQUIRE(r.n_heads > 0, std::string(name) + ".n_heads", r.n_heads, "must be > 0");
   INFKV_REQUIRE(r.head_dim > 0, std::string(name) + ".head_dim", r.head_dim, "must be > 0");
@@ -260,7 +260,7 @@ inline void validate(const paged_view& p, const char* name) {
   INFKV_REQUIRE(p.n_heads > 0, std::string(name) + ".n_heads", p.n_heads, "must be > 0");
   INFKV_REQUIRE(p.head_dim > 0, std::string(name) + ".head_dim", p.head_dim, "must be > 0");
   if (!p.indptr || !p.indices || !p.last_page_len || !p.k.data)
-    detail::fail("infkv: ", name, ": indptr, indices, last_page_len and k.data must be non-null");
+    infkv::fail("infkv: ", name, ": indptr, indices, last_page_len and k.data must be non-null");
   INFKV_REQUIRE(p.n_pages >= 0, std::string(name) + ".n_pages", p.n_pages, "must be >= 0");
   INFKV_REQUIRE(p.indptr[0] == 0, std::string(name) + ".indptr[0]", p.indptr[0], "must be 0");
   for (std::int32_t s = 0; s < p.n_seqs; ++s) {

@@ -131,19 +131,12 @@ inline std::pair<std::int64_t, std::int64_t> check_part(const policy_spec& spec,
                                                         const layer_shape& shape) {
   const score_spec& s = spec.part(i);
   const std::string name = std::string(spec.name) + (i == 0 ? "" : ".second");
-  INFKV_REQUIRE(s.kernel >= 1 && s.kernel % 2 == 1, name + ".kernel", s.kernel, "must be odd and >= 1");
-  INFKV_REQUIRE(s.pool_tail >= 0, name + ".pool_tail", s.pool_tail, "must be >= 0");
-  s.bias.validate();
-  if (s.source == score_source::expected_attention) s.expect.validate(name);
-  if (s.source == score_source::accumulated) s.accumulate.validate(name);
+  s.validate(name);
   if (s.reads_queries()) {
-    INFKV_REQUIRE(s.queries >= 1, name + ".window", s.queries, "must be >= 1");
     INFKV_REQUIRE(shape.n_queries >= 1, "queries.n_slots", shape.n_queries, name, " needs at least one query");
     INFKV_REQUIRE(shape.q_heads >= 1 && shape.q_heads % shape.kv_heads == 0, "queries.n_heads", shape.q_heads,
                   "must be a positive multiple of keys.n_heads (", shape.kv_heads, ")");
   }
-  INFKV_REQUIRE(!s.value_norm || !s.one_row(), name + ".value_norm", "true", "value norms weight per-KV-head scores; ",
-                name, " scores one row for all heads");
   return part_rows(s, shape);
 }
 

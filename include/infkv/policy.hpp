@@ -115,6 +115,19 @@ struct score_spec {
   expectation expect{};       ///< expected_attention's parameters
   accumulation accumulate{};  ///< accumulated's parameters (how the engine's state keeps the mass)
 
+  /// Checks the parameters, naming them after `policy` ("snapkv.kernel", "h2o.forgetting", ...):
+  /// the one check of every policy's parameters (a policy's validate() calls it on its spec).
+  void validate(std::string_view policy) const {
+    const std::string name(policy);
+    if (reads_queries()) INFKV_REQUIRE(queries >= 1, name + ".window", queries, "must be >= 1");
+    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, name + ".kernel", kernel, "must be odd and >= 1");
+    INFKV_REQUIRE(pool_tail >= 0, name + ".pool_tail", pool_tail, "must be >= 0");
+    bias.validate();
+    if (source == score_source::expected_attention) expect.validate(name);
+    if (source == score_source::accumulated) accumulate.validate(name);
+    INFKV_REQUIRE(!value_norm || !one_row(), name + ".value_norm", "true", "value norms weight per-KV-head scores; ",
+                  name, " scores one row for all heads");
+  }
   /// True when the source reads window queries (`queries` of them).
   constexpr bool reads_queries() const {
     return source == score_source::window_attention || source == score_source::last_query ||
@@ -222,5 +235,34 @@ struct layer_inputs {
   /// This layer's RoPE where layers differ (parameters, by value); overrides expected_attention's.
   std::optional<rope> rotary{};
 };
+
+/// Checks the keys, queries and query positions of `in` against each other (shapes, counts,
+/// scale): what every source that reads window queries checks before it scores, on any backend.
+/// The values themselves (finite keys and queries) are checked by the backends as they read them.
+template <row_source R>
+void check_query_inputs(const layer_inputs<R>& in) {
+  validate(in.keys, "keys");
+  validate(in.queries, "queries");
+  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
+                "must equal keys.head_dim (", in.keys.head_dim, ")");
+  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
+                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
+  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
+                "must equal the number of queries (", in.queries.n_slots, ")");
+  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
+  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
+}
+
+/// `in` with its last `count` queries only (all of them when fewer are given): the window a
+/// source reads (score_spec::queries).
+template <row_source R>
+layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
+  const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - count);
+  if (drop == 0) return in;
+  in.queries.data = in.queries.row(drop, 0);
+  in.queries.n_slots -= drop;
+  in.query_pos = in.query_pos.subspan(std::size_t(drop));
+  return in;
+}
 
 }  // namespace infkv

@@ -73,15 +73,15 @@ infkv::dtype element_type(const A& a, const std::string& name) {
   if (t.lanes == 1 && t.code == std::uint8_t(c::Float) && t.bits == 32) return infkv::dtype::f32;
   if (t.lanes == 1 && t.code == std::uint8_t(c::Float) && t.bits == 16) return infkv::dtype::f16;
   if (t.lanes == 1 && t.code == std::uint8_t(c::Bfloat) && t.bits == 16) return infkv::dtype::bf16;
-  infkv::detail::fail_arg(name + ".dtype", dtype_name(t), "must be float32, float16 or bfloat16");
+  infkv::fail_arg(name + ".dtype", dtype_name(t), "must be float32, float16 or bfloat16");
 }
 
 template <class A>
 void require_cpu(const A& a, const std::string& name) {
   if (a.device_type() == nb::device::cpu::value) return;
-  infkv::detail::fail_arg(name + ".device",
-                          a.device_type() == nb::device::cuda::value ? "cuda" : std::to_string(a.device_type()),
-                          "this module runs the CPU backend: move the tensor to the CPU (.cpu())");
+  infkv::fail_arg(name + ".device",
+                  a.device_type() == nb::device::cuda::value ? "cuda" : std::to_string(a.device_type()),
+                  "this module runs the CPU backend: move the tensor to the CPU (.cpu())");
 }
 
 /// A strided view of a 3-D tensor: any slot and head strides, head_dim contiguous.
@@ -111,8 +111,7 @@ View view_of(const A& a, const std::string& name, layout l) {
 inline layout layout_of(const std::string& s) {
   if (s == "nhd") return layout::nhd;
   if (s == "hnd") return layout::hnd;
-  infkv::detail::fail_arg("layout", "'" + s + "'",
-                          "must be 'nhd' (slots, heads, head_dim) or 'hnd' (heads, slots, head_dim)");
+  infkv::fail_arg("layout", "'" + s + "'", "must be 'nhd' (slots, heads, head_dim) or 'hnd' (heads, slots, head_dim)");
 }
 
 template <class T>
@@ -227,7 +226,7 @@ inline std::vector<infkv::layer_inputs<>> inputs_of(nb::handle h) {
   std::vector<infkv::layer_inputs<>> out;
   for (nb::handle x : h) {
     if (!nb::isinstance<layer>(x))
-      infkv::detail::fail_arg("layers", nb::str(nb::handle(x.type())).c_str(), "must hold infkv.Layer values");
+      infkv::fail_arg("layers", nb::str(nb::handle(x.type())).c_str(), "must hold infkv.Layer values");
     out.push_back(nb::cast<const layer&>(x).inputs());
   }
   return out;
@@ -236,7 +235,7 @@ inline std::vector<infkv::layer_inputs<>> inputs_of(nb::handle h) {
 inline infkv::layer_shape shape_arg(nb::handle h) {
   if (nb::isinstance<infkv::layer_shape>(h)) return nb::cast<infkv::layer_shape>(h);
   if (nb::isinstance<layer>(h)) return infkv::shape_of(nb::cast<const layer&>(h).inputs());
-  infkv::detail::fail_arg("shape", nb::str(nb::handle(h.type())).c_str(), "must be an infkv.LayerShape or infkv.Layer");
+  infkv::fail_arg("shape", nb::str(nb::handle(h.type())).c_str(), "must be an infkv.LayerShape or infkv.Layer");
 }
 
 inline infkv::keep_set run(const py_plan& p, nb::handle layers_h) {
@@ -269,8 +268,8 @@ inline nb::ndarray<nb::numpy, float> run_scores(const py_plan& p, const layer& l
 }
 
 inline std::string repr_budget(const infkv::budget& b) {
-  return infkv::detail::cat("budget(capacity=", b.capacity, ", ratio=", b.ratio, ", sinks=", b.sinks,
-                            ", recent=", b.recent, ")");
+  return infkv::cat("budget(capacity=", b.capacity, ", ratio=", b.ratio, ", sinks=", b.sinks, ", recent=", b.recent,
+                    ")");
 }
 
 /// Binds the budgets, RoPE, bias, AdaKV, capture needs, every policy, H2O's state, union_of.

@@ -8,7 +8,7 @@
 
 NB_MODULE(_infkv, m) {
   m.doc() = "infkv: KV-cache policies under a fixed memory budget (CPU backend)";
-  m.attr("__version__") = infkv::detail::cat(INFKV_VERSION_MAJOR, ".", INFKV_VERSION_MINOR, ".", INFKV_VERSION_PATCH);
+  m.attr("__version__") = infkv::cat(INFKV_VERSION_MAJOR, ".", INFKV_VERSION_MINOR, ".", INFKV_VERSION_PATCH);
 
   static nb::exception<infkv::engine_error> engine_exc(m, "EngineError", PyExc_RuntimeError);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {

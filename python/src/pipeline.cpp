@@ -52,7 +52,7 @@ void bind_pipeline(nb::module_& m) {
              std::optional<scores_array> accumulated, float scale, std::optional<infkv::rope> rotary,
              const std::string& lay) {
             if (!nb::isinstance<tokens>(toks))
-              infkv::detail::fail_arg("tokens", nb::str(nb::handle(toks.type())).c_str(), "must be infkv.Tokens");
+              infkv::fail_arg("tokens", nb::str(nb::handle(toks.type())).c_str(), "must be infkv.Tokens");
             layer checked{toks, keys, values, queries, query_pos, accumulated, scale, rotary, layout_of(lay)};
             (void)checked.inputs();  // checks every array before the object exists
             new (l) layer(std::move(checked));

@@ -91,8 +91,7 @@ void bind_policies(nb::module_& m) {
       .def_rw("pool", &infkv::snapkv::pool)
       .def("__repr__",
            [](const infkv::snapkv& p) {
-             return infkv::detail::cat("snapkv(window=", p.window, ", kernel=", p.kernel, ", pool=", to_string(p.pool),
-                                       ")");
+             return infkv::cat("snapkv(window=", p.window, ", kernel=", p.kernel, ", pool=", to_string(p.pool), ")");
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::snapkv::name); });
   nb::class_<infkv::keydiff>(m, "keydiff", "KeyDiff: the keys least like the mean unit key.")
@@ -107,7 +106,7 @@ void bind_policies(nb::module_& m) {
       .def_rw("kernel", &infkv::keydiff::kernel)
       .def("__repr__",
            [](const infkv::keydiff& p) {
-             return infkv::detail::cat("keydiff(pool=", to_string(p.pool), ", kernel=", p.kernel, ")");
+             return infkv::cat("keydiff(pool=", to_string(p.pool), ", kernel=", p.kernel, ")");
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::keydiff::name); });
   nb::class_<infkv::inf_mllm>(m, "inf_mllm", "Inf-MLLM: recent tokens + attention saddles, with an attention bias.")
@@ -127,9 +126,8 @@ void bind_policies(nb::module_& m) {
       .def_rw("value_norm", &infkv::inf_mllm::value_norm)
       .def("__repr__",
            [](const infkv::inf_mllm& p) {
-             return infkv::detail::cat("inf_mllm(window=", p.window, ", kernel=", p.kernel,
-                                       ", pool=", to_string(p.pool), ", bias.beta=", p.bias.beta,
-                                       ", value_norm=", p.value_norm ? "True" : "False", ")");
+             return infkv::cat("inf_mllm(window=", p.window, ", kernel=", p.kernel, ", pool=", to_string(p.pool),
+                               ", bias.beta=", p.bias.beta, ", value_norm=", p.value_norm ? "True" : "False", ")");
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::inf_mllm::name); });
   nb::class_<infkv::expected_attention>(m, "expected_attention",
@@ -151,11 +149,11 @@ void bind_policies(nb::module_& m) {
       .def_rw("value_norm", &infkv::expected_attention::value_norm)
       .def("__repr__",
            [](const infkv::expected_attention& p) {
-             return infkv::detail::cat(
-                 "expected_attention(window=", p.window,
-                 ", rotary.theta=", p.rotary ? std::to_string(p.rotary->theta) : std::string("None"),
-                 ", future=", p.future, ", sinks=", p.sinks, ", covariance=", p.covariance ? "True" : "False",
-                 ", value_norm=", p.value_norm ? "True" : "False", ")");
+             return infkv::cat("expected_attention(window=", p.window,
+                               ", rotary.theta=", p.rotary ? std::to_string(p.rotary->theta) : std::string("None"),
+                               ", future=", p.future, ", sinks=", p.sinks,
+                               ", covariance=", p.covariance ? "True" : "False",
+                               ", value_norm=", p.value_norm ? "True" : "False", ")");
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::expected_attention::name); });
 
@@ -172,8 +170,8 @@ void bind_policies(nb::module_& m) {
       .def_rw("forgetting", &infkv::h2o::forgetting)
       .def("__repr__",
            [](const infkv::h2o& p) {
-             return infkv::detail::cat("h2o(normalize_lifetime=", p.normalize_lifetime ? "True" : "False",
-                                       ", forgetting=", p.forgetting, ")");
+             return infkv::cat("h2o(normalize_lifetime=", p.normalize_lifetime ? "True" : "False",
+                               ", forgetting=", p.forgetting, ")");
            })
       .def_prop_ro_static("name", [](nb::handle) { return std::string(infkv::h2o::name); });
   nb::class_<py_union>(m, "union_of",
@@ -185,7 +183,7 @@ void bind_policies(nb::module_& m) {
             py_union made{spec_of(first), spec_of(second), share, ""};
             made.validate();
             const auto text = [](const any_policy& p) { return std::string(nb::repr(nb::cast(p)).c_str()); };
-            made.text = infkv::detail::cat("union_of(", text(first), ", ", text(second), ", share=", share, ")");
+            made.text = infkv::cat("union_of(", text(first), ", ", text(second), ", share=", share, ")");
             new (u) py_union(std::move(made));
           },
           "first"_a, "second"_a, "share"_a = 0.5)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <infkv/cpu/select.hpp>
 #include <infkv/infkv.hpp>
 
 using namespace infkv;
@@ -110,14 +111,14 @@ TEST_CASE("adakv gives heads holding more of the top scores more slots, as compu
   const auto tokens = text_tokens(n);
   const auto s = planted_scores({16, 10, 6, 0}, n, b, rng);
   // alpha 0: shares are the winners; + 4 protected each
-  CHECK(adakv{.alpha = 0.0}.allocate(s, tokens, b) == std::vector<std::int64_t>{20, 14, 10, 4});
+  CHECK(cpu::allocate(adakv{.alpha = 0.0}, s, tokens, b) == std::vector<std::int64_t>{20, 14, 10, 4});
   // alpha 0.5: 16 * .5 + 4 = 12, 9, 7, 4
-  CHECK(adakv{.alpha = 0.5}.allocate(s, tokens, b) == std::vector<std::int64_t>{16, 13, 11, 8});
+  CHECK(cpu::allocate(adakv{.alpha = 0.5}, s, tokens, b) == std::vector<std::int64_t>{16, 13, 11, 8});
   // alpha 1: equal shares
-  CHECK(adakv{.alpha = 1.0}.allocate(s, tokens, b) == std::vector<std::int64_t>{12, 12, 12, 12});
+  CHECK(cpu::allocate(adakv{.alpha = 1.0}, s, tokens, b) == std::vector<std::int64_t>{12, 12, 12, 12});
   // default alpha 0.2: 14.4, 9.6, 6.4, 1.6 -> floors 14, 9, 6, 1, the two largest remainders
   // (0.6) round up
-  CHECK(adakv{}.allocate(s, tokens, b) == std::vector<std::int64_t>{18, 14, 10, 6});
+  CHECK(cpu::allocate(adakv{}, s, tokens, b) == std::vector<std::int64_t>{18, 14, 10, 6});
 
   // slot order is not time order: shuffle the slots, the allocation does not change
   std::vector<std::int64_t> perm(static_cast<std::size_t>(n));
@@ -129,7 +130,7 @@ TEST_CASE("adakv gives heads holding more of the top scores more slots, as compu
     pt[std::size_t(j)] = tokens[std::size_t(perm[std::size_t(j)])];
     for (std::int64_t h = 0; h < s.rows; ++h) ps(h, j) = s(h, perm[std::size_t(j)]);
   }
-  CHECK(adakv{.alpha = 0.0}.allocate(ps, pt, b) == std::vector<std::int64_t>{20, 14, 10, 4});
+  CHECK(cpu::allocate(adakv{.alpha = 0.0}, ps, pt, b) == std::vector<std::int64_t>{20, 14, 10, 4});
 }
 
 TEST_CASE("adakv sums to rows x capacity and keeps every head's protected tokens") {
@@ -145,7 +146,7 @@ TEST_CASE("adakv sums to rows x capacity and keeps every head's protected tokens
     const auto tokens = text_tokens(n);
     const double alpha = double(trial % 5) / 4;
     CAPTURE(trial);
-    const auto caps = adakv{.alpha = alpha}.allocate(s, tokens, b);
+    const auto caps = cpu::allocate(adakv{.alpha = alpha}, s, tokens, b);
     REQUIRE(std::int64_t(caps.size()) == rows);
     CHECK(std::accumulate(caps.begin(), caps.end(), std::int64_t{0}) == rows * b.capacity);
     for (std::int64_t h = 0; h < rows; ++h) {
@@ -158,8 +159,8 @@ TEST_CASE("adakv sums to rows x capacity and keeps every head's protected tokens
   }
   // a budget that holds every slot gives every head all of them
   score_matrix s(3, 10);
-  CHECK(adakv{}.allocate(s, text_tokens(10), {.capacity = 50}) == std::vector<std::int64_t>{10, 10, 10});
-  CHECK_THROWS_WITH_AS(adakv{.alpha = 1.5}.allocate(s, text_tokens(10), {.capacity = 5}),
+  CHECK(cpu::allocate(adakv{}, s, text_tokens(10), {.capacity = 50}) == std::vector<std::int64_t>{10, 10, 10});
+  CHECK_THROWS_WITH_AS(cpu::allocate(adakv{.alpha = 1.5}, s, text_tokens(10), {.capacity = 5}),
                        doctest::Contains("adakv.alpha = 1.5"), error);
 }
 
@@ -169,8 +170,8 @@ TEST_CASE("select_top with per-unit capacities keeps each unit's own count and i
   const budget b{.capacity = 12, .sinks = 2, .recent = 2};
   const auto tokens = text_tokens(n);
   const auto s = planted_scores({16, 10, 6, 0}, n, b, rng);
-  const auto caps = adakv{.alpha = 0.0}.allocate(s, tokens, b);
-  const auto keep = select_top(s, tokens, caps, b.sinks, b.recent);
+  const auto caps = cpu::allocate(adakv{.alpha = 0.0}, s, tokens, b);
+  const auto keep = cpu::select_top(s, tokens, caps, b.sinks, b.recent);
   REQUIRE(keep.n_units() == 4);
   for (std::int64_t h = 0; h < 4; ++h) {
     CAPTURE(h);
@@ -184,9 +185,9 @@ TEST_CASE("select_top with per-unit capacities keeps each unit's own count and i
     }
   }
   const std::vector<std::int64_t> too_small{12, 3, 12, 12};
-  CHECK_THROWS_WITH_AS(select_top(s, tokens, too_small, b.sinks, b.recent), doctest::Contains("capacities[1] = 3"),
+  CHECK_THROWS_WITH_AS(cpu::select_top(s, tokens, too_small, b.sinks, b.recent), doctest::Contains("capacities[1] = 3"),
                        error);
   const std::vector<std::int64_t> wrong_count{12, 12};
-  CHECK_THROWS_WITH_AS(select_top(s, tokens, wrong_count, b.sinks, b.recent),
+  CHECK_THROWS_WITH_AS(cpu::select_top(s, tokens, wrong_count, b.sinks, b.recent),
                        doctest::Contains("capacities.size() = 2"), error);
 }

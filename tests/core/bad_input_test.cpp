@@ -66,22 +66,22 @@ TEST_CASE("bad budgets name the field and its value") {
   // select_top validates its budget too; snapkv's window can overflow a small capacity.
   const score_matrix s(1, 10);
   const auto t = text_tokens(10);
-  CHECK_ERROR((select_top(s, t, budget{.capacity = 3, .sinks = 2, .recent = 2})), "budget.capacity = 3");
-  CHECK_ERROR((select_top(s, t, protect(snapkv{.window = 8}, budget{.capacity = 6}))), "recent (8)");
+  CHECK_ERROR((cpu::select_top(s, t, budget{.capacity = 3, .sinks = 2, .recent = 2})), "budget.capacity = 3");
+  CHECK_ERROR((cpu::select_top(s, t, protect(snapkv{.window = 8}, budget{.capacity = 6}))), "recent (8)");
 }
 
 TEST_CASE("bad scores and tokens for selection") {
   score_matrix s(2, 4, 1.f);
   s(1, 2) = float(nan_v);
   const auto t = text_tokens(4);
-  CHECK_ERROR((select_top(s, t, budget{.capacity = 2})), "scores[1, 2] = nan");
+  CHECK_ERROR((cpu::select_top(s, t, budget{.capacity = 2})), "scores[1, 2] = nan");
   const score_matrix ok(2, 4, 1.f);
-  CHECK_ERROR((select_top(ok, text_tokens(5), budget{.capacity = 2})), "tokens.size() = 5");
-  CHECK_ERROR((select_top(ok, tokens_at({0, 1, -7, 3}), budget{.capacity = 2})), "tokens[2].pos = -7");
+  CHECK_ERROR((cpu::select_top(ok, text_tokens(5), budget{.capacity = 2})), "tokens.size() = 5");
+  CHECK_ERROR((cpu::select_top(ok, tokens_at({0, 1, -7, 3}), budget{.capacity = 2})), "tokens[2].pos = -7");
   const std::int64_t caps[] = {2};
-  CHECK_ERROR(select_top(ok, t, caps, 0, 0), "capacities.size() = 1");
+  CHECK_ERROR(cpu::select_top(ok, t, caps, 0, 0), "capacities.size() = 1");
   const std::int64_t small[] = {2, 1};
-  CHECK_ERROR(select_top(ok, t, small, 1, 1), "capacities[1] = 1");
+  CHECK_ERROR(cpu::select_top(ok, t, small, 1, 1), "capacities[1] = 1");
   CHECK_ERROR(validate_tokens(t, 3), "tokens.size() = 4");
   CHECK_ERROR(score_matrix(-1, 3), "score_matrix.rows = -1");
 }
@@ -286,9 +286,9 @@ TEST_CASE("bad allocation and reduction arguments") {
   const score_matrix s(2, 10, 1.f);
   const auto t = text_tokens(10);
   const budget b{.capacity = 4};
-  CHECK_ERROR((adakv{.alpha = 1.5}.allocate(s, t, b)), "adakv.alpha = 1.5");
-  CHECK_ERROR((adakv{.alpha = -0.1}.allocate(s, t, b)), "adakv.alpha = -0.1");
-  CHECK_ERROR((adakv{.alpha = nan_v}.allocate(s, t, b)), "adakv.alpha = nan");
+  CHECK_ERROR((cpu::allocate(adakv{.alpha = 1.5}, s, t, b)), "adakv.alpha = 1.5");
+  CHECK_ERROR((cpu::allocate(adakv{.alpha = -0.1}, s, t, b)), "adakv.alpha = -0.1");
+  CHECK_ERROR((cpu::allocate(adakv{.alpha = nan_v}, s, t, b)), "adakv.alpha = nan");
   CHECK_ERROR((pyramidkv{}.allocate(4, budget{.ratio = 0.5})), "budget.capacity = 0");
   CHECK_ERROR((pyramidkv{}.allocate(4, budget{.ratio = 0.5})), "PyramidKV needs an absolute capacity");
   CHECK_ERROR((pyramidkv{}.allocate(0, b)), "n_layers = 0");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <infkv/cpu/select.hpp>
 #include <infkv/infkv.hpp>
 
 using namespace infkv;
@@ -106,7 +107,7 @@ TEST_CASE("adakv capacities hold every head's protected slots and add up to the 
       for (auto& v : s.row(r)) v = normal(gen) * float(r + 1);  // heads of different spread
     const auto tokens = text_tokens(50);
     const budget b{.capacity = 20, .sinks = 2, .recent = 5};
-    const auto caps = adakv{.alpha = alpha}.allocate(s, tokens, b);
+    const auto caps = cpu::allocate(adakv{.alpha = alpha}, s, tokens, b);
     REQUIRE(caps.size() == 4);
     CHECK(std::accumulate(caps.begin(), caps.end(), std::int64_t{0}) == 4 * 20);
     for (auto c : caps) {
@@ -114,10 +115,10 @@ TEST_CASE("adakv capacities hold every head's protected slots and add up to the 
       CHECK(c <= 50);
     }
     if (alpha == 1.0) CHECK(caps == std::vector<std::int64_t>(4, 20));
-    const auto keep = select_top(s, tokens, caps, b.sinks, b.recent);
+    const auto keep = cpu::select_top(s, tokens, caps, b.sinks, b.recent);
     for (std::int64_t h = 0; h < 4; ++h) CHECK(keep.size(h) == caps[std::size_t(h)]);
   }
   // A budget covering the cache keeps every slot of every head.
   const score_matrix small(3, 6, 1.f);
-  CHECK(adakv{}.allocate(small, text_tokens(6), budget{.capacity = 6}) == std::vector<std::int64_t>(3, 6));
+  CHECK(cpu::allocate(adakv{}, small, text_tokens(6), budget{.capacity = 6}) == std::vector<std::int64_t>(3, 6));
 }

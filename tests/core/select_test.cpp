@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <infkv/cpu/select.hpp>
 #include <infkv/infkv.hpp>
 
 #include "test_tokens.hpp"
@@ -64,39 +65,44 @@ TEST_CASE("select_top protects sinks and recent by position when slot order is n
   const auto t = tokens_at({5, 0, 7, 2, 6, 1, 4, 3});
   const auto s = row_of({.9f, .1f, .05f, .8f, .2f, .3f, .7f, .6f});
   // Sink: position 0 (slot 1); recent: positions 6, 7 (slots 4, 2); best two of the rest: slots 0, 3.
-  CHECK(unit(select_top(s, t, budget{.capacity = 5, .sinks = 1, .recent = 2})) ==
+  CHECK(unit(cpu::select_top(s, t, budget{.capacity = 5, .sinks = 1, .recent = 2})) ==
         std::vector<std::int64_t>{0, 1, 2, 3, 4});
   // No protection: the five best scores.
-  CHECK(unit(select_top(s, t, budget{.capacity = 5})) == std::vector<std::int64_t>{0, 3, 5, 6, 7});
+  CHECK(unit(cpu::select_top(s, t, budget{.capacity = 5})) == std::vector<std::int64_t>{0, 3, 5, 6, 7});
   // Capacity exactly the protected count: nothing else.
-  CHECK(unit(select_top(s, t, budget{.capacity = 3, .sinks = 1, .recent = 2})) == std::vector<std::int64_t>{1, 2, 4});
+  CHECK(unit(cpu::select_top(s, t, budget{.capacity = 3, .sinks = 1, .recent = 2})) ==
+        std::vector<std::int64_t>{1, 2, 4});
   // Ratio 0.5 of 8 = 4 with 2 sinks (positions 0, 1: slots 1, 5): then slots 0, 3.
-  CHECK(unit(select_top(s, t, budget{.ratio = 0.5, .sinks = 2})) == std::vector<std::int64_t>{0, 1, 3, 5});
+  CHECK(unit(cpu::select_top(s, t, budget{.ratio = 0.5, .sinks = 2})) == std::vector<std::int64_t>{0, 1, 3, 5});
 }
 
 TEST_CASE("select_top breaks ties toward the newer position, then the lower slot") {
   SUBCASE("equal scores: the newest positions win") {
     const auto t = tokens_at({3, 9, 0, 4, 8, 1});
-    CHECK(unit(select_top(row_of({1, 1, 1, 1, 1, 1}), t, budget{.capacity = 3})) == std::vector<std::int64_t>{1, 3, 4});
+    CHECK(unit(cpu::select_top(row_of({1, 1, 1, 1, 1, 1}), t, budget{.capacity = 3})) ==
+          std::vector<std::int64_t>{1, 3, 4});
   }
   SUBCASE("equal scores at one position: the lower slot wins") {
     const auto t = tokens_at({1, 2, 1, 0, 1});
     const auto s = row_of({0, 0, 0, 0, 0});
-    CHECK(unit(select_top(s, t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 1});
-    CHECK(unit(select_top(s, t, budget{.capacity = 3})) == std::vector<std::int64_t>{0, 1, 2});
-    CHECK(unit(select_top(s, t, budget{.capacity = 4})) == std::vector<std::int64_t>{0, 1, 2, 4});
+    CHECK(unit(cpu::select_top(s, t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 1});
+    CHECK(unit(cpu::select_top(s, t, budget{.capacity = 3})) == std::vector<std::int64_t>{0, 1, 2});
+    CHECK(unit(cpu::select_top(s, t, budget{.capacity = 4})) == std::vector<std::int64_t>{0, 1, 2, 4});
   }
   SUBCASE("a higher score beats a newer position") {
     const auto t = tokens_at({0, 1, 2, 3});
-    CHECK(unit(select_top(row_of({2, 1, 1, 1}), t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 3});
-    CHECK(unit(select_top(row_of({1, 1, 1, 1.0000001f}), t, budget{.capacity = 1})) == std::vector<std::int64_t>{3});
-    CHECK(unit(select_top(row_of({1.0000001f, 1, 1, 1}), t, budget{.capacity = 1})) == std::vector<std::int64_t>{0});
+    CHECK(unit(cpu::select_top(row_of({2, 1, 1, 1}), t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 3});
+    CHECK(unit(cpu::select_top(row_of({1, 1, 1, 1.0000001f}), t, budget{.capacity = 1})) ==
+          std::vector<std::int64_t>{3});
+    CHECK(unit(cpu::select_top(row_of({1.0000001f, 1, 1, 1}), t, budget{.capacity = 1})) ==
+          std::vector<std::int64_t>{0});
   }
   SUBCASE("infinities rank like any other score") {
     const float inf = std::numeric_limits<float>::infinity();
     const auto t = tokens_at({0, 1, 2, 3});
-    CHECK(unit(select_top(row_of({inf, -inf, 0, -inf}), t, budget{.capacity = 2})) == std::vector<std::int64_t>{0, 2});
-    CHECK(unit(select_top(row_of({-inf, -inf, -inf, -inf}), t, budget{.capacity = 2})) ==
+    CHECK(unit(cpu::select_top(row_of({inf, -inf, 0, -inf}), t, budget{.capacity = 2})) ==
+          std::vector<std::int64_t>{0, 2});
+    CHECK(unit(cpu::select_top(row_of({-inf, -inf, -inf, -inf}), t, budget{.capacity = 2})) ==
           std::vector<std::int64_t>{2, 3});
   }
 }
@@ -129,9 +135,9 @@ TEST_CASE("select_top matches a brute-force selection on random scores with ties
     CAPTURE(b.ratio);
     CAPTURE(b.sinks);
     CAPTURE(b.recent);
-    const keep_set k = select_top(s, t, b);
+    const keep_set k = cpu::select_top(s, t, b);
     REQUIRE(k.n_units() == rows);
-    CHECK(k == select_top(s, t, b));  // deterministic
+    CHECK(k == cpu::select_top(s, t, b));  // deterministic
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::vector<float> row(s.row(r).begin(), s.row(r).end());
       const auto want = naive_select(row, t, b.keep_count(n), b.sinks, b.recent);
@@ -146,28 +152,28 @@ TEST_CASE("select_top with one token list per unit and with per-row capacities")
   const auto t = tokens_at({0, 1, 2, 3, 3, 2, 1, 0});
   score_matrix s(2, 4);
   s.data = {5, 1, 1, 1, 5, 1, 1, 1};
-  const auto k = select_top(s, t, budget{.capacity = 2, .recent = 1});
+  const auto k = cpu::select_top(s, t, budget{.capacity = 2, .recent = 1});
   CHECK(unit(k, 0) == std::vector<std::int64_t>{0, 3});  // recent: slot 3 (position 3)
   // Unit 1: slot 0 holds position 3 (recent); slots 1..3 tie at 1 and the newest, slot 1, wins.
   CHECK(unit(k, 1) == std::vector<std::int64_t>{0, 1});
 
   const std::int64_t caps[] = {1, 3};
   const auto shared = tokens_at({0, 1, 2, 3});
-  const auto kc = select_top(s, shared, caps, 0, 1);
+  const auto kc = cpu::select_top(s, shared, caps, 0, 1);
   CHECK(unit(kc, 0) == std::vector<std::int64_t>{3});
   CHECK(unit(kc, 1) == std::vector<std::int64_t>{0, 2, 3});
   const std::int64_t all[] = {4, 9};  // at or above the slot count: keep everything
-  const auto ka = select_top(s, shared, all, 2, 2);
+  const auto ka = cpu::select_top(s, shared, all, 2, 2);
   CHECK(ka == keep_set::all(4, 2));
 }
 
 TEST_CASE("select_top keeps everything when the budget covers the cache, and handles empty caches") {
   const auto t = tokens_at({4, 2, 0});
-  CHECK(select_top(row_of({1, 2, 3}), t, budget{.capacity = 3, .sinks = 1, .recent = 2}) == keep_set::all(3));
-  CHECK(select_top(row_of({1, 2, 3}), t, budget{.capacity = 100}) == keep_set::all(3));
-  CHECK(select_top(row_of({1, 2, 3}), t, budget{.ratio = 1.0}) == keep_set::all(3));
+  CHECK(cpu::select_top(row_of({1, 2, 3}), t, budget{.capacity = 3, .sinks = 1, .recent = 2}) == keep_set::all(3));
+  CHECK(cpu::select_top(row_of({1, 2, 3}), t, budget{.capacity = 100}) == keep_set::all(3));
+  CHECK(cpu::select_top(row_of({1, 2, 3}), t, budget{.ratio = 1.0}) == keep_set::all(3));
   const score_matrix empty(2, 0);
-  const auto k = select_top(empty, {}, budget{.capacity = 4, .sinks = 2});
+  const auto k = cpu::select_top(empty, {}, budget{.capacity = 4, .sinks = 2});
   CHECK(k.n_units() == 2);
   CHECK(k.size(0) == 0);
   CHECK(k.size(1) == 0);
@@ -177,11 +183,11 @@ TEST_CASE("a policy's protect() widens what select_top keeps") {
   const auto t = tokens_at({0, 1, 2, 3, 4, 5, 6, 7});
   const auto s = row_of({8, 7, 6, 5, 4, 3, 2, 1});
   const budget b{.capacity = 4};
-  CHECK(unit(select_top(s, t, b)) == std::vector<std::int64_t>{0, 1, 2, 3});
+  CHECK(unit(cpu::select_top(s, t, b)) == std::vector<std::int64_t>{0, 1, 2, 3});
   // SnapKV keeps its observation window: recent becomes 3.
   const auto wide = protect(snapkv{.window = 3}, b);
   CHECK(wide.recent == 3);
-  CHECK(unit(select_top(s, t, wide)) == std::vector<std::int64_t>{0, 5, 6, 7});
+  CHECK(unit(cpu::select_top(s, t, wide)) == std::vector<std::int64_t>{0, 5, 6, 7});
 }
 
 namespace {
@@ -263,11 +269,11 @@ TEST_CASE("select_whole_positions keeps or drops each position whole, as a brute
     CAPTURE(cap);
     if (cap < n && std::int64_t(protected_only.size()) > cap) {
       const std::string what = "cap = " + std::to_string(cap);
-      CHECK_THROWS_WITH_AS(select_whole_positions(score, t, cap, sinks, recent), doctest::Contains(what.c_str()),
+      CHECK_THROWS_WITH_AS(cpu::select_whole_positions(score, t, cap, sinks, recent), doctest::Contains(what.c_str()),
                            infkv::error);
       continue;
     }
-    const auto got = unit(select_whole_positions(score, t, cap, sinks, recent));
+    const auto got = unit(cpu::select_whole_positions(score, t, cap, sinks, recent));
     CHECK(got == naive_whole(score, t, cap, sinks, recent));
     CHECK(std::int64_t(got.size()) <= std::min(cap, n));
     // Every position whole: a kept position keeps all of its slots.
@@ -292,8 +298,8 @@ TEST_CASE("select_whole_positions equals select_top when every position is disti
     const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 1));
     const std::vector<std::int64_t> caps{cap};
     CAPTURE(trial);
-    CHECK(unit(select_whole_positions(score, t, cap, sinks, recent)) ==
-          unit(select_top(row_of(score), t, caps, sinks, recent)));
+    CHECK(unit(cpu::select_whole_positions(score, t, cap, sinks, recent)) ==
+          unit(cpu::select_top(row_of(score), t, caps, sinks, recent)));
   }
 }
 
@@ -302,14 +308,14 @@ TEST_CASE("select_whole_positions skips an image that does not fit and fills wit
   std::vector<token> t = tokens_at({0, 1, 2, 3, 4, 4, 4, 4, 4, 5, 6, 7});
   std::vector<float> s{0, 1, 2, 3, 9, 9, 9, 9, 9, 4, 5, 0};
   // The image scores best but needs 5 of the 4 slots left after the sink (0) and the recent (7).
-  CHECK(unit(select_whole_positions(s, t, 6, 1, 1)) == std::vector<std::int64_t>{0, 2, 3, 9, 10, 11});
+  CHECK(unit(cpu::select_whole_positions(s, t, 6, 1, 1)) == std::vector<std::int64_t>{0, 2, 3, 9, 10, 11});
   // With room for it, the image goes in whole and the best text fills the rest.
-  CHECK(unit(select_whole_positions(s, t, 8, 1, 1)) == std::vector<std::int64_t>{0, 4, 5, 6, 7, 8, 10, 11});
+  CHECK(unit(cpu::select_whole_positions(s, t, 8, 1, 1)) == std::vector<std::int64_t>{0, 4, 5, 6, 7, 8, 10, 11});
   // A recent window reaching into the image protects all of it; a budget below that is refused.
-  CHECK(unit(select_whole_positions(s, t, 9, 0, 4)) == std::vector<std::int64_t>{3, 4, 5, 6, 7, 8, 9, 10, 11});
-  CHECK_THROWS_WITH_AS(select_whole_positions(s, t, 7, 0, 4), doctest::Contains("cap = 7"), infkv::error);
+  CHECK(unit(cpu::select_whole_positions(s, t, 9, 0, 4)) == std::vector<std::int64_t>{3, 4, 5, 6, 7, 8, 9, 10, 11});
+  CHECK_THROWS_WITH_AS(cpu::select_whole_positions(s, t, 7, 0, 4), doctest::Contains("cap = 7"), infkv::error);
   s[6] = std::nanf("");
-  CHECK_THROWS_WITH_AS(select_whole_positions(s, t, 9, 0, 4), doctest::Contains("score[6] = nan"), infkv::error);
-  CHECK_THROWS_WITH_AS(select_whole_positions(std::vector<float>(3, 0.f), t, 9, 0, 4),
+  CHECK_THROWS_WITH_AS(cpu::select_whole_positions(s, t, 9, 0, 4), doctest::Contains("score[6] = nan"), infkv::error);
+  CHECK_THROWS_WITH_AS(cpu::select_whole_positions(std::vector<float>(3, 0.f), t, 9, 0, 4),
                        doctest::Contains("score.size() = 3"), infkv::error);
 }

@@ -168,34 +168,35 @@ TEST_CASE("attention bias: beta 0 leaves scores alone, otherwise rows are normal
   const std::vector<token> t{
       {30, 2, modality::video}, {10, 0, modality::video}, {20, 1, modality::video}, {40, 3, modality::video}};
   auto same = m;
-  attention_bias{}.apply(same, t);
+  cpu::apply_bias(attention_bias{}, same, t);
   CHECK(same.data == m.data);
 
   auto lin = m;  // mean of row 0 is 2, of row 1 is 2; ages (40 - pos) / 30
-  attention_bias{.beta = 3.0}.apply(lin, t);
+  cpu::apply_bias(attention_bias{.beta = 3.0}, lin, t);
   const std::vector<double> f{2.0 / 3, 0.0, 1.0 / 3, 1.0};
   for (std::size_t c = 0; c < 4; ++c) {
     CHECK(lin(0, std::int64_t(c)) == doctest::Approx(row0[c] / 2.0 + 3.0 * f[c]));
     CHECK(lin(1, std::int64_t(c)) == doctest::Approx(1.0 + 3.0 * f[c]));
   }
   auto seg = m;  // segments 2, 0, 1, 3 give the same ages here
-  attention_bias{.beta = 3.0, .unit = age_unit::segments}.apply(seg, t);
+  cpu::apply_bias(attention_bias{.beta = 3.0, .unit = age_unit::segments}, seg, t);
   CHECK(seg.data == lin.data);
 
   auto ranked = m;  // ranks 2, 0, 1, 3 of the positions: the same ages again
-  attention_bias{.beta = 3.0, .unit = age_unit::ranks}.apply(ranked, t);
+  cpu::apply_bias(attention_bias{.beta = 3.0, .unit = age_unit::ranks}, ranked, t);
   CHECK(ranked.data == lin.data);
 
   auto ex = m;  // exponential: f(0) = 1, f(1) = 0, in between below the linear ramp
-  attention_bias{.beta = 1.0, .shape = decay::exponential, .rate = 4.0}.apply(ex, t);
+  cpu::apply_bias(attention_bias{.beta = 1.0, .shape = decay::exponential, .rate = 4.0}, ex, t);
   CHECK(ex(1, 3) == doctest::Approx(2.0));
   CHECK(ex(1, 1) == doctest::Approx(1.0));
   CHECK(ex(1, 0) > 1.0);
   CHECK(ex(1, 0) < 1.0 + 2.0 / 3);
 
-  CHECK_THROWS_WITH_AS(attention_bias{.beta = -1.0}.apply(ex, t), doctest::Contains("bias.beta = -1"), error);
+  CHECK_THROWS_WITH_AS(cpu::apply_bias(attention_bias{.beta = -1.0}, ex, t), doctest::Contains("bias.beta = -1"),
+                       error);
   const attention_bias flat{.beta = 1.0, .rate = 0.0};
-  CHECK_THROWS_WITH_AS(flat.apply(ex, t), doctest::Contains("bias.rate = 0"), error);
+  CHECK_THROWS_WITH_AS(cpu::apply_bias(flat, ex, t), doctest::Contains("bias.rate = 0"), error);
 }
 
 TEST_CASE("attention bias: ages in ranks do not fade as kept positions grow apart") {
@@ -204,8 +205,8 @@ TEST_CASE("attention bias: ages in ranks do not fade as kept positions grow apar
                              {5000, 0, modality::image}, {5001, 0, modality::text}, {5003, 0, modality::text}};
   score_matrix zero(1, 6);  // all scores 0: only the bias is left (the row mean is 0, kept as is)
   auto by_pos = zero, by_rank = zero;
-  attention_bias{.beta = 1.0}.apply(by_pos, t);
-  attention_bias{.beta = 1.0, .unit = age_unit::ranks}.apply(by_rank, t);
+  cpu::apply_bias(attention_bias{.beta = 1.0}, by_pos, t);
+  cpu::apply_bias(attention_bias{.beta = 1.0, .unit = age_unit::ranks}, by_rank, t);
   // positions: every non-sink slot is within 3 / 5003 of the newest, so the bias hardly separates them
   CHECK(by_pos(0, 2) > 0.999f);
   // ranks: distinct positions 0, 1, 5000, 5001, 5003 -> ages 4, 3, 2, 1, 0 of 4

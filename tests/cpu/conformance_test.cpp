@@ -131,9 +131,9 @@ TEST_CASE("conformance: per-head policies can keep different slots per head, per
   CHECK(cpu::select(streaming_llm{}, b, in, granularity::per_head).n_units() == 1);
   // The per-layer decision is the per-head scores' mean, selected once.
   const auto s = reduce_rows(cpu::layer_scores(keydiff{}, in), reduction::mean);
-  CHECK(cpu::select(keydiff{}, b, in, granularity::per_layer) == select_top(s, p.tokens, b));
+  CHECK(cpu::select(keydiff{}, b, in, granularity::per_layer) == cpu::select_top(s, p.tokens, b));
   const auto mx = reduce_rows(cpu::layer_scores(keydiff{}, in), reduction::max);
-  CHECK(cpu::select(keydiff{}, b, in, granularity::per_layer, reduction::max) == select_top(mx, p.tokens, b));
+  CHECK(cpu::select(keydiff{}, b, in, granularity::per_layer, reduction::max) == cpu::select_top(mx, p.tokens, b));
 }
 
 TEST_CASE("conformance: explicit ties keep the newest positions, then the lowest slots") {

@@ -41,7 +41,8 @@ TEST_CASE("pipeline: planned sizes are what run writes, several layers fold into
     // The decision is select_top over the sum of both layers' finished scores.
     const auto s0 = cpu::layer_scores(pol, l0), s1 = cpu::layer_scores(pol, l1);
     const std::vector<score_matrix> both{s0, s1};
-    CHECK(keep_set::from_view(buf.out) == select_top(reduce_rows(both, reduction::sum), p.tokens, protect(pol, b)));
+    CHECK(keep_set::from_view(buf.out) ==
+          cpu::select_top(reduce_rows(both, reduction::sum), p.tokens, protect(pol, b)));
     // run_decision_scores hands out the scores that decision selects by: the two layers summed.
     const score_view d = run_decision_scores(pl, be, std::span<const layer_inputs<>>(layers), buf.ws.span());
     REQUIRE(d.rows == 1);
@@ -70,8 +71,8 @@ TEST_CASE("pipeline: AdaKV capacities through the plan add up and hold the prote
     const auto keep = keep_set::from_view(buf.out);
     // The same capacities as adakv::allocate on the same scores, and the same selection.
     const auto scores = cpu::layer_scores(pol, in);
-    const auto caps = adakv{.alpha = alpha}.allocate(scores, p.tokens, protect(pol, b));
-    CHECK(keep == select_top(scores, p.tokens, caps, 3, 5));
+    const auto caps = cpu::allocate(adakv{.alpha = alpha}, scores, p.tokens, protect(pol, b));
+    CHECK(keep == cpu::select_top(scores, p.tokens, caps, 3, 5));
     std::int64_t total = 0;
     for (std::int64_t u = 0; u < keep.n_units(); ++u) total += keep.size(u);
     CHECK(total == pl.kept_total);

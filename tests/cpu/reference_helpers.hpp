@@ -579,13 +579,17 @@ inline infkv::policy_spec union_of_finishes(infkv::policy_spec spec, double shar
 /// One row combining every row of every matrix of `m` (the same columns) by `r`: a per-layer or
 /// per-token decision's scores, from finished per-head scores.
 inline infkv::score_matrix reduce_rows(std::span<const infkv::score_matrix> m, infkv::reduction r) {
-  infkv::score_matrix out(1, m[0].cols);
+  const std::int64_t n = m[0].cols;
+  const bool max = r == infkv::reduction::max;
+  std::vector<double> acc(std::size_t(n), max ? -std::numeric_limits<double>::infinity() : 0.0);
   std::int64_t rows = 0;
-  for (const auto& s : m) {
-    infkv::reduce_into(out.view(), s.view(), r, rows == 0);
-    rows += s.rows;
-  }
-  infkv::finish_reduction(out.view(), r, rows);
+  for (const auto& s : m)
+    for (std::int64_t row = 0; row < s.rows; ++row, ++rows)
+      for (std::int64_t c = 0; c < n; ++c)
+        acc[std::size_t(c)] = max ? std::max(acc[std::size_t(c)], double(s(row, c))) : acc[std::size_t(c)] + s(row, c);
+  infkv::score_matrix out(1, n);
+  for (std::int64_t c = 0; c < n; ++c)
+    out(0, c) = float(r == infkv::reduction::mean ? acc[std::size_t(c)] / double(rows) : acc[std::size_t(c)]);
   return out;
 }
 inline infkv::score_matrix reduce_rows(const infkv::score_matrix& s, infkv::reduction r) {

@@ -216,7 +216,7 @@ TEST_CASE("ties: one total order (score, newer position, lower slot) on massivel
       x = level == 4 ? -0.f : float(level);
     }
     const budget b{.capacity = 37 + trial, .sinks = trial % 5, .recent = trial % 7};
-    const auto keep = select_top(m, tokens, b);
+    const auto keep = cpu::select_top(m, tokens, b);
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::vector<double> row(m.row(r).begin(), m.row(r).end());
       CHECK(unit_of(keep, r) == ref_keep(row, tokens, b.keep_count(n), b.sinks, b.recent));

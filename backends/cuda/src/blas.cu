@@ -27,8 +27,8 @@ std::vector<std::unique_ptr<device_blas>>& table() {
 
 void check_blas(cublasStatus_t s, const char* call) {
   if (s != CUBLAS_STATUS_SUCCESS) [[unlikely]]
-    infkv::detail::raise<engine_error>("infkv: ", call, " failed: ", cublasGetStatusName(s), " (",
-                                       cublasGetStatusString(s), ")");
+    infkv::raise<engine_error>("infkv: ", call, " failed: ", cublasGetStatusName(s), " (", cublasGetStatusString(s),
+                               ")");
 }
 
 int current_device() {
@@ -43,7 +43,7 @@ cudaDataType_t cuda_type(dtype t) {
     case dtype::f16: return CUDA_R_16F;
     case dtype::bf16: return CUDA_R_16BF;
   }
-  infkv::detail::fail("infkv: cublasGemmStridedBatchedEx: unknown dtype ", int(t));
+  infkv::fail("infkv: cublasGemmStridedBatchedEx: unknown dtype ", int(t));
 }
 
 cublasOperation_t cuda_op(blas_op o) { return o == blas_op::n ? CUBLAS_OP_N : CUBLAS_OP_T; }

@@ -18,8 +18,7 @@ namespace infkv::cuda::detail {
 /// Raises engine_error naming the call when a CUDA status is not success.
 inline void check_cuda(cudaError_t e, const char* call) {
   if (e != cudaSuccess) [[unlikely]]
-    infkv::detail::raise<engine_error>("infkv: ", call, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
-                                       ")");
+    infkv::raise<engine_error>("infkv: ", call, " failed: ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
 }
 
 /// CUB's DeviceRadixSort::SortPairs on (uint64 key, int64 value) pairs, low `bits` bits of the

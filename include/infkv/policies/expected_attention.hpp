@@ -28,10 +28,7 @@ struct expected_attention {
   bool covariance = true;               ///< the covariance term (kvpress: use_covariance)
   bool value_norm = true;               ///< times |v_j| (kvpress: use_vnorm)
 
-  void validate() const {
-    INFKV_REQUIRE(window >= 1, "expected_attention.window", window, "must be >= 1");
-    expect().validate(name);
-  }
+  void validate() const { spec().score.validate(name); }
   expectation expect() const {
     return {.rotary = rotary.value_or(rope{}),
             .rotated = rotary.has_value(),

@@ -22,7 +22,7 @@ struct h2o {
   bool normalize_lifetime = false;  ///< divide by the number of queries that saw the slot
   double forgetting = 1.0;          ///< old mass is multiplied by this before each step, in (0, 1]
 
-  void validate() const { accumulation{normalize_lifetime, forgetting}.validate(name); }
+  void validate() const { spec().score.validate(name); }
   /// No protection of its own: its recent window is the budget's.
   policy_spec spec() const {
     return {.name = name,

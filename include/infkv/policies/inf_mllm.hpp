@@ -22,11 +22,7 @@ struct inf_mllm {
   attention_bias bias{};
   bool value_norm = false;  ///< attention times |v_j| before the local sum (value-aware saddles)
 
-  void validate() const {
-    INFKV_REQUIRE(window >= 1, "inf_mllm.window", window, "must be >= 1");
-    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "inf_mllm.kernel", kernel, "must be odd and >= 1");
-    bias.validate();
-  }
+  void validate() const { spec().score.validate(name); }
   /// As SnapKV: the local sum covers the slots before the retrieval window, which is always
   /// kept; then the attention bias.
   policy_spec spec() const {

@@ -19,9 +19,7 @@ struct keydiff {
   pooling pool = pooling::none;
   std::int32_t kernel = 1;
 
-  void validate() const {
-    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "keydiff.kernel", kernel, "must be odd and >= 1");
-  }
+  void validate() const { spec().score.validate(name); }
   policy_spec spec() const {
     return {.name = name,
             .score = {.source = score_source::key_diversity, .pool = pool, .kernel = kernel},

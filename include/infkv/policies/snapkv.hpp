@@ -18,10 +18,7 @@ struct snapkv {
   std::int32_t kernel = 5;      ///< pooling width (odd)
   pooling pool = pooling::avg;  ///< avg (paper default) or max (LongBench config)
 
-  void validate() const {
-    INFKV_REQUIRE(window >= 1, "snapkv.window", window, "must be >= 1");
-    INFKV_REQUIRE(kernel >= 1 && kernel % 2 == 1, "snapkv.kernel", kernel, "must be odd and >= 1");
-  }
+  void validate() const { spec().score.validate(name); }
   /// Pooling covers the slots before the observation window (SnapKV's `attn[..., :-window]`);
   /// the window is always kept: recent = max(budget.recent, window). Max pooling runs per query
   /// head, then the G heads of a group are averaged.

@@ -11,4 +11,5 @@
 #include "cpu/h2o.hpp"
 #include "cpu/rope.hpp"
 #include "cpu/score.hpp"
+#include "cpu/select.hpp"
 #include "cpu/workspace.hpp"

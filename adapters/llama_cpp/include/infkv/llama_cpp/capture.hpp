@@ -123,11 +123,10 @@ inline std::int32_t layer_of(const char* name, std::string_view prefix) {
 /// when the node lives in device memory).
 inline node_rows rows_of(const ggml_tensor* t, std::int32_t layer, node_kind kind, std::vector<char>& scratch) {
   if (t->type != GGML_TYPE_F32 && t->type != GGML_TYPE_F16)
-    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ",
-                                       ggml_type_name(t->type), ": only f32 and f16 query/key nodes can be observed");
+    infkv::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has type ", ggml_type_name(t->type),
+                               ": only f32 and f16 query/key nodes can be observed");
   if (t->ne[3] != 1)
-    infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3],
-                                       ": expected 1");
+    infkv::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has ne[3] = ", t->ne[3], ": expected 1");
   const char* base = nullptr;
   if (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
     base = static_cast<const char*>(t->data);
@@ -136,7 +135,7 @@ inline node_rows rows_of(const ggml_tensor* t, std::int32_t layer, node_kind kin
     ggml_backend_tensor_get(t, scratch.data(), 0, scratch.size());
     base = scratch.data();
   }
-  if (base == nullptr) infkv::detail::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
+  if (base == nullptr) infkv::raise<engine_error>("infkv: llama.cpp node ", ggml_get_name(t), " has no data");
   return {layer,
           kind,
           base,

@@ -75,8 +75,8 @@ inline model_ptr load_model(const std::string& path, const char* arg = "model") 
       if (b > a) joined += (joined.empty() ? "" : "; ") + why.substr(a, b - a);
     }
     why = std::move(joined);
-    infkv::detail::raise<engine_error>("infkv: ", arg, " = ", path, ": llama.cpp cannot load it as a GGUF model",
-                                       why.empty() ? "" : " (llama.cpp: ", why, why.empty() ? "" : ")");
+    infkv::raise<engine_error>("infkv: ", arg, " = ", path, ": llama.cpp cannot load it as a GGUF model",
+                               why.empty() ? "" : " (llama.cpp: ", why, why.empty() ? "" : ")");
   }
   return m;
 }

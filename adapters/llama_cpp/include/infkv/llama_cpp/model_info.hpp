@@ -52,7 +52,7 @@ struct rope_info {
 /// parameters' overrides) wins. Per-dimension frequency factors (Llama 3 `rope_freqs`) and YaRN
 /// are not modelled: keys re-rotated on the host are then approximate.
 inline rope_info model_rope(const llama_model* model, float ctx_freq_base = 0.f, float ctx_freq_scale = 0.f) {
-  if (model == nullptr) infkv::detail::fail("infkv: model = null: a llama_model is required");
+  if (model == nullptr) infkv::fail("infkv: model = null: a llama_model is required");
   rope_info info;
   switch (llama_model_rope_type(model)) {
     case LLAMA_ROPE_TYPE_NORM: info.params.style = cpu::rope_style::normal, info.kind = "norm"; break;

@@ -81,12 +81,11 @@ class session {
 
   /// Binds the context created from the attached parameters. The sequence must be empty.
   void bind(llama_context* ctx) {
-    if (ctx == nullptr) infkv::detail::fail("infkv: ctx = null: a llama_context is required");
+    if (ctx == nullptr) infkv::fail("infkv: ctx = null: a llama_context is required");
     INFKV_REQUIRE(attached_, "attached", "false", "call attach(params) before creating the context");
     ctx_ = ctx;
     mem_ = llama_get_memory(ctx);
-    if (mem_ == nullptr)
-      infkv::detail::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
+    if (mem_ == nullptr) infkv::raise<engine_error>("infkv: llama_get_memory(ctx) = null: the context has no memory");
     // llama.cpp asserts (ends the process) on a sequence id beyond the context's.
     INFKV_REQUIRE(opt_.seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.seq", opt_.seq,
                   "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
@@ -282,8 +281,8 @@ class session {
     const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
     if (book_.shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
-      const keep_set keep = select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
-                                                   pl.keep.sinks, pl.keep.recent);
+      const keep_set keep = cpu::select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
+                                                        pl.keep.sinks, pl.keep.recent);
       w.reset();
       return apply(keep);
     }
@@ -322,10 +321,9 @@ class session {
         partial.add_unit(left);
         drop(partial);
         verify();
-        infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin,
-                                           ", p1 = ", r.end,
-                                           ") = false: the memory cannot remove part of the sequence; ", i, " of ",
-                                           res.removed.size(), " runs were removed and the bookkeeping follows them");
+        infkv::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", r.begin, ", p1 = ", r.end,
+                                   ") = false: the memory cannot remove part of the sequence; ", i, " of ",
+                                   res.removed.size(), " runs were removed and the bookkeeping follows them");
       }
     }
     res.evicted = size() - keep.size(0);
@@ -367,7 +365,7 @@ class session {
 
  private:
   static std::int32_t checked_layers(const llama_model* model) {
-    if (model == nullptr) infkv::detail::fail("infkv: model = null: a llama_model is required");
+    if (model == nullptr) infkv::fail("infkv: model = null: a llama_model is required");
     return llama_model_n_layer(model);
   }
   void require_h2o() const {
@@ -383,11 +381,11 @@ class session {
     const llama_pos p0 = book_.empty() ? -1 : llama_pos(book_.max_pos() + 1);
     const llama_pos kept = llama_memory_seq_pos_max(mem_, opt_.seq);
     if (kept >= std::max<llama_pos>(p0, 0) && !opt_.memory.seq_rm(mem_, opt_.seq, p0, -1))
-      infkv::detail::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0,
-                                         ", p1 = -1) = false while rolling back a decode (", why,
-                                         "): the memory keeps positions up to ", kept,
-                                         ", which the session never captured; clear the "
-                                         "sequence and start a new session");
+      infkv::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.seq, ", p0 = ", p0,
+                                 ", p1 = -1) = false while rolling back a decode (", why,
+                                 "): the memory keeps positions up to ", kept,
+                                 ", which the session never captured; clear the "
+                                 "sequence and start a new session");
   }
 
   void observe_h2o(std::span<const std::int64_t> pos) {

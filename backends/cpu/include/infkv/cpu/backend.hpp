@@ -11,30 +11,15 @@
 #include <span>
 
 #include <infkv/pipeline.hpp>
-#include <infkv/select.hpp>
 
 #include "attention.hpp"
 #include "detail/kernels.hpp"
+#include "detail/rows.hpp"
 #include "executor.hpp"
 #include "expected.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
-
-namespace detail {
-
-/// The last `count` queries of `in` (all of them when fewer are given).
-template <row_source R>
-layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
-  const std::int64_t n_q = in.queries.n_slots, drop = std::max<std::int64_t>(0, n_q - count);
-  if (drop == 0) return in;
-  in.queries.data = in.queries.row(drop, 0);
-  in.queries.n_slots = n_q - drop;
-  in.query_pos = in.query_pos.subspan(std::size_t(drop));
-  return in;
-}
-
-}  // namespace detail
 
 /// -cos(k_j, anchor) per KV head into `out` [Hkv][n_slots], anchor = mean of the unit-length
 /// keys. `scratch` holds workers(ex, n_heads) x keydiff_scratch_bytes(head_dim, n_heads) bytes. Two
@@ -157,7 +142,7 @@ struct backend {
         return;
       case score_source::key_diversity: keydiff_into(in.keys, out, f, ex); return;
       case score_source::window_attention: {
-        const auto window = detail::last_queries(in, spec.queries);
+        const auto window = last_queries(in, spec.queries);
         window_attention_into(window, out, spec.pools_per_query_head(), f, ex,
                               in.queries.n_slots - window.queries.n_slots);
         return;
@@ -165,7 +150,7 @@ struct backend {
       case score_source::last_query: {  // every KV head's mass, then the mean over all heads
         infkv::detail::carver c{f};
         const score_view heads{c.take<float>(in.keys.n_heads * n), in.keys.n_heads, n, n};
-        const auto last = detail::last_queries(in, spec.queries);
+        const auto last = last_queries(in, spec.queries);
         window_attention_into(last, heads, false, f + c.size(), ex, in.queries.n_slots - last.queries.n_slots);
         reduce(out, heads, reduction::mean, true);
         finish_reduction(out, reduction::mean, heads.rows);
@@ -176,7 +161,7 @@ struct backend {
           std::copy(in.accumulated.row(r), in.accumulated.row(r) + n, out.row(r));
         return;
       case score_source::expected_attention: {
-        const auto window = detail::last_queries(in, spec.queries);
+        const auto window = last_queries(in, spec.queries);
         expected_attention_into(window, spec.expect, order, out, f, ex, in.queries.n_slots - window.queries.n_slots);
         return;
       }
@@ -192,11 +177,11 @@ struct backend {
   void pool(score_view s, const std::int64_t* order, const score_spec& spec, std::span<std::byte> scratch) const {
     auto* tmp = reinterpret_cast<float*>(scratch.data());
     for (std::int64_t r = 0; r < s.rows; ++r)
-      pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
+      detail::pool_row(s.row(r), order, s.cols, spec.kernel, spec.pool, spec.pool_tail, tmp);
   }
 
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> = {}) const {
-    for (std::int64_t r = 0; r < s.rows; ++r) infkv::fill_tail(s.row(r), order, s.cols, tail);
+    for (std::int64_t r = 0; r < s.rows; ++r) detail::fill_tail(s.row(r), order, s.cols, tail);
   }
 
   /// out[h] = mean of in's rows [h * G, (h + 1) * G), G = in.rows / out.rows.
@@ -210,17 +195,20 @@ struct backend {
 
   void bias(score_view s, std::span<const token> tokens, const std::int64_t* order, const score_spec& spec,
             std::span<std::byte> scratch) const {
-    spec.bias.apply(s, tokens, order, reinterpret_cast<double*>(scratch.data()));
+    detail::apply_bias(spec.bias, s, tokens, order, reinterpret_cast<double*>(scratch.data()));
   }
 
-  void reduce(score_view acc, score_view s, reduction r, bool first) const { reduce_into(acc, s, r, first); }
-  void finish_reduction(score_view acc, reduction r, std::int64_t rows) const { infkv::finish_reduction(acc, r, rows); }
+  void reduce(score_view acc, score_view s, reduction r, bool first) const { detail::reduce_into(acc, s, r, first); }
+  void finish_reduction(score_view acc, reduction r, std::int64_t rows) const {
+    detail::finish_reduction(acc, r, rows);
+  }
 
   void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
                 std::int64_t* caps, std::span<std::byte> scratch) const {
     check_scores(s);
-    a.allocate_into(s, order, b, cap,
-                    {reinterpret_cast<std::int64_t*>(scratch.data()), scratch.size() / sizeof(std::int64_t)}, caps);
+    detail::allocate_into(a, s, order, b, cap,
+                          {reinterpret_cast<std::int64_t*>(scratch.data()), scratch.size() / sizeof(std::int64_t)},
+                          caps);
   }
 
   /// Per unit u (row u of s), keeps caps[u] slots (or `cap` when caps is null); s.data null
@@ -236,7 +224,7 @@ struct backend {
         for (std::int64_t i = 0; i < m; ++i) dst[i] = i;
       } else {
         check_scores(s.rows_from(u, 1));
-        m = select_row_into(s.row(u), tokens, order, caps ? caps[u] : cap, keep.sinks, keep.recent, cand, dst);
+        m = detail::select_row_into(s.row(u), tokens, order, caps ? caps[u] : cap, keep.sinks, keep.recent, cand, dst);
       }
       out.offsets[u + 1] = out.offsets[u] + m;
     }

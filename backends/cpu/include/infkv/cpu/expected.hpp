@@ -125,15 +125,15 @@ void on_logit_overflow(const const_tensor_view& q, std::int64_t first_query, con
   auto [qmax, qi] = largest(q, qh, q.n_slots);
   qi += first_query;  // as the caller counts the queries
   if (!all_finite(stats.data(), std::int64_t(stats.size())))
-    infkv::detail::fail("infkv: queries[slot ", qi, ", head ", qh, "] (largest |element| ", qmax,
-                        "): the mean and covariance of expected_attention's window overflow f32: queries must be "
-                        "small enough for their sums and squares");
+    infkv::fail("infkv: queries[slot ", qi, ", head ", qh, "] (largest |element| ", qmax,
+                "): the mean and covariance of expected_attention's window overflow f32: queries must be "
+                "small enough for their sums and squares");
   const std::int32_t h = std::int32_t(qh / (q.n_heads / keys.n_heads));
   const auto [kmax, kj] = largest(keys, h, keys.n_slots);
-  infkv::detail::fail(
-      "infkv: keys[slot ", j, ", head ", h, "]: expected_attention's logit under the window queries of ", "head ", qh,
-      " overflows f32 (largest |element|: keys ", kmax, " at slot ", kj, ", queries ", qmax, " at queries[slot ", qi,
-      ", head ", qh, "]): keys and queries must be small enough that s^2 ", "(q.k)^2 / 2 stays finite");
+  infkv::fail("infkv: keys[slot ", j, ", head ", h, "]: expected_attention's logit under the window queries of ",
+              "head ", qh, " overflows f32 (largest |element|: keys ", kmax, " at slot ", kj, ", queries ", qmax,
+              " at queries[slot ", qi, ", head ", qh, "]): keys and queries must be small enough that s^2 ",
+              "(q.k)^2 / 2 stays finite");
 }
 
 }  // namespace detail

@@ -46,7 +46,7 @@ inline status decode(status_word w) {
 
 /// Raises `infkv::invalid_argument` describing a recorded fault; `what` names the call.
 inline void raise_if(status s, const char* what) {
-  using infkv::detail::fail;
+  using infkv::fail;
   switch (s.kind) {
     case fault::none: return;
     case fault::bad_keep:

@@ -71,11 +71,10 @@ template <row_source R>
     to_f32(t.type, t.row(j, head), x.data(), t.head_dim);
     for (std::int32_t e = 0; e < t.head_dim; ++e)
       if (!std::isfinite(x[std::size_t(e)]))
-        infkv::detail::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ",
-                            name, " must be finite (a NaN or Inf would silently distort every score of the layer)");
+        infkv::fail("infkv: ", name, "[slot ", j, ", head ", head, "][", e, "] = ", x[std::size_t(e)], ": ", name,
+                    " must be finite (a NaN or Inf would silently distort every score of the layer)");
   }
-  infkv::detail::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ",
-                      head);
+  infkv::fail("infkv: ", name, ": a non-finite element in slots [", first, ", ", first + count, ") of head ", head);
 }
 
 /// Throws naming the first non-finite element of query i of `head` in `q`, a window cut from a
@@ -91,17 +90,8 @@ template <row_source R>
 /// Checks the queries/keys/tokens of `in` against each other.
 template <row_source R>
 void check_attention_inputs(const layer_inputs<R>& in) {
-  validate(in.keys, "keys");
-  validate(in.queries, "queries");
+  check_query_inputs(in);
   validate_tokens(in.tokens, in.keys.n_slots);
-  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                "must equal keys.head_dim (", in.keys.head_dim, ")");
-  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
-                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
-                "must equal the number of queries (", in.queries.n_slots, ")");
-  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
-  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
 }
 
 /// Keys [t0, t0 + tn) of `head` (tn <= key_tile) as f32, transposed: kt[e * key_tile + j].

@@ -8,32 +8,6 @@
 
 namespace infkv::cuda::detail {
 
-/// Checks the keys and queries of `in` against each other (shapes, query positions, scale); the
-/// values themselves are checked by the steps, on the device.
-template <row_source R>
-void check_query_inputs(const layer_inputs<R>& in) {
-  validate(in.keys, "keys");
-  validate(in.queries, "queries");
-  INFKV_REQUIRE(in.queries.head_dim == in.keys.head_dim, "queries.head_dim", in.queries.head_dim,
-                "must equal keys.head_dim (", in.keys.head_dim, ")");
-  INFKV_REQUIRE(in.queries.n_heads % in.keys.n_heads == 0, "queries.n_heads", in.queries.n_heads,
-                "must be a multiple of keys.n_heads (", in.keys.n_heads, ")");
-  INFKV_REQUIRE(std::int64_t(in.query_pos.size()) == in.queries.n_slots, "query_pos.size()", in.query_pos.size(),
-                "must equal the number of queries (", in.queries.n_slots, ")");
-  INFKV_REQUIRE(in.queries.n_slots >= 1, "queries.n_slots", in.queries.n_slots, "needs at least one query");
-  INFKV_REQUIRE(std::isfinite(in.scale) && in.scale >= 0.f, "scale", in.scale, "must be finite and >= 0");
-}
-
-/// `in` with its last `count` queries only (all of them when fewer are given).
-template <row_source R>
-layer_inputs<R> last_queries(layer_inputs<R> in, std::int64_t count) {
-  const std::int64_t drop = std::max<std::int64_t>(0, in.queries.n_slots - count);
-  in.queries.data = in.queries.row(drop, 0);
-  in.queries.n_slots -= drop;
-  in.query_pos = in.query_pos.subspan(std::size_t(drop));
-  return in;
-}
-
 /// The rotary pair element `el` belongs to (rope_pair's inverse), or -1 outside the rotary dims.
 INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el, std::int32_t dims) {
   if (el >= dims) return -1;

@@ -163,8 +163,8 @@ struct basic_backend {
         return;
       }
       case score_source::expected_attention:
-        detail::expected_attention_steps(launch, checked_status(), detail::last_queries(in, spec.queries), spec.expect,
-                                         order, out, scratch, 0, window_tile_limit);
+        detail::expected_attention_steps(launch, checked_status(), last_queries(in, spec.queries), spec.expect, order,
+                                         out, scratch, 0, window_tile_limit);
         return;
     }
   }
@@ -332,7 +332,7 @@ struct basic_backend {
   void radix_select(const std::uint64_t* keys, std::int64_t segments, std::int64_t len, int bits,
                     const detail::radix_scratch& w) const;
 
-  /// AdaKV (adakv::allocate_into): the layer's top rows x (cap - protected) unprotected scores by
+  /// AdaKV (as the CPU backend's allocate_into): the layer's top rows x (cap - protected) unprotected scores by
   /// (score, lower row, newer slot), found by one radix select over rows x slots, counted per row
   /// (a thread per tile), blended with an equal share and rounded by largest remainder, a thread
   /// per row ranking its remainder among the rows' (larger first, ties to the lower row).
