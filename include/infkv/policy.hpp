@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "bias.hpp"
 #include "budget.hpp"
@@ -49,6 +50,25 @@ enum class score_source : std::uint8_t {
   accumulated,         ///< attention accumulated over decode steps, per KV head, kept by the backend (H2O)
   expected_attention,  ///< attention future queries are expected to give, from the window's statistics
 };
+
+/// Calls `f(std::integral_constant<score_source, S>{})` for the source `s` holds: how a backend
+/// dispatches to its entry for each source (the entry holds the source's scratch beside its step,
+/// see cpu::detail::source and cuda::detail::source_steps), so that a source missing from a
+/// backend fails to compile there.
+template <class F>
+constexpr decltype(auto) visit_source(score_source s, F&& f) {
+  switch (s) {
+    case score_source::recency: return f(std::integral_constant<score_source, score_source::recency>{});
+    case score_source::key_diversity: return f(std::integral_constant<score_source, score_source::key_diversity>{});
+    case score_source::window_attention:
+      return f(std::integral_constant<score_source, score_source::window_attention>{});
+    case score_source::last_query: return f(std::integral_constant<score_source, score_source::last_query>{});
+    case score_source::accumulated: return f(std::integral_constant<score_source, score_source::accumulated>{});
+    case score_source::expected_attention:
+      return f(std::integral_constant<score_source, score_source::expected_attention>{});
+  }
+  fail_arg("score_source", int(s), "is not a score source");
+}
 
 /// How Expected Attention computes its covariance term k' Sigma' k (the same number either way, to
 /// rounding): as a d x d matrix per query head (m d^2 to form it, n d^2 to apply it), or as m

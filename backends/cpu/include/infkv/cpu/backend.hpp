@@ -93,6 +93,105 @@ void keydiff_into(const R& keys, score_view out, std::byte* scratch, const execu
   });
 }
 
+namespace detail {
+
+/// Each score source on the CPU: its scratch in bytes (`bytes`, for `workers` threads) beside its
+/// step (`score`, writing the source's raw rows to `out`). The backend reaches them through
+/// infkv::visit_source.
+template <score_source S>
+struct source;
+
+template <>
+struct source<score_source::recency> {  // rank in time order
+  static std::size_t bytes(const score_spec&, const layer_shape&, std::int64_t) { return 0; }
+  template <row_source R>
+  static void score(const executor&, const score_spec&, const layer_inputs<R>&, const std::int64_t* order,
+                    score_view out, std::byte*) {
+    for (std::int64_t i = 0; i < out.cols; ++i) out(0, order[i]) = float(i);
+  }
+};
+
+template <>
+struct source<score_source::key_diversity> {
+  static std::size_t bytes(const score_spec&, const layer_shape& shape, std::int64_t workers) {
+    return std::size_t(workers) * keydiff_scratch_bytes(shape.head_dim, shape.kv_heads);
+  }
+  template <row_source R>
+  static void score(const executor& ex, const score_spec&, const layer_inputs<R>& in, const std::int64_t*,
+                    score_view out, std::byte* scratch) {
+    keydiff_into(in.keys, out, scratch, ex);
+  }
+};
+
+template <>
+struct source<score_source::window_attention> {
+  static std::size_t bytes(const score_spec& spec, const layer_shape& shape, std::int64_t workers) {
+    return std::size_t(workers) * window_scratch_bytes(shape.q_heads / shape.kv_heads,
+                                                       std::min(spec.queries, shape.n_queries), shape.head_dim,
+                                                       shape.n_slots);
+  }
+  template <row_source R>
+  static void score(const executor& ex, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t*,
+                    score_view out, std::byte* scratch) {
+    const auto window = last_queries(in, spec.queries);
+    window_attention_into(window, out, spec.pools_per_query_head(), scratch, ex,
+                          in.queries.n_slots - window.queries.n_slots);
+  }
+};
+
+template <>
+struct source<score_source::last_query> {  // every KV head's mass, then the mean over all heads
+  static std::size_t bytes(const score_spec& spec, const layer_shape& shape, std::int64_t workers) {
+    return infkv::detail::carver::round_up(std::size_t(shape.kv_heads * shape.n_slots) * sizeof(float)) +
+           source<score_source::window_attention>::bytes(spec, shape, workers);
+  }
+  template <row_source R>
+  static void score(const executor& ex, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t*,
+                    score_view out, std::byte* scratch) {
+    const std::int64_t n = out.cols;
+    infkv::detail::carver c{scratch};
+    const score_view heads{c.take<float>(in.keys.n_heads * n), in.keys.n_heads, n, n};
+    const auto last = last_queries(in, spec.queries);
+    window_attention_into(last, heads, false, scratch + c.size(), ex, in.queries.n_slots - last.queries.n_slots);
+    reduce_into(out, heads, reduction::mean, true);
+    finish_reduction(out, reduction::mean, heads.rows);
+  }
+};
+
+template <>
+struct source<score_source::accumulated> {  // the state's scores, kept by the engine (h2o_state)
+  static std::size_t bytes(const score_spec&, const layer_shape&, std::int64_t) { return 0; }
+  template <row_source R>
+  static void score(const executor&, const score_spec&, const layer_inputs<R>& in, const std::int64_t*, score_view out,
+                    std::byte*) {
+    for (std::int64_t r = 0; r < out.rows; ++r)
+      std::copy(in.accumulated.row(r), in.accumulated.row(r) + out.cols, out.row(r));
+  }
+};
+
+template <>
+struct source<score_source::expected_attention> {
+  static std::size_t bytes(const score_spec& spec, const layer_shape& shape, std::int64_t workers) {
+    const std::int64_t m = std::min(spec.queries, shape.n_queries), n = shape.n_slots;
+    return expected_layout{workers,
+                           shape.q_heads / shape.kv_heads,
+                           m,
+                           shape.head_dim,
+                           n,
+                           spec.expect.covariance,
+                           spec.expect.matrix(m, shape.head_dim, n)}
+        .bytes();
+  }
+  template <row_source R>
+  static void score(const executor& ex, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order,
+                    score_view out, std::byte* scratch) {
+    const auto window = last_queries(in, spec.queries);
+    expected_attention_into(window, spec.expect, order, out, scratch, ex, in.queries.n_slots - window.queries.n_slots);
+  }
+};
+
+}  // namespace detail
+
 /// The CPU backend of the pipeline: its primitives run on `ex.threads` threads.
 struct backend {
   executor ex{};
@@ -101,26 +200,8 @@ struct backend {
   /// of the score source's, pooling's (one row), the bias's, selection's and AdaKV's.
   std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
     const std::int64_t workers = cpu::workers(ex, shape.kv_heads), n = shape.n_slots;
-    const std::int64_t group = shape.q_heads / shape.kv_heads, m = std::min(spec.queries, shape.n_queries);
-    std::size_t source = 0;
-    switch (spec.source) {
-      case score_source::key_diversity: source = workers * keydiff_scratch_bytes(shape.head_dim, shape.kv_heads); break;
-      case score_source::window_attention:
-      case score_source::last_query: {
-        source = workers * detail::window_scratch_bytes(group, m, shape.head_dim, n);
-        if (spec.source == score_source::last_query)  // every KV head's mass first
-          source += infkv::detail::carver::round_up(std::size_t(shape.kv_heads * n) * sizeof(float));
-        break;
-      }
-      case score_source::expected_attention:
-        source =
-            detail::expected_layout{
-                workers, group, m, shape.head_dim, n, spec.expect.covariance, spec.expect.matrix(m, shape.head_dim, n)}
-                .bytes();
-        break;
-      case score_source::recency:
-      case score_source::accumulated: break;
-    }
+    const std::size_t source = visit_source(
+        spec.source, [&](auto src) { return detail::source<decltype(src)::value>::bytes(spec, shape, workers); });
     const std::int64_t units = opt.g == granularity::per_head ? shape.kv_heads : 1;
     const std::int64_t words = std::max(n, opt.adakv ? adakv::scratch_size(units, n) : 0);  // int64 / double
     return std::max({source, std::size_t(n) * sizeof(float), std::size_t(words) * sizeof(std::int64_t)});
@@ -134,38 +215,9 @@ struct backend {
   template <row_source R>
   void score(const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const {
-    std::byte* const f = scratch.data();
-    const std::int64_t n = out.cols;
-    switch (spec.source) {
-      case score_source::recency:
-        for (std::int64_t i = 0; i < n; ++i) out(0, order[i]) = float(i);
-        return;
-      case score_source::key_diversity: keydiff_into(in.keys, out, f, ex); return;
-      case score_source::window_attention: {
-        const auto window = last_queries(in, spec.queries);
-        window_attention_into(window, out, spec.pools_per_query_head(), f, ex,
-                              in.queries.n_slots - window.queries.n_slots);
-        return;
-      }
-      case score_source::last_query: {  // every KV head's mass, then the mean over all heads
-        infkv::detail::carver c{f};
-        const score_view heads{c.take<float>(in.keys.n_heads * n), in.keys.n_heads, n, n};
-        const auto last = last_queries(in, spec.queries);
-        window_attention_into(last, heads, false, f + c.size(), ex, in.queries.n_slots - last.queries.n_slots);
-        reduce(out, heads, reduction::mean, true);
-        finish_reduction(out, reduction::mean, heads.rows);
-        return;
-      }
-      case score_source::accumulated:
-        for (std::int64_t r = 0; r < out.rows; ++r)
-          std::copy(in.accumulated.row(r), in.accumulated.row(r) + n, out.row(r));
-        return;
-      case score_source::expected_attention: {
-        const auto window = last_queries(in, spec.queries);
-        expected_attention_into(window, spec.expect, order, out, f, ex, in.queries.n_slots - window.queries.n_slots);
-        return;
-      }
-    }
+    visit_source(spec.source, [&](auto src) {
+      detail::source<decltype(src)::value>::score(ex, spec, in, order, out, scratch.data());
+    });
   }
 
   /// Scores times the value norms of their KV head (value_norm_into).

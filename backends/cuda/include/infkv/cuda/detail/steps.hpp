@@ -44,6 +44,111 @@
 
 namespace infkv::cuda {
 
+namespace detail {
+
+/// Each score source as steps: its scratch (`carve`, on the carver the plan sizes) beside its
+/// steps (`score`, writing the source's raw rows to `out`), for a basic_backend `be`. The backend
+/// reaches them through infkv::visit_source.
+template <score_source S>
+struct source_steps;
+
+template <>
+struct source_steps<score_source::recency> {  // rank in time order
+  template <class B>
+  static void carve(const B&, carver&, const score_spec&, const layer_shape&) {}
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec&, const layer_inputs<R>&, const std::int64_t* order, score_view out,
+                    std::span<std::byte>) {
+    be.launch.for_each(out.cols, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(0, order[i]) = float(i); });
+  }
+};
+
+template <>
+struct source_steps<score_source::key_diversity> {
+  template <class B>
+  static void carve(const B&, carver& c, const score_spec&, const layer_shape& shape) {
+    keydiff_scratch::carve(c, shape.kv_heads, shape.n_slots, shape.head_dim);
+  }
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec&, const layer_inputs<R>& in, const std::int64_t*, score_view out,
+                    std::span<std::byte> scratch) {
+    keydiff_steps(be.launch, be.checked_status(), in.keys, out, scratch);
+  }
+};
+
+template <>
+struct source_steps<score_source::window_attention> {
+  template <class B>
+  static void carve(const B& be, carver& c, const score_spec& spec, const layer_shape& shape) {
+    using L = decltype(be.launch);
+    L::prepare_gemm();  // when planning: never inside a run, which may be captured into a graph
+    window_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), shape.n_slots,
+                          shape.head_dim, 4, L::gemm_scratch_bytes(), be.window_tile_limit);
+  }
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t*, score_view out,
+                    std::span<std::byte> scratch) {
+    window_attention_steps(be.launch, be.checked_status(), in, spec.queries, spec.pools_per_query_head(), out, scratch,
+                           0, be.window_tile_limit);
+  }
+};
+
+template <>
+struct source_steps<score_source::last_query> {  // every KV head's mass, then the mean over the heads
+  template <class B>
+  static void carve(const B& be, carver& c, const score_spec& spec, const layer_shape& shape) {
+    c.take<float>(shape.kv_heads * shape.n_slots);
+    source_steps<score_source::window_attention>::carve(be, c, spec, shape);
+  }
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t*, score_view out,
+                    std::span<std::byte> scratch) {
+    const std::int64_t hkv = in.keys.n_heads, n = out.cols;
+    carver c{scratch.data(), 0};  // window_attention's scratch follows
+    const score_view heads{c.take<float>(hkv * n), hkv, n, n};
+    window_attention_steps(be.launch, be.checked_status(), in, spec.queries, false, heads, scratch, c.size(),
+                           be.window_tile_limit);
+    be.launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
+      float s = 0.f;
+      for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
+      out(0, j) = s / float(hkv);
+    });
+  }
+};
+
+template <>
+struct source_steps<score_source::accumulated> {  // the state's scores, kept by the engine
+  template <class B>
+  static void carve(const B&, carver&, const score_spec&, const layer_shape&) {}
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec&, const layer_inputs<R>& in, const std::int64_t*, score_view out,
+                    std::span<std::byte>) {
+    const const_score_view acc = in.accumulated;
+    const std::int64_t n = out.cols;
+    be.launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
+  }
+};
+
+template <>
+struct source_steps<score_source::expected_attention> {
+  template <class B>
+  static void carve(const B& be, carver& c, const score_spec& spec, const layer_shape& shape) {
+    using L = decltype(be.launch);
+    L::prepare_gemm();
+    const std::int64_t m = std::min(spec.queries, shape.n_queries), n = shape.n_slots;
+    expected_scratch::carve(c, shape.q_heads, shape.kv_heads, m, shape.head_dim, n, spec.expect.covariance,
+                            spec.expect.matrix(m, shape.head_dim, n), L::gemm_scratch_bytes(), be.window_tile_limit);
+  }
+  template <class B, row_source R>
+  static void score(const B& be, const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order,
+                    score_view out, std::span<std::byte> scratch) {
+    expected_attention_steps(be.launch, be.checked_status(), last_queries(in, spec.queries), spec.expect, order, out,
+                             scratch, 0, be.window_tile_limit);
+  }
+};
+
+}  // namespace detail
+
 /// The backend's primitives (pipeline.hpp) as steps run by launcher L. A backend itself: the host
 /// launcher makes it the executable specification the tests compare with the CPU backend.
 template <class L>
@@ -66,25 +171,10 @@ struct basic_backend {
       carve(c);
       need = std::max(need, c.size());
     };
-    if (spec.source == score_source::key_diversity)
-      consider([&](detail::carver& c) { detail::keydiff_scratch::carve(c, hkv, n, shape.head_dim); });
-    if (spec.source == score_source::window_attention || spec.source == score_source::last_query) {
-      L::prepare_gemm();  // when planning: never inside a run, which may be captured into a graph
-      consider([&](detail::carver& c) {
-        if (spec.source == score_source::last_query) c.take<float>(hkv * n);
-        detail::window_scratch::carve(c, std::int64_t(shape.q_heads) * std::min(spec.queries, shape.n_queries), n,
-                                      shape.head_dim, 4, L::gemm_scratch_bytes(), window_tile_limit);
-      });
-    }
-    if (spec.source == score_source::expected_attention) {
-      L::prepare_gemm();
-      consider([&](detail::carver& c) {
-        const std::int64_t m = std::min(spec.queries, shape.n_queries);
-        detail::expected_scratch::carve(c, shape.q_heads, hkv, m, shape.head_dim, n, spec.expect.covariance,
-                                        spec.expect.matrix(m, shape.head_dim, n), L::gemm_scratch_bytes(),
-                                        window_tile_limit);
-      });
-    }
+    consider([&](detail::carver& c) {
+      visit_source(spec.source,
+                   [&](auto src) { detail::source_steps<decltype(src)::value>::carve(*this, c, spec, shape); });
+    });
     consider([&](detail::carver& c) { c.take<float>(rows * n); });  // pool
     consider([&](detail::carver& c) { detail::tail_scratch::carve(c, rows, n); });
     consider([&](detail::carver& c) { detail::bias_scratch::carve(c, rows, n); });
@@ -134,39 +224,9 @@ struct basic_backend {
   template <row_source R>
   void score(const score_spec& spec, const layer_inputs<R>& in, const std::int64_t* order, score_view out,
              std::span<std::byte> scratch) const {
-    const std::int64_t n = out.cols;
-    switch (spec.source) {
-      case score_source::recency:
-        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(0, order[i]) = float(i); });
-        return;
-      case score_source::accumulated: {
-        const const_score_view acc = in.accumulated;
-        launch.for_each(out.rows * n, [=] INFKV_HOST_DEVICE(std::int64_t i) { out(i / n, i % n) = acc(i / n, i % n); });
-        return;
-      }
-      case score_source::key_diversity: detail::keydiff_steps(launch, checked_status(), in.keys, out, scratch); return;
-      case score_source::window_attention:
-        detail::window_attention_steps(launch, checked_status(), in, spec.queries, spec.pools_per_query_head(), out,
-                                       scratch, 0, window_tile_limit);
-        return;
-      case score_source::last_query: {  // every KV head's mass, then the mean over the heads
-        const std::int64_t hkv = in.keys.n_heads;
-        detail::carver c{scratch.data(), 0};  // window_attention's scratch follows
-        const score_view heads{c.take<float>(hkv * n), hkv, n, n};
-        detail::window_attention_steps(launch, checked_status(), in, spec.queries, false, heads, scratch, c.size(),
-                                       window_tile_limit);
-        launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t j) {
-          float s = 0.f;
-          for (std::int64_t h = 0; h < hkv; ++h) s += heads(h, j);
-          out(0, j) = s / float(hkv);
-        });
-        return;
-      }
-      case score_source::expected_attention:
-        detail::expected_attention_steps(launch, checked_status(), last_queries(in, spec.queries), spec.expect, order,
-                                         out, scratch, 0, window_tile_limit);
-        return;
-    }
+    visit_source(spec.source, [&](auto src) {
+      detail::source_steps<decltype(src)::value>::score(*this, spec, in, order, out, scratch);
+    });
   }
 
   /// Scores times the value norms of their KV head: row r belongs to head r / (rows / heads).
