@@ -241,8 +241,9 @@ void select(benchmark::State& state, bool adakv) {
   be.time_order(in.tokens, order, w.subspan(p.backend));
   auto* caps = adakv ? reinterpret_cast<std::int64_t*>(ws + p.caps) : nullptr;
   timed(state, [&] {
-    if (adakv) be.allocate(*opt.adakv, {ds, heads, n, n}, order, p.keep, p.keep_per_unit, caps, w.subspan(p.backend));
-    be.select({ds, heads, n, n}, in.tokens, order, caps, p.keep_per_unit, p.keep, out, w.subspan(p.backend));
+    if (adakv)
+      be.allocate(*opt.adakv, {ds, heads, n, n}, order, p.effective, p.keep_per_unit, caps, w.subspan(p.backend));
+    be.keep_top({ds, heads, n, n}, in.tokens, order, caps, p.keep_per_unit, p.effective, out, w.subspan(p.backend));
   });
   report(state, infkv_bench::selection(shape(n, p.keep_per_unit)));
   cudaFree(ds), cudaFree(dt), cudaFree(ws), cudaFree(slots), cudaFree(offsets);

@@ -4,7 +4,7 @@
 //   per layer: score (the spec's source) -> times |v| (value_norm) -> pool along time,
 //              observation window left out (per query head for max, then the GQA group mean) ->
 //              window gets the row's mean -> attention bias -> fold into the reduction (per layer / token)
-//   select: per unit, protected sinks + recent, then the best scores (`keep_before` order)
+//   keep_top: per unit, protected sinks + recent, then the best scores (`keep_before` order)
 //   union (a spec with a second score): select `share` of the room by the first score's decision,
 //           mark those slots first in the second's, select the whole budget by the second
 //
@@ -66,7 +66,7 @@ struct plan_options {
 /// A sized pipeline run: output sizes and workspace layout (bytes from the workspace's start).
 struct plan {
   policy_spec spec;
-  budget keep;  ///< the budget after the policy's protection
+  budget effective;  ///< the budget after the policy's protection (protect_sinks / protect_recent)
   plan_options opt;
   layer_shape shape;
   std::int64_t source_rows = 0;    ///< rows the (first) source writes
@@ -105,7 +105,7 @@ concept backend = requires(const B& b, const score_spec& score, const layer_shap
   b.reduce(s, s, r, true);
   b.finish_reduction(s, r, std::int64_t{1});
   b.allocate(a, s, corder, bud, std::int64_t{0}, caps, scratch);
-  b.select(s, tokens, corder, caps, std::int64_t{0}, bud, out, scratch);
+  b.keep_top(s, tokens, corder, caps, std::int64_t{0}, bud, out, scratch);
   b.mark(s, corder, std::int64_t{0});
 };
 
@@ -148,8 +148,8 @@ template <class B>
 plan make_plan(const B& be, const policy_spec& spec, const budget& b, const layer_shape& shape, plan_options opt = {}) {
   plan p;
   p.spec = spec, p.opt = opt, p.shape = shape;
-  p.keep = spec.protect(b);
-  p.keep.validate();
+  p.effective = spec.protect(b);
+  p.effective.validate();
   INFKV_REQUIRE(shape.n_slots >= 0, "shape.n_slots", shape.n_slots, "must be >= 0");
   INFKV_REQUIRE(shape.kv_heads >= 1, "shape.kv_heads", shape.kv_heads, "must be >= 1");
   INFKV_REQUIRE(opt.n_layers >= 1, "plan_options.n_layers", opt.n_layers, "must be >= 1");
@@ -173,10 +173,10 @@ plan make_plan(const B& be, const policy_spec& spec, const budget& b, const laye
   }
   const std::int64_t n = shape.n_slots;
   p.units = per_head ? p.finished_rows : 1;
-  p.keep_per_unit = p.keep.keep_count(n);
+  p.keep_per_unit = p.effective.keep_count(n);
   p.kept_total = p.units * p.keep_per_unit;
   if (spec.second) {  // the protected slots, then round(share * room) of the others by the first score
-    const std::int64_t guarded = std::min(n, p.keep.sinks + p.keep.recent), room = p.keep_per_unit - guarded;
+    const std::int64_t guarded = std::min(n, p.effective.sinks + p.effective.recent), room = p.keep_per_unit - guarded;
     p.first_share = guarded + std::min<std::int64_t>(room, std::llround(spec.share * double(room)));
   }
   if (opt.adakv) {
@@ -374,24 +374,25 @@ void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, st
   const std::int64_t n = p.shape.n_slots;
   const auto tokens = layers[0].tokens;
   if (!p.evicts()) {  // everything stays: no scoring needed
-    be.select(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.keep, out, detail::scratch(p, ws));
+    be.keep_top(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.effective, out,
+                detail::scratch(p, ws));
     return;
   }
   if (p.spec.second) {  // the union: the first score's share, then the budget by the second
     const score_view a = detail::decision_scores(p, be, layers, order, ws, 0);
-    be.select(a, tokens, order, nullptr, p.first_share, p.keep, out, detail::scratch(p, ws));
+    be.keep_top(a, tokens, order, nullptr, p.first_share, p.effective, out, detail::scratch(p, ws));
     const score_view b = detail::decision_scores(p, be, layers, order, ws, 1);
     be.mark(b, out.slots, p.first_share);
-    be.select(b, tokens, order, nullptr, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
+    be.keep_top(b, tokens, order, nullptr, p.keep_per_unit, p.effective, out, detail::scratch(p, ws));
     return;
   }
   const score_view final_scores = detail::decision_scores(p, be, layers, order, ws);
   std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
   if (p.opt.adakv) {
     caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(*p.opt.adakv, final_scores, order, p.keep, p.keep_per_unit, caps, detail::scratch(p, ws));
+    be.allocate(*p.opt.adakv, final_scores, order, p.effective, p.keep_per_unit, caps, detail::scratch(p, ws));
   }
-  be.select(final_scores, tokens, order, caps, p.keep_per_unit, p.keep, out, detail::scratch(p, ws));
+  be.keep_top(final_scores, tokens, order, caps, p.keep_per_unit, p.effective, out, detail::scratch(p, ws));
 }
 
 /// As above for layers the caller may still change.

@@ -1,6 +1,6 @@
 // infkv: scores (one row per decision unit, one column per slot, higher = keep): the
 // non-owning `score_view` the pipeline and kernels take, the owning `score_matrix`, granularity,
-// reductions across heads and layers, and pooling along time (host implementations).
+// reductions across heads and layers, and pooling along time (the kinds; backends implement them).
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// infkv: the top-k selector: keep the protected sinks and recent tokens, then the highest
-// scores, in one total order that every backend honours exactly (see `keep_before`).
+// infkv: the order of selection. Every backend keeps the protected sinks and recent tokens, then
+// the highest scores in this one total order (see `keep_before`); cpu::select_top is the host's.
 #pragma once
 
 #include <algorithm>

@@ -81,7 +81,7 @@ void bind_pipeline(nb::module_& m) {
       .def_prop_ro("keep_per_unit", [](const py_plan& p) { return p.p.keep_per_unit; })
       .def_prop_ro("kept_total", [](const py_plan& p) { return p.p.kept_total; })
       .def_prop_ro("workspace_bytes", [](const py_plan& p) { return p.p.workspace_bytes; })
-      .def_prop_ro("budget", [](const py_plan& p) { return p.p.keep; })
+      .def_prop_ro("budget", [](const py_plan& p) { return p.p.effective; })
       .def_prop_ro("shape", [](const py_plan& p) { return p.p.shape; })
       .def_prop_ro("policy", [](const py_plan& p) { return std::string(p.p.spec.name); })
       .def_prop_ro("threads", [](const py_plan& p) { return p.threads; })

@@ -79,8 +79,8 @@ keep_set select_direct(const B0& be0, const score_matrix& s, std::span<const tok
       offsets(static_cast<std::size_t>(units + 1));
   be.time_order(tokens, order.data(), ws.span());
   score_matrix copy = s;
-  be.select(copy.view(), tokens, order.data(), caps.data(), n, keep, keep_view{slots.data(), offsets.data(), units, n},
-            ws.span());
+  be.keep_top(copy.view(), tokens, order.data(), caps.data(), n, keep,
+              keep_view{slots.data(), offsets.data(), units, n}, ws.span());
   if (st) *st = cuda::decode(word);
   return keep_set::from_view(keep_view{slots.data(), offsets.data(), units, n});
 }

@@ -89,9 +89,9 @@ void backend::allocate(const adakv& a, score_view s, const std::int64_t* order, 
                        std::int64_t* caps, std::span<std::byte> scratch) const {
   impl(*this).allocate(a, s, order, b, cap, caps, scratch);
 }
-void backend::select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-                     std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
-  impl(*this).select(s, tokens, order, caps, cap, keep, out, scratch);
+void backend::keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+                       std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+  impl(*this).keep_top(s, tokens, order, caps, cap, keep, out, scratch);
 }
 void backend::mark(score_view s, const std::int64_t* slots, std::int64_t count) const {
   impl(*this).mark(s, slots, count);

@@ -282,7 +282,7 @@ class session {
     if (book_.shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
       const keep_set keep = cpu::select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
-                                                        pl.keep.sinks, pl.keep.recent);
+                                                        pl.effective.sinks, pl.effective.recent);
       w.reset();
       return apply(keep);
     }

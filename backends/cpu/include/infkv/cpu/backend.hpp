@@ -265,8 +265,8 @@ struct backend {
 
   /// Per unit u (row u of s), keeps caps[u] slots (or `cap` when caps is null); s.data null
   /// keeps every slot. NaN scores raise.
-  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
+  void keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+                std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const {
     auto* cand = reinterpret_cast<std::int64_t*>(scratch.data());
     out.offsets[0] = 0;
     for (std::int64_t u = 0; u < out.n_units; ++u) {

@@ -71,8 +71,8 @@ struct backend {
   void finish_reduction(score_view acc, reduction r, std::int64_t rows) const;
   void allocate(const adakv& a, score_view s, const std::int64_t* order, const budget& b, std::int64_t cap,
                 std::int64_t* caps, std::span<std::byte> scratch) const;
-  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
+  void keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+                std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
   void mark(score_view s, const std::int64_t* slots, std::int64_t count) const;
 };
 

@@ -132,9 +132,9 @@ void basic_backend<L>::allocate(const adakv& a, score_view s, const std::int64_t
 }
 
 template <class L>
-void basic_backend<L>::select(score_view s, std::span<const token> tokens, const std::int64_t* order,
-                              const std::int64_t* caps, std::int64_t cap, const budget& keep, keep_view out,
-                              std::span<std::byte> scratch) const {
+void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order,
+                                const std::int64_t* caps, std::int64_t cap, const budget& keep, keep_view out,
+                                std::span<std::byte> scratch) const {
   const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
   check_sort_bits(units, n);
   const int rb = detail::bits_for(n);

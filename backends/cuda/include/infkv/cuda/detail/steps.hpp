@@ -404,8 +404,8 @@ struct basic_backend {
   /// keys; the tie rank comes from the time order (no sort). The kept slots are flagged per (unit,
   /// slot) and an exclusive scan of the flags places them, increasing, in out.slots. s.data null
   /// keeps every slot.
-  void select(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
-              std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
+  void keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
+                std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
 
   /// Row 0 of `s` gets +infinity at the `count` slots of `slots` (a union's first picks).
   void mark(score_view s, const std::int64_t* slots, std::int64_t count) const;
