@@ -26,3 +26,14 @@
 #include "tokens.hpp"
 #include "union.hpp"
 #include "version.hpp"
+
+#include <variant>
+
+namespace infkv {
+
+/// Every policy infkv ships, as one variant (plus `Extra` alternatives): the one list the Python
+/// module and the tools take theirs from. A policy added here reaches both.
+template <class... Extra>
+using policy_variant = std::variant<streaming_llm, h2o, tova, snapkv, keydiff, inf_mllm, expected_attention, Extra...>;
+
+}  // namespace infkv

@@ -14,12 +14,6 @@
 #include <cmath>
 #include <cstring>
 #include <infkv/cpu.hpp>
-#include <infkv/policies/expected_attention.hpp>
-#include <infkv/policies/inf_mllm.hpp>
-#include <infkv/policies/keydiff.hpp>
-#include <infkv/policies/snapkv.hpp>
-#include <infkv/policies/streaming_llm.hpp>
-#include <infkv/policies/tova.hpp>
 #include <infkv/version.hpp>
 #include <optional>
 #include <string>
@@ -44,8 +38,8 @@ struct py_union {
   }
 };
 
-using any_policy = std::variant<infkv::streaming_llm, infkv::snapkv, infkv::tova, infkv::keydiff, infkv::inf_mllm,
-                                infkv::expected_attention, infkv::h2o, py_union>;
+/// Every policy of the library (infkv::policy_variant), and a union chosen at run time.
+using any_policy = infkv::policy_variant<py_union>;
 /// A [kv_heads, slots] float32 array of accumulated scores (H2O's state).
 using scores_array = nb::ndarray<nb::ro, float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using ro_array = nb::ndarray<nb::ro>;

@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <variant>
 
 #include <fmt/format.h>
 
@@ -37,56 +38,6 @@ enum class policy_kind {
   saddle_union
 };
 
-/// A policy's name on the command line, a one-line description, and which of the protected-token
-/// knobs (--sinks, --recent) its budget takes.
-struct policy_entry {
-  std::string_view name;
-  policy_kind k;
-  std::string_view about;
-  bool sinks = false;   ///< the budget protects --sinks first tokens
-  bool recent = false;  ///< the budget protects --recent newest tokens
-};
-
-/// Every policy, in `policy_kind` order.
-inline constexpr std::array<policy_entry, 15> policy_catalog{{
-    {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
-    {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)"},
-    {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens", true},
-    {"h2o", policy_kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent", false, true},
-    {"tova", policy_kind::tova, "attention of the last query, mean over the heads"},
-    {"snapkv", policy_kind::snapkv, "attention of the last --window queries, avg-pooled, + the window", false, true},
-    {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent", true,
-     true},
-    {"inf_mllm", policy_kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias", true,
-     true},
-    {"inf_mllm_bias", policy_kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)", true,
-     true},
-    {"inf_mllm_v", policy_kind::inf_mllm_v, "inf_mllm_bias with attention times |v| (value-aware saddles)", true, true},
-    {"expected_attention", policy_kind::expected_attention,
-     "attention expected from the next queries (mean + covariance of --ea-window queries) x |v|", true, true},
-    {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
-    {"context_shift", policy_kind::context_shift,
-     "llama.cpp's own context shift, no infkv: keep --sinks, drop half the rest when full"},
-    {"recent_keydiff", policy_kind::recent_keydiff,
-     "budget split: sinks + a recency region (--recent-share of the budget) + KeyDiff saddles for the rest", true,
-     true},
-    {"saddle_union", policy_kind::saddle_union,
-     "recent_keydiff's split, saddles the union of attention (inf_mllm_bias, --beta: --union-share of them) and "
-     "KeyDiff",
-     true, true},
-}};
-
-/// True for the runs only an engine can make (the recompute oracle, llama.cpp's context shift):
-/// no policy object, nothing to compare on a recorded trace.
-constexpr bool engine_only(policy_kind k) { return k == policy_kind::recompute || k == policy_kind::context_shift; }
-
-/// The entry of `name`, or nullopt.
-inline std::optional<policy_entry> find_policy(std::string_view name) {
-  for (const auto& p : policy_catalog)
-    if (p.name == name) return p;
-  return std::nullopt;
-}
-
 /// The knobs the policies share.
 struct policy_knobs {
   std::int64_t sinks = 4;           ///< protected first tokens (streaming_llm, keydiff, inf_mllm*, expected_attention)
@@ -99,6 +50,95 @@ struct policy_knobs {
   std::int32_t keydiff_kernel = 1;  ///< recent_keydiff: max pooling width of the KeyDiff scores (odd; 1: none)
   std::optional<infkv::rope> rotary{};  ///< the model's RoPE (expected_attention); nullopt: none
 };
+
+/// A tool's policy object: one of the library's (infkv::policy_variant), or the union saddle_union runs.
+using tool_policy = infkv::policy_variant<infkv::union_of<infkv::inf_mllm, infkv::keydiff>>;
+
+/// A policy's name on the command line, a one-line description, which of the protected-token
+/// knobs (--sinks, --recent) its budget takes, and how its object is made from the knobs (none
+/// for the runs that evict nothing themselves: full, recompute, context_shift).
+struct policy_entry {
+  std::string_view name;
+  policy_kind k;
+  std::string_view about;
+  bool sinks = false;   ///< the budget protects --sinks first tokens
+  bool recent = false;  ///< the budget protects --recent newest tokens
+  tool_policy (*make)(const policy_knobs&) = nullptr;
+};
+
+namespace detail {
+// ranks: with compacted positions the same as positions; also right in keep mode
+inline infkv::inf_mllm biased(const policy_knobs& s) {
+  return {.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}};
+}
+inline infkv::keydiff pooled(const policy_knobs& s) {
+  return {.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none, .kernel = s.keydiff_kernel};
+}
+}  // namespace detail
+
+/// Every policy, in `policy_kind` order.
+inline constexpr std::array<policy_entry, 15> policy_catalog{{
+    {"full", policy_kind::full, "reference: keeps every token (no eviction)"},
+    {"window", policy_kind::window, "the most recent tokens only (StreamingLLM without sinks)", false, false,
+     [](const policy_knobs&) -> tool_policy { return infkv::streaming_llm{}; }},
+    {"streaming_llm", policy_kind::streaming_llm, "sinks (--sinks) + the most recent tokens", true, false,
+     [](const policy_knobs&) -> tool_policy { return infkv::streaming_llm{}; }},
+    {"h2o", policy_kind::h2o, "accumulated attention of every query seen (heavy hitters) + recent", false, true,
+     [](const policy_knobs&) -> tool_policy { return infkv::h2o{}; }},
+    {"tova", policy_kind::tova, "attention of the last query, mean over the heads", false, false,
+     [](const policy_knobs&) -> tool_policy { return infkv::tova{}; }},
+    {"snapkv", policy_kind::snapkv, "attention of the last --window queries, avg-pooled, + the window", false, true,
+     [](const policy_knobs& s) -> tool_policy { return infkv::snapkv{.window = s.window}; }},
+    {"keydiff", policy_kind::keydiff, "keys least similar to the mean key (query-agnostic), + sinks/recent", true, true,
+     [](const policy_knobs&) -> tool_policy { return infkv::keydiff{}; }},
+    {"inf_mllm", policy_kind::inf_mllm, "sinks + recent + saddles (local attention sum of the window), no bias", true,
+     true, [](const policy_knobs& s) -> tool_policy { return infkv::inf_mllm{.window = s.window}; }},
+    {"inf_mllm_bias", policy_kind::inf_mllm_bias, "inf_mllm with attention bias toward newer tokens (--beta)", true,
+     true, [](const policy_knobs& s) -> tool_policy { return detail::biased(s); }},
+    {"inf_mllm_v", policy_kind::inf_mllm_v, "inf_mllm_bias with attention times |v| (value-aware saddles)", true, true,
+     [](const policy_knobs& s) -> tool_policy {
+       infkv::inf_mllm v = detail::biased(s);
+       v.value_norm = true;
+       return v;
+     }},
+    {"expected_attention", policy_kind::expected_attention,
+     "attention expected from the next queries (mean + covariance of --ea-window queries) x |v|", true, true,
+     [](const policy_knobs& s) -> tool_policy {  // kvpress's defaults; its n_sink = the protected sinks
+       return infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks};
+     }},
+    {"recompute", policy_kind::recompute, "oracle: per block, a fresh cache fed the last --budget tokens (slow)"},
+    {"context_shift", policy_kind::context_shift,
+     "llama.cpp's own context shift, no infkv: keep --sinks, drop half the rest when full"},
+    {"recent_keydiff", policy_kind::recent_keydiff,
+     "budget split: sinks + a recency region (--recent-share of the budget) + KeyDiff saddles for the rest", true, true,
+     [](const policy_knobs& s) -> tool_policy { return detail::pooled(s); }},
+    {"saddle_union", policy_kind::saddle_union,
+     "recent_keydiff's split, saddles the union of attention (inf_mllm_bias, --beta: --union-share of them) and "
+     "KeyDiff",
+     true, true,
+     [](const policy_knobs& s) -> tool_policy {
+       return infkv::union_of<infkv::inf_mllm, infkv::keydiff>{
+           .first = detail::biased(s), .second = detail::pooled(s), .share = s.union_share};
+     }},
+}};
+static_assert(
+    [] {
+      for (std::size_t i = 0; i < policy_catalog.size(); ++i)
+        if (std::size_t(policy_catalog[i].k) != i) return false;
+      return true;
+    }(),
+    "policy_catalog lists the policies in policy_kind order (with_policy indexes it by kind)");
+
+/// True for the runs only an engine can make (the recompute oracle, llama.cpp's context shift):
+/// no policy object, nothing to compare on a recorded trace.
+constexpr bool engine_only(policy_kind k) { return k == policy_kind::recompute || k == policy_kind::context_shift; }
+
+/// The entry of `name`, or nullopt.
+inline std::optional<policy_entry> find_policy(std::string_view name) {
+  for (const auto& p : policy_catalog)
+    if (p.name == name) return p;
+  return std::nullopt;
+}
 
 /// What is wrong with knobs a command line set that its range checks cannot see (naming the flag),
 /// or empty.
@@ -126,35 +166,9 @@ inline std::optional<infkv::budget> policy_budget(policy_kind k, std::int64_t ca
 /// context_shift evict nothing themselves and are refused.
 template <class F>
 decltype(auto) with_policy(policy_kind k, const policy_knobs& s, F&& f) {
-  // ranks: with compacted positions the same as positions; also right in keep mode
-  const infkv::inf_mllm biased{.window = s.window, .bias = {.beta = s.beta, .unit = infkv::age_unit::ranks}};
-  const infkv::keydiff pooled{.pool = s.keydiff_kernel > 1 ? infkv::pooling::max : infkv::pooling::none,
-                              .kernel = s.keydiff_kernel};
-  switch (k) {
-    case policy_kind::window:
-    case policy_kind::streaming_llm: return f(infkv::streaming_llm{});
-    case policy_kind::h2o: return f(infkv::h2o{});
-    case policy_kind::tova: return f(infkv::tova{});
-    case policy_kind::snapkv: return f(infkv::snapkv{.window = s.window});
-    case policy_kind::keydiff: return f(infkv::keydiff{});
-    case policy_kind::recent_keydiff: return f(pooled);
-    case policy_kind::saddle_union:
-      return f(
-          infkv::union_of<infkv::inf_mllm, infkv::keydiff>{.first = biased, .second = pooled, .share = s.union_share});
-    case policy_kind::inf_mllm: return f(infkv::inf_mllm{.window = s.window});
-    case policy_kind::inf_mllm_bias: return f(biased);
-    case policy_kind::inf_mllm_v: {
-      infkv::inf_mllm v = biased;
-      v.value_norm = true;
-      return f(v);
-    }
-    case policy_kind::expected_attention:  // kvpress's defaults; its n_sink = the protected sinks
-      return f(infkv::expected_attention{.window = s.ea_window, .rotary = s.rotary, .sinks = s.sinks});
-    case policy_kind::full:
-    case policy_kind::recompute:
-    case policy_kind::context_shift: break;
-  }
-  fail("policy {}: full, recompute and context_shift have no policy object", int(k));
+  const policy_entry& e = policy_catalog[std::size_t(k)];
+  if (e.make == nullptr) fail("policy {}: full, recompute and context_shift have no policy object", e.name);
+  return std::visit([&](const auto& p) -> decltype(auto) { return f(p); }, e.make(s));
 }
 
 /// What policy `k` reads from the engine (infkv::capture_needs_of its object); nothing for the
