@@ -104,7 +104,7 @@ int main(int argc, char** argv) try {
     infkv::cuda::check(status, be.stream, "eviction");  // the one wait: raises what the kernels found
     // The engine updates its own table: the kept slots fill the sequence's first pages, the last
     // pages_freed of its list go back to the free list.
-    const std::int64_t kept = plan.kept_total, freed = infkv::cuda::pages_freed(n, kept, page);
+    const std::int64_t kept = plan.kept_total, freed = infkv::pages_freed(n, kept, page);
     free_pages.insert(free_pages.end(), indices.end() - freed, indices.end());
     indices.resize(indices.size() - std::size_t(freed));
     indptr[1] = std::int32_t(indices.size());

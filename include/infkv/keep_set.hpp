@@ -42,6 +42,27 @@ struct basic_keep_view {
 using keep_view = basic_keep_view<std::int64_t>;
 using const_keep_view = basic_keep_view<const std::int64_t>;
 
+/// Checks a host keep view: at least one unit, offsets from 0 and non-decreasing, every unit's
+/// slots strictly increasing within [0, n_slots); names the first entry that is not. O(kept).
+inline void validate(const const_keep_view& v, const char* name = "keep") {
+  const std::string n(name);
+  INFKV_REQUIRE(v.n_units >= 1, n + ".n_units", v.n_units, "must be >= 1");
+  INFKV_REQUIRE(v.n_slots >= 0, n + ".n_slots", v.n_slots, "must be >= 0");
+  INFKV_REQUIRE(v.offsets != nullptr && (v.slots != nullptr || v.offsets[v.n_units] == 0), n + ".offsets", "null",
+                "a keep view needs its offsets and slots");
+  INFKV_REQUIRE(v.offsets[0] == 0, n + ".offsets[0]", v.offsets[0], "must be 0");
+  for (std::int64_t u = 0; u < v.n_units; ++u) {
+    INFKV_REQUIRE(v.size(u) >= 0, n + ".offsets[" + std::to_string(u + 1) + "]", v.offsets[u + 1],
+                  "must not be below offsets[", u, "] = ", v.offsets[u]);
+    for (std::int64_t i = 0; i < v.size(u); ++i) {
+      const std::int64_t s = v.unit(u)[i];
+      INFKV_REQUIRE(s >= 0 && s < v.n_slots && (i == 0 || s > v.unit(u)[i - 1]),
+                    n + ".unit(" + std::to_string(u) + ")[" + std::to_string(i) + "]", s,
+                    "slots must be strictly increasing within [0, n_slots = ", v.n_slots, ")");
+    }
+  }
+}
+
 /// Slots kept per decision unit (a KV head, a layer, or the whole token), in CSR form.
 /// Each unit's slots are strictly increasing and in [0, n_slots).
 class keep_set {
@@ -72,8 +93,9 @@ class keep_set {
     }
     return k;
   }
-  /// A read-only view of the storage.
+  /// A read-only view of the storage (also implicitly: a keep set goes wherever a view does).
   const_keep_view view() const { return {slots_.data(), offsets_.data(), n_units(), n_slots_}; }
+  operator const_keep_view() const { return view(); }
 
   /// Appends a unit; `slots` must be strictly increasing and within [0, n_slots).
   void add_unit(std::span<const std::int64_t> slots) {

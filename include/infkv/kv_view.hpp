@@ -193,6 +193,12 @@ using read_only_t = typename read_only<View>::type;
 
 inline void validate(const paged_view& p, const char* name);
 
+/// Pages a compaction of a paged sequence frees (cpu::compact, cuda::compact): the last ones of
+/// its page list, given the sequence's slots before and after.
+inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
+  return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
+}
+
 /// Key rows of sequence s; checks the page table first (O(n_seqs)).
 inline paged_rows key_rows(const paged_view& p, std::int32_t s) {
   validate(p, "paged");

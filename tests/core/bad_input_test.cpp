@@ -206,10 +206,10 @@ TEST_CASE("bad paged tables") {
   SUBCASE("compaction validates the table and the sequence") {
     std::vector<token> t = text_tokens(5);
     last[0] = 9;
-    CHECK_ERROR(cpu::compact(p, 0, t, keep_set::all(5)), "paged.last_page_len[0] = 9");
+    CHECK_ERROR(cpu::compact(key_rows(p, 0), paged_rows{}, t, keep_set::all(5)), "paged.last_page_len[0] = 9");
     last[0] = 2;
-    CHECK_ERROR(cpu::compact(p, 2, t, keep_set::all(5)), "seq = 2");
-    CHECK_ERROR(cpu::compact(p, 0, t, keep_set::all(4)), "keep.n_slots() = 4");
+    CHECK_ERROR(cpu::compact(key_rows(p, 2), paged_rows{}, t, keep_set::all(5)), "seq = 2");
+    CHECK_ERROR(cpu::compact(key_rows(p, 0), value_rows(p, 0), t, keep_set::all(4)), "keep.n_slots = 4");
   }
   SUBCASE("rows of a bad table or of a missing sequence") {
     indptr[0] = 1;
@@ -256,8 +256,8 @@ TEST_CASE("bad h2o state events") {
   CHECK_ERROR(cpu::observe(st, L.in()), "probs.cols = 6");  // state not mirroring the cache
   CHECK_ERROR(st.append(-1), "n = -1");
   st.append(1);
-  CHECK_ERROR(st.evict(keep_set::all(5)), "keep.n_slots() = 5");
-  CHECK_ERROR(st.evict(keep_set::all(6, 3)), "keep.n_units() = 3");
+  CHECK_ERROR(st.evict(keep_set::all(5)), "keep.n_slots = 5");
+  CHECK_ERROR(st.evict(keep_set::all(6, 3)), "keep.n_units = 3");
   keep_set uneven(6);
   uneven.add_unit(std::vector<std::int64_t>{0, 1});
   uneven.add_unit(std::vector<std::int64_t>{0});
@@ -270,8 +270,8 @@ TEST_CASE("bad compaction and re-rotation") {
   std::vector<float> k(6 * 2 * 4, 1.f), v(6 * 2 * 4, 1.f);
   auto kv = contiguous_nhd(k.data(), v.data(), dtype::f32, 6, 2, 4);
   auto t = text_tokens(6);
-  CHECK_ERROR(cpu::compact(kv, t, keep_set::all(5)), "keep.n_slots() = 5");
-  CHECK_ERROR(cpu::compact(kv, t, keep_set::all(6, 3)), "keep.n_units() = 3");
+  CHECK_ERROR(cpu::compact(kv, t, keep_set::all(5)), "keep.n_slots = 5");
+  CHECK_ERROR(cpu::compact(kv, t, keep_set::all(6, 3)), "keep.n_units = 3");
   auto short_t = text_tokens(4);
   CHECK_ERROR(cpu::compact(kv, short_t, keep_set::all(6)), "tokens.size() = 4");
   const std::vector<std::int64_t> delta(6, 1);

@@ -202,10 +202,10 @@ TEST_CASE("compact rejects keep sets and token lists that do not fit the cache")
   auto tokens = numbered_tokens(n, 0);
   keep_set wrong_n(n + 1);
   wrong_n.add_unit(std::vector<std::int64_t>{0, 1});
-  CHECK_THROWS_WITH_AS(cpu::compact(c.kv, tokens, wrong_n), doctest::Contains("keep.n_slots() = 11"), error);
+  CHECK_THROWS_WITH_AS(cpu::compact(c.kv, tokens, wrong_n), doctest::Contains("keep.n_slots = 11"), error);
   keep_set three(n);
   for (int u = 0; u < 3; ++u) three.add_unit(std::vector<std::int64_t>{1, 2});
-  CHECK_THROWS_WITH_AS(cpu::compact(c.kv, tokens, three), doctest::Contains("keep.n_units() = 3"), error);
+  CHECK_THROWS_WITH_AS(cpu::compact(c.kv, tokens, three), doctest::Contains("keep.n_units = 3"), error);
   keep_set uneven(n);
   uneven.add_unit(std::vector<std::int64_t>{1, 2});
   uneven.add_unit(std::vector<std::int64_t>{1});
@@ -287,16 +287,27 @@ void check_paged_compact(paged_case& c, std::int32_t seq, const std::vector<std:
   const auto tokens0 = c.tokens[std::size_t(seq)];
   keep_set keep(n);
   keep.add_unit(slots);
-  const auto freed = cpu::compact(c.p, seq, c.tokens[std::size_t(seq)], keep);
+  const auto table_before = c.indices;
+  const std::vector<std::int32_t> starts(c.p.indptr, c.p.indptr + n_seqs + 1);
+  CHECK(cpu::compact(key_rows(c.p, seq), value_rows(c.p, seq), c.tokens[std::size_t(seq)], keep) == m);
   c.tokens[std::size_t(seq)].resize(std::size_t(m));
+  CHECK(c.indices == table_before);  // the page table is the engine's: untouched
+  CHECK(std::vector<std::int32_t>(c.p.indptr, c.p.indptr + n_seqs + 1) == starts);
 
+  // The engine takes back the sequence's last pages_freed pages and shortens its list.
   const auto pages_after = std::size_t((m + c.page_size - 1) / c.page_size);
   const auto& old_pages = pages_before[std::size_t(seq)];
-  CHECK(freed == std::vector<std::int32_t>(old_pages.begin() + std::ptrdiff_t(pages_after), old_pages.end()));
+  const std::int64_t drop = pages_freed(n, m, c.page_size);
+  CHECK(std::size_t(drop) == old_pages.size() - pages_after);
+  const std::int32_t end = c.p.indptr[n_seqs];
+  std::memmove(c.p.indices + c.p.indptr[seq + 1] - drop, c.p.indices + c.p.indptr[seq + 1],
+               std::size_t(end - c.p.indptr[seq + 1]) * sizeof(std::int32_t));
+  for (std::int32_t s = seq + 1; s <= n_seqs; ++s) c.p.indptr[s] -= std::int32_t(drop);
+  c.p.last_page_len[seq] = m == 0 ? 0 : std::int32_t(m - std::int64_t(pages_after - 1) * c.page_size);
+
   CHECK(c.pages_of(seq) ==
         std::vector<std::int32_t>(old_pages.begin(), old_pages.begin() + std::ptrdiff_t(pages_after)));
   CHECK(c.p.seq_len(seq) == m);
-  CHECK(c.p.last_page_len[seq] == (m == 0 ? 0 : std::int32_t(m - std::int64_t(pages_after - 1) * c.page_size)));
   CHECK(c.p.indptr[0] == 0);
   CHECK_NOTHROW(validate(c.p, "paged"));
   const std::size_t row_count = std::size_t(n) * std::size_t(c.heads);
@@ -321,7 +332,7 @@ void check_paged_compact(paged_case& c, std::int32_t seq, const std::vector<std:
 
 }  // namespace
 
-TEST_CASE("paged compact keeps the chosen slots in order and returns the freed pages") {
+TEST_CASE("paged compact keeps the chosen slots in order in the first pages and leaves the table to the engine") {
   const std::vector<std::int64_t> lens{10, 7, 13, 5};
   for (bool hnd_pages : {false, true}) {
     CAPTURE(hnd_pages);
@@ -371,10 +382,18 @@ TEST_CASE("paged compact rejects a bad sequence index or keep set") {
   paged_case c({6, 3}, false, rng);
   keep_set keep(6);
   keep.add_unit(std::vector<std::int64_t>{1});
-  CHECK_THROWS_WITH_AS(cpu::compact(c.p, 2, c.tokens[0], keep), doctest::Contains("seq = 2"), error);
-  CHECK_THROWS_WITH_AS(cpu::compact(c.p, 1, c.tokens[1], keep), doctest::Contains("keep.n_slots() = 6"), error);
+  CHECK_THROWS_WITH_AS(cpu::compact(key_rows(c.p, 2), paged_rows{}, c.tokens[0], keep), doctest::Contains("seq = 2"),
+                       error);
+  CHECK_THROWS_WITH_AS(cpu::compact(key_rows(c.p, 1), value_rows(c.p, 1), c.tokens[1], keep),
+                       doctest::Contains("keep.n_slots = 6"), error);
   keep_set per_head(6);
   per_head.add_unit(std::vector<std::int64_t>{1});
   per_head.add_unit(std::vector<std::int64_t>{2});
-  CHECK_THROWS_WITH_AS(cpu::compact(c.p, 0, c.tokens[0], per_head), doctest::Contains("keep.n_units() = 2"), error);
+  CHECK_THROWS_WITH_AS(cpu::compact(key_rows(c.p, 0), value_rows(c.p, 0), c.tokens[0], per_head),
+                       doctest::Contains("keep.n_units = 2"), error);
+  CHECK_THROWS_WITH_AS(cpu::compact(key_rows(c.p, 0), value_rows(c.p, 1), c.tokens[0], keep),
+                       doctest::Contains("v.n_slots = 3"), error);
+  const std::int64_t bad_slots[] = {3, 1}, offsets[] = {0, 2};
+  CHECK_THROWS_WITH_AS(cpu::compact(key_rows(c.p, 0), value_rows(c.p, 0), c.tokens[0], {bad_slots, offsets, 1, 6}),
+                       doctest::Contains("keep.unit(0)[1] = 1"), error);
 }

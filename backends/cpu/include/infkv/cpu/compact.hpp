@@ -8,7 +8,6 @@
 #include <cstring>
 #include <span>
 #include <string>
-#include <vector>
 
 #include <infkv/keep_set.hpp>
 #include <infkv/kv_view.hpp>
@@ -59,17 +58,32 @@ void move_row(const R& t, std::int64_t from, std::int64_t to, std::int32_t head)
     std::memmove(t.row(to, head), t.row(from, head), std::size_t(t.head_dim) * size_of(t.type));
 }
 
-/// Checks that `keep` fits a cache of `n_slots` and `n_heads` heads and returns the kept count.
-inline std::int64_t check_keep(const keep_set& keep, std::int64_t n_slots, std::int32_t n_heads, bool per_head_ok) {
-  INFKV_REQUIRE(keep.n_slots() == n_slots, "keep.n_slots()", keep.n_slots(), "must equal the cache's slot count (",
-                n_slots, ")");
-  INFKV_REQUIRE(keep.n_units() == 1 || (per_head_ok && keep.n_units() == n_heads), "keep.n_units()", keep.n_units(),
+/// Checks that `keep` is a keep set that fits a cache of `n_slots` and `n_heads` heads and
+/// returns the kept count.
+inline std::int64_t check_keep(const const_keep_view& keep, std::int64_t n_slots, std::int32_t n_heads,
+                               bool per_head_ok) {
+  validate(keep, "keep");
+  INFKV_REQUIRE(keep.n_slots == n_slots, "keep.n_slots", keep.n_slots, "must equal the cache's slot count (", n_slots,
+                ")");
+  INFKV_REQUIRE(keep.n_units == 1 || (per_head_ok && keep.n_units == n_heads), "keep.n_units", keep.n_units,
                 per_head_ok ? "must be 1 or the number of heads (" : "must be 1 (", per_head_ok ? n_heads : 1, ")");
   const std::int64_t m = keep.size(0);
-  for (std::int64_t u = 1; u < keep.n_units(); ++u)
+  for (std::int64_t u = 1; u < keep.n_units; ++u)
     INFKV_REQUIRE(keep.size(u) == m, "keep.size(" + std::to_string(u) + ")", keep.size(u),
                   "every head must keep the same number of slots (", m, ")");
   return m;
+}
+
+/// Unit u of `keep` as a span.
+inline std::span<const std::int64_t> unit_of(const const_keep_view& keep, std::int64_t u) {
+  return {keep.unit(u), std::size_t(keep.size(u))};
+}
+
+/// True when every unit keeps the same slots.
+inline bool uniform(const const_keep_view& keep) {
+  for (std::int64_t u = 1; u < keep.n_units; ++u)
+    if (!std::ranges::equal(unit_of(keep, u), unit_of(keep, 0))) return false;
+  return true;
 }
 
 /// Moves slots[i] to slot i for i in [0, slots.size()) (slots increasing, slots[i] >= i) in a
@@ -113,11 +127,11 @@ inline void compact_tokens(std::span<token> tokens, std::span<const std::int64_t
 
 }  // namespace detail
 
-/// Compacts a contiguous cache in place: keep.unit(h) (or unit 0 for all heads) moves to slots
-/// [0, kept). `tokens` holds n_slots entries (one list for all heads) or n_heads x n_slots
+/// Compacts a contiguous cache in place: unit h of `keep` (or unit 0 for all heads) moves to
+/// slots [0, kept). `tokens` holds n_slots entries (one list for all heads) or n_heads x n_slots
 /// (head-major, for per-head caches); its kept entries move alike. Returns the kept count and
-/// sets kv.k/v.n_slots to it.
-inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set& keep) {
+/// sets kv.k/v.n_slots to it. (cuda::compact is the same on a device.)
+inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const_keep_view keep) {
   validate(kv.k, "kv.k");
   if (!kv.v.empty()) {
     validate(kv.v, "kv.v");
@@ -129,15 +143,15 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
   const bool per_head_tokens = std::int64_t(tokens.size()) == n * kv.k.n_heads && kv.k.n_heads > 1;
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n || per_head_tokens, "tokens.size()", tokens.size(),
                 "must be n_slots (", n, ") or n_heads x n_slots (", n * kv.k.n_heads, ")");
-  INFKV_REQUIRE(keep.uniform() || per_head_tokens, "keep", "per-head units",
+  INFKV_REQUIRE(detail::uniform(keep) || per_head_tokens, "keep", "per-head units",
                 "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
-  if (keep.n_units() == 1) {  // one list for all heads: whole slots (or runs of them) move
-    detail::move_slots(kv.k, keep.unit(0));
-    detail::move_slots(kv.v, keep.unit(0));
+  if (keep.n_units == 1) {  // one list for all heads: whole slots (or runs of them) move
+    detail::move_slots(kv.k, detail::unit_of(keep, 0));
+    detail::move_slots(kv.v, detail::unit_of(keep, 0));
   } else {  // slot by slot, each head from its own list: one pass over the cache
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int32_t h = 0; h < kv.k.n_heads; ++h) {
-        const std::int64_t from = keep.unit(h)[std::size_t(i)];
+        const std::int64_t from = keep.unit(h)[i];
         detail::move_row(kv.k, from, i, h);
         detail::move_row(kv.v, from, i, h);
       }
@@ -145,45 +159,42 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const keep_set
   if (per_head_tokens)
     for (std::int32_t h = 0; h < kv.k.n_heads; ++h)
       detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)),
-                             keep.unit(keep.n_units() == 1 ? 0 : h));
+                             detail::unit_of(keep, keep.n_units == 1 ? 0 : h));
   if (per_head_tokens) {  // pack the per-head lists to n_heads x m
     for (std::int32_t h = 1; h < kv.k.n_heads; ++h)
       for (std::int64_t i = 0; i < m; ++i) tokens[std::size_t(h * m + i)] = tokens[std::size_t(h * n + i)];
   } else {
-    detail::compact_tokens(tokens, keep.unit(0));
+    detail::compact_tokens(tokens, detail::unit_of(keep, 0));
   }
   kv.k.n_slots = m;
   if (!kv.v.empty()) kv.v.n_slots = m;
   return m;
 }
 
-/// Compacts sequence `seq` of a paged cache in place (one unit for all heads): kept slots move to
-/// the front of the sequence's pages; pages no longer needed leave the table (the CSR arrays of
-/// later sequences shift down) and are returned so the caller can free them.
-inline std::vector<std::int32_t> compact(paged_view& p, std::int32_t seq, std::span<token> tokens,
-                                         const keep_set& keep) {
-  validate(p, "paged");
-  INFKV_REQUIRE(seq >= 0 && seq < p.n_seqs, "seq", seq, "must be in [0, n_seqs = ", p.n_seqs, ")");
-  const std::int64_t n = p.seq_len(seq), m = detail::check_keep(keep, n, p.n_heads, false);
+/// Compacts one sequence of a paged cache in place (one unit for all heads): its kept slots move
+/// to the first ceil(kept / page_size) pages of its page list, and `tokens` (n_slots entries)
+/// alike; `v` may be empty. The page table is the engine's and is never touched: the last
+/// pages_freed(n_slots, kept, page_size) pages of the sequence's list are free for the engine to
+/// take back, and the sequence's length becomes the returned kept count. (cuda::compact is the
+/// same on a device.)
+inline std::int64_t compact(const paged_rows& k, const paged_rows& v, std::span<token> tokens, const_keep_view keep) {
+  validate(k, "k");
+  if (!v.empty()) {
+    validate(v, "v");
+    INFKV_REQUIRE(v.n_slots == k.n_slots && v.n_heads == k.n_heads && v.pages == k.pages, "v.n_slots", v.n_slots,
+                  "V must be the same sequence's rows as K (", k.n_slots, " slots, ", k.n_heads,
+                  " heads, the same pages)");
+  }
+  const std::int64_t n = k.n_slots, m = detail::check_keep(keep, n, k.n_heads, false);
   validate_tokens(tokens, n);
-  const auto k = key_rows(p, seq);
-  const auto v = value_rows(p, seq);
-  const auto slots = keep.unit(0);
+  const auto slots = detail::unit_of(keep, 0);
   for (std::int64_t i = 0; i < m; ++i)  // slot by slot: one pass over the pages
-    for (std::int32_t h = 0; h < p.n_heads; ++h) {
+    for (std::int32_t h = 0; h < k.n_heads; ++h) {
       detail::move_row(k, slots[std::size_t(i)], i, h);
       detail::move_row(v, slots[std::size_t(i)], i, h);
     }
   detail::compact_tokens(tokens, slots);
-  const std::int32_t pages_before = p.indptr[seq + 1] - p.indptr[seq];
-  const auto pages_after = std::int32_t((m + p.page_size - 1) / p.page_size);
-  const std::int32_t drop = pages_before - pages_after, end = p.indptr[p.n_seqs];
-  std::vector<std::int32_t> freed(p.indices + p.indptr[seq] + pages_after, p.indices + p.indptr[seq + 1]);
-  std::memmove(p.indices + p.indptr[seq + 1] - drop, p.indices + p.indptr[seq + 1],
-               std::size_t(end - p.indptr[seq + 1]) * sizeof(std::int32_t));
-  for (std::int32_t s = seq + 1; s <= p.n_seqs; ++s) p.indptr[s] -= drop;
-  p.last_page_len[seq] = m == 0 ? 0 : std::int32_t(m - std::int64_t(pages_after - 1) * p.page_size);
-  return freed;
+  return m;
 }
 
 }  // namespace infkv::cpu

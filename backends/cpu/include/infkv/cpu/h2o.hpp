@@ -16,6 +16,7 @@
 #include <infkv/policy.hpp>
 
 #include "attention.hpp"
+#include "compact.hpp"
 #include "executor.hpp"
 
 namespace infkv::cpu {
@@ -70,20 +71,14 @@ class h2o_state {
 
   /// Keeps the slots of `k` (one unit for all heads, or one per head of equal size), compacted
   /// to the front in increasing slot order, as the cache itself is compacted.
-  void evict(const keep_set& k) {
-    INFKV_REQUIRE(k.n_slots() == n_, "keep.n_slots()", k.n_slots(), "must equal the state's slots (", n_, ")");
-    INFKV_REQUIRE(k.n_units() == 1 || k.n_units() == heads_, "keep.n_units()", k.n_units(), "must be 1 or n_kv_heads (",
-                  heads_, ")");
-    const std::int64_t m = k.size(0);
-    for (std::int64_t u = 1; u < k.n_units(); ++u)
-      INFKV_REQUIRE(k.size(u) == m, "keep.size(" + std::to_string(u) + ")", k.size(u),
-                    "per-head units must keep equal counts (", m, ")");
+  void evict(const_keep_view k) {
+    const std::int64_t m = detail::check_keep(k, n_, std::int32_t(heads_), true);
     std::vector<float> acc(static_cast<std::size_t>(heads_ * m)), life(static_cast<std::size_t>(heads_ * m));
     for (std::int64_t h = 0; h < heads_; ++h) {
-      const auto slots = k.unit(k.n_units() == 1 ? 0 : h);
+      const std::int64_t* slots = k.unit(k.n_units == 1 ? 0 : h);
       for (std::int64_t i = 0; i < m; ++i) {
-        acc[std::size_t(h * m + i)] = acc_[std::size_t(h * n_ + slots[std::size_t(i)])];
-        life[std::size_t(h * m + i)] = life_[std::size_t(h * n_ + slots[std::size_t(i)])];
+        acc[std::size_t(h * m + i)] = acc_[std::size_t(h * n_ + slots[i])];
+        life[std::size_t(h * m + i)] = life_[std::size_t(h * n_ + slots[i])];
       }
     }
     acc_ = std::move(acc), life_ = std::move(life), n_ = m;

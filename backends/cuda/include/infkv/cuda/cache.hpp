@@ -1,5 +1,5 @@
-// infkv CUDA backend: what an engine names around the cache steps: H2O's state on a device, the
-// pages a paged compaction frees, and the scratch a compaction needs. Plain C++: no CUDA header.
+// infkv CUDA backend: what an engine names around the cache steps: H2O's state on a device and
+// the scratch a compaction needs. Plain C++: no CUDA header.
 #pragma once
 
 #include <algorithm>
@@ -23,12 +23,6 @@ struct h2o_state_view {
   std::int64_t ld = 0;
   score_view scores() const { return {score, heads, n_slots, ld}; }
 };
-
-/// Page ids a compaction of a paged sequence frees: the last ones of its page list, given the
-/// sequence's slots before and after.
-inline std::int64_t pages_freed(std::int64_t before, std::int64_t after, std::int32_t page_size) {
-  return (before + page_size - 1) / page_size - (after + page_size - 1) / page_size;
-}
 
 /// The most scratch a compaction uses, whatever the cache's size (unless one slot's K and V rows
 /// alone are larger): the kept rows move in chunks of at most this many bytes.
