@@ -11,6 +11,7 @@
 #include "keep_set.hpp"
 #include "kv_view.hpp"
 #include "pipeline.hpp"
+#include "plan.hpp"
 #include "policies/expected_attention.hpp"
 #include "policies/h2o.hpp"
 #include "policies/inf_mllm.hpp"

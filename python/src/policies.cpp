@@ -211,7 +211,9 @@ void bind_policies(nb::module_& m) {
           },
           "layer"_a, nb::kw_only(), "threads"_a = 1,
           "Adds the attention the layer's queries (one decode step) give to its keys.")
-      .def("evict", &infkv::cpu::h2o_state::evict, "keep"_a, "Keeps the slots of `keep`, compacted as the cache is.")
+      .def(
+          "evict", [](infkv::cpu::h2o_state& st, const infkv::keep_set& keep) { st.evict(keep); }, "keep"_a,
+          "Keeps the slots of `keep`, compacted as the cache is.")
       .def_prop_ro(
           "scores",
           [](const infkv::cpu::h2o_state& s) {
