@@ -42,6 +42,18 @@ struct basic_keep_view {
 using keep_view = basic_keep_view<std::int64_t>;
 using const_keep_view = basic_keep_view<const std::int64_t>;
 
+/// Unit u of a host keep view as a span.
+inline std::span<const std::int64_t> unit_span(const const_keep_view& v, std::int64_t u) {
+  return {v.unit(u), std::size_t(v.size(u))};
+}
+
+/// True when every unit of a host keep view keeps the same slots (a per-token decision).
+inline bool uniform(const const_keep_view& v) {
+  for (std::int64_t u = 1; u < v.n_units; ++u)
+    if (!std::ranges::equal(unit_span(v, u), unit_span(v, 0))) return false;
+  return true;
+}
+
 /// Checks a host keep view: at least one unit, offsets from 0 and non-decreasing, every unit's
 /// slots strictly increasing within [0, n_slots); names the first entry that is not. O(kept).
 inline void validate(const const_keep_view& v, const char* name = "keep") {
@@ -118,11 +130,7 @@ class keep_set {
     return {slots_.data() + offsets_[std::size_t(u)], std::size_t(size(u))};
   }
   /// True when every unit keeps the same slots (a per-token decision).
-  bool uniform() const {
-    for (std::int64_t u = 1; u < n_units(); ++u)
-      if (!std::ranges::equal(unit(u), unit(0))) return false;
-    return true;
-  }
+  bool uniform() const { return infkv::uniform(view()); }
   /// Per-slot flags of unit u.
   std::vector<bool> mask(std::int64_t u = 0) const {
     std::vector<bool> m(static_cast<std::size_t>(n_slots_), false);

@@ -74,18 +74,6 @@ inline std::int64_t check_keep(const const_keep_view& keep, std::int64_t n_slots
   return m;
 }
 
-/// Unit u of `keep` as a span.
-inline std::span<const std::int64_t> unit_of(const const_keep_view& keep, std::int64_t u) {
-  return {keep.unit(u), std::size_t(keep.size(u))};
-}
-
-/// True when every unit keeps the same slots.
-inline bool uniform(const const_keep_view& keep) {
-  for (std::int64_t u = 1; u < keep.n_units; ++u)
-    if (!std::ranges::equal(unit_of(keep, u), unit_of(keep, 0))) return false;
-  return true;
-}
-
 /// Moves slots[i] to slot i for i in [0, slots.size()) (slots increasing, slots[i] >= i) in a
 /// contiguous tensor, for every head. Runs of consecutive kept slots move as one block: the whole
 /// run when the heads of a slot are packed (NHD), a run per head when a head's slots are
@@ -143,11 +131,11 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const_keep_vie
   const bool per_head_tokens = std::int64_t(tokens.size()) == n * kv.k.n_heads && kv.k.n_heads > 1;
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n || per_head_tokens, "tokens.size()", tokens.size(),
                 "must be n_slots (", n, ") or n_heads x n_slots (", n * kv.k.n_heads, ")");
-  INFKV_REQUIRE(detail::uniform(keep) || per_head_tokens, "keep", "per-head units",
+  INFKV_REQUIRE(uniform(keep) || per_head_tokens, "keep", "per-head units",
                 "heads keeping different slots need one token list per head (n_heads x n_slots tokens)");
   if (keep.n_units == 1) {  // one list for all heads: whole slots (or runs of them) move
-    detail::move_slots(kv.k, detail::unit_of(keep, 0));
-    detail::move_slots(kv.v, detail::unit_of(keep, 0));
+    detail::move_slots(kv.k, unit_span(keep, 0));
+    detail::move_slots(kv.v, unit_span(keep, 0));
   } else {  // slot by slot, each head from its own list: one pass over the cache
     for (std::int64_t i = 0; i < m; ++i)
       for (std::int32_t h = 0; h < kv.k.n_heads; ++h) {
@@ -159,12 +147,12 @@ inline std::int64_t compact(kv_view& kv, std::span<token> tokens, const_keep_vie
   if (per_head_tokens)
     for (std::int32_t h = 0; h < kv.k.n_heads; ++h)
       detail::compact_tokens(tokens.subspan(std::size_t(h * n), std::size_t(n)),
-                             detail::unit_of(keep, keep.n_units == 1 ? 0 : h));
+                             unit_span(keep, keep.n_units == 1 ? 0 : h));
   if (per_head_tokens) {  // pack the per-head lists to n_heads x m
     for (std::int32_t h = 1; h < kv.k.n_heads; ++h)
       for (std::int64_t i = 0; i < m; ++i) tokens[std::size_t(h * m + i)] = tokens[std::size_t(h * n + i)];
   } else {
-    detail::compact_tokens(tokens, detail::unit_of(keep, 0));
+    detail::compact_tokens(tokens, unit_span(keep, 0));
   }
   kv.k.n_slots = m;
   if (!kv.v.empty()) kv.v.n_slots = m;
@@ -187,7 +175,7 @@ inline std::int64_t compact(const paged_rows& k, const paged_rows& v, std::span<
   }
   const std::int64_t n = k.n_slots, m = detail::check_keep(keep, n, k.n_heads, false);
   validate_tokens(tokens, n);
-  const auto slots = detail::unit_of(keep, 0);
+  const auto slots = unit_span(keep, 0);
   for (std::int64_t i = 0; i < m; ++i)  // slot by slot: one pass over the pages
     for (std::int32_t h = 0; h < k.n_heads; ++h) {
       detail::move_row(k, slots[std::size_t(i)], i, h);
