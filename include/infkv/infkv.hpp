@@ -3,6 +3,7 @@
 #pragma once
 
 #include "allocation.hpp"
+#include "archive.hpp"
 #include "bias.hpp"
 #include "budget.hpp"
 #include "config.hpp"

@@ -3,6 +3,7 @@
 
 #include <infkv/infkv.hpp>
 
+#include "cpu/archive.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/backend.hpp"
 #include "cpu/compact.hpp"
