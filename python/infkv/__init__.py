@@ -10,12 +10,14 @@ from __future__ import annotations
 import numpy as _np
 
 from ._infkv import (  # noqa: F401
+    Archive,
     EngineError,
     H2OState,
     KeepSet,
     Layer,
     LayerShape,
     Plan,
+    Recaller,
     Tokens,
     __version__,
     adakv,

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+import numpy as np
 import torch
 from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.scorer_press import ScorerPress
@@ -73,6 +74,8 @@ class InfkvPress(ScorerPress):
     granularity: infkv.granularity (None: the policy's natural one; per_token is per_layer here,
         a press sees one layer at a time).
     threads: CPU threads infkv scores with.
+    archive: an infkv.Archive (per_layer pages) that takes what every eviction removes, for
+        `recall` to bring back (one batch row; every head must keep the same slots).
     """
 
     policy: Any = None
@@ -81,6 +84,7 @@ class InfkvPress(ScorerPress):
     recent: int = 0
     granularity: Optional[infkv.granularity] = None
     threads: int = 1
+    archive: Any = None  # an infkv.Archive (per_layer) that takes what every eviction removes
     positions: dict = field(default_factory=dict, repr=False)  # layer -> (positions [heads, slots], next)
 
     def __post_init__(self):
@@ -88,6 +92,8 @@ class InfkvPress(ScorerPress):
         if self.policy is None:
             raise ValueError("infkv: InfkvPress.policy = None: give an infkv policy (infkv.snapkv(), ...)")
         self.needs = infkv.capture_needs_of(self.policy)  # checks the policy
+        if self.archive is not None and not isinstance(self.archive, infkv.Archive):
+            raise ValueError(f"infkv: InfkvPress.archive = {type(self.archive).__name__}: must be an infkv.Archive")
         infkv.budget(ratio=1.0, sinks=self.sinks, recent=self.recent)  # checks sinks and recent
 
     def post_init_from_model(self, model):
@@ -156,7 +162,13 @@ class InfkvPress(ScorerPress):
             self.positions[module.layer_idx] = (pos, end)
             return keys, values
         kept_k, kept_v, kept_pos = [], [], []
-        for i, units in enumerate(self.keep_sets(module, hidden_states, keys, values, pos, end, capacity)):
+        sets = self.keep_sets(module, hidden_states, keys, values, pos, end, capacity)
+        if self.archive is not None:
+            if len(sets) != 1 or any(not torch.equal(torch.from_numpy(u), torch.from_numpy(sets[0][0])) for u in sets[0]):
+                raise ValueError("infkv: InfkvPress.archive: archiving needs one batch row whose heads keep the same "
+                                 f"slots: granularity = {self.granularity} (pass infkv.granularity.per_layer)")
+            _archive_layer(self.archive, module.layer_idx, pos[0, 0], keys[0], values[0], sets[0][0])
+        for i, units in enumerate(sets):
             idx = torch.stack([torch.from_numpy(u) for u in units])  # (heads, kept)
             kept_pos.append(pos[i].gather(1, idx))
             idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, keys.shape[3])
@@ -230,12 +242,20 @@ def block_bounds(n: int, block: int, segments: Optional[Iterable[int]] = None) -
     return bounds
 
 
+def _archive_layer(archive, layer: int, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept) -> int:
+    """Archives the slots of one layer's cache (keys, values: heads x slots x d) not in `kept`."""
+    toks = infkv.tokens(pos)
+    return archive.archive(infkv.Layer(toks, keys=keys.detach(), values=values.detach(), layout="hnd"),
+                           [kept.astype("int64") if hasattr(kept, "astype") else kept], layer=layer)
+
+
 @torch.no_grad()
 def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, block: int = 512, *, sinks: int = 0,
-                      recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None):
+                      recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None, archive=None):
     """Prefills `input_ids` (1 x n) block by block into `cache` (a new DynamicCache by default),
     evicting every layer to `capacity` slots right after each block's attention with infkv's
     `policy`. Positions stay the tokens' own (keep mode: position_ids passed, keys not re-rotated).
+    With `archive` (an infkv.Archive of per_layer pages) what every eviction removes is archived.
     Returns (cache, press, stats): the press holds the kept positions per layer, for decoding on."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"infkv: input_ids.shape = {tuple(input_ids.shape)}: must be (1, n)")
@@ -243,7 +263,8 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
         raise ValueError(f"infkv: capacity = {capacity}: must be >= 1")
     n = input_ids.shape[1]
     bounds = block_bounds(n, block, segments)
-    press = InfkvPress(policy=policy, sinks=sinks, recent=recent, threads=threads, granularity=granularity)
+    press = InfkvPress(policy=policy, sinks=sinks, recent=recent, threads=threads, granularity=granularity,
+                       archive=archive)
     press.post_init_from_model(model)
     infkv.protect(policy, infkv.budget(capacity=capacity, sinks=sinks, recent=recent)).validate()
     cache = DynamicCache() if cache is None else cache
@@ -265,3 +286,81 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
     stats.final_kv_bytes = cache_bytes(cache)
     stats.kept = [layer.keys.shape[2] for layer in cache.layers]
     return cache, press, stats
+
+
+@dataclass
+class RecallStats:
+    pages: int = 0  # pages brought back, over all layers
+    tokens: int = 0  # slots brought back (= slots displaced), over all layers
+    question_tokens: int = 0
+
+
+@torch.no_grad()
+def recall(model, cache, press: InfkvPress, recaller, question_ids: torch.Tensor) -> RecallStats:
+    """Before a question: brings back into `cache` the archived pages the question needs.
+
+    The question's queries come from one pass over `question_ids` (1 x q) after the cache, at the
+    positions after the newest token; its rows leave the cache again, so the caller then decodes the
+    question as usual. Per layer, `recaller` (an infkv.Recaller over `press.archive`) chooses the
+    pages and the cached slots they displace; the pages' dequantized rows take the displaced slots'
+    place at their original positions (keep mode: keys are cached after RoPE), the displaced slots
+    go to the archive and the pages leave it. The cache's size does not change."""
+    archive = press.archive
+    if archive is None:
+        raise ValueError("infkv: press.archive = None: prefill with an archive to recall from it")
+    if question_ids.dim() != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
+        raise ValueError(f"infkv: question_ids.shape = {tuple(question_ids.shape)}: must be (1, q), q >= 1")
+    lm = _language_model(model)
+    layers = range(len(lm.layers))
+    if any(layer not in press.positions for layer in layers):
+        raise ValueError("infkv: press.positions: every layer must have been prefilled with the press")
+    before = [cache.layers[layer].keys.shape[2] for layer in layers]
+    end = max(press.positions[layer][1] for layer in layers)
+    q = question_ids.shape[1]
+    qpos = torch.arange(end, end + q, dtype=torch.int64)
+    hidden = {}
+
+    def hook(module, args, kwargs, output):
+        hidden[module.layer_idx] = kwargs["hidden_states"]
+        return output
+
+    with _hooks(model, hook):
+        model.model(input_ids=question_ids.to(model.device), past_key_values=cache,
+                    position_ids=qpos.unsqueeze(0).to(model.device), use_cache=True)
+    for layer in layers:  # the question's rows leave the cache again
+        c = cache.layers[layer]
+        c.keys, c.values = c.keys[:, :, :before[layer]], c.values[:, :, :before[layer]]
+    queries = [_queries(lm.layers[layer].self_attn, hidden[layer], qpos)[0].transpose(0, 1).contiguous()
+               for layer in layers]  # [q, q_heads, d] each
+    stats = RecallStats(question_tokens=q)
+    for layer in layers:
+        module, c = lm.layers[layer].self_attn, cache.layers[layer]
+        pos, nxt = press.positions[layer]
+        keys, values = c.keys[0], c.values[0]  # heads x slots x d
+        if not torch.equal(pos[0], pos[0, :1].expand_as(pos[0])):
+            raise ValueError(f"infkv: layer {layer}: the heads hold different slots; recall needs per_layer eviction")
+        toks = infkv.tokens(pos[0, 0])
+        scale = float(getattr(module, "scaling", 1.0 / math.sqrt(keys.shape[-1])))
+        pages, displaced, n = recaller.recall(
+            archive, infkv.Layer(toks, keys=keys.detach(), values=values.detach(), layout="hnd"), queries,
+            qpos.numpy(), scale, layer=layer)
+        if len(pages) == 0:
+            continue
+        # the pages first (archiving the displaced slots may drop the archive's oldest pages), then the displaced
+        back = [(archive.restore(int(p)), archive.page(int(p))["tokens"].positions) for p in pages]
+        for p in pages:
+            archive.release(int(p))
+        kept = torch.ones(keys.shape[1], dtype=torch.bool)
+        kept[torch.from_numpy(displaced)] = False
+        kept_slots = torch.nonzero(kept).squeeze(1)
+        _archive_layer(archive, layer, pos[0, 0], keys, values, kept_slots.numpy())
+        rk = torch.cat([torch.from_numpy(kv[0][0]).transpose(0, 1) for kv, _ in back], dim=1).to(keys.dtype)
+        rv = torch.cat([torch.from_numpy(kv[1][0]).transpose(0, 1) for kv, _ in back], dim=1).to(values.dtype)
+        c.keys = torch.cat([keys[:, kept_slots], rk.to(keys.device)], dim=1).unsqueeze(0).contiguous()
+        c.values = torch.cat([values[:, kept_slots], rv.to(values.device)], dim=1).unsqueeze(0).contiguous()
+        new_pos = torch.cat([pos[0, 0][kept_slots], torch.from_numpy(np.concatenate([p for _, p in back]).astype(np.int64))])
+        press.positions[layer] = (new_pos.expand(1, keys.shape[0], -1).clone(), nxt)
+        stats.pages += len(pages)
+        stats.tokens += int(n)
+    return stats
+

@@ -393,7 +393,7 @@ struct recall_result {
 
 struct recall_options {
   std::int64_t budget_tokens = 0;  ///< most slots one recall brings back (>= 1)
-  std::int32_t candidates = 8;     ///< pages scored exactly, the best by their bounds (>= 1)
+  std::int32_t candidates = 32;    ///< at most this many pages scored exactly, the best by their bounds (>= 1)
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
@@ -425,13 +425,14 @@ class recaller {
                   "recall places candidates beside the cache in one scoring pass; a per_head archive's heads hold "
                   "different positions: archive per_layer or per_token");
     INFKV_REQUIRE(o.budget_tokens >= 1, "recall_options.budget_tokens", o.budget_tokens, "must be >= 1");
-    INFKV_REQUIRE(o.candidates >= 1 && o.candidates <= a.capacity_pages(), "recall_options.candidates", o.candidates,
-                  "must be in [1, the archive's capacity of ", a.capacity_pages(), " pages]");
+    INFKV_REQUIRE(o.candidates >= 1, "recall_options.candidates", o.candidates, "must be >= 1");
+    opt_.candidates = std::min(o.candidates, a.capacity_pages());
+    page_tokens_ = a.options().page_tokens;  // "at most": no more pages than the archive holds
     INFKV_REQUIRE(max_cache_slots >= 1, "max_cache_slots", max_cache_slots, "must be >= 1");
     INFKV_REQUIRE(q_heads >= 1 && q_heads % shape_.kv_heads == 0, "q_heads", q_heads,
                   "must be a positive multiple of the archive's ", shape_.kv_heads, " KV heads");
     INFKV_REQUIRE(max_queries >= 1, "max_queries", max_queries, "must be >= 1");
-    const std::int64_t n = max_cache_slots + std::int64_t(o.candidates) * a.options().page_tokens;
+    const std::int64_t n = max_cache_slots + std::int64_t(opt_.candidates) * a.options().page_tokens;
     const std::int32_t L = shape_.layers_per_page();
     const std::size_t rows = std::size_t(n) * std::size_t(shape_.kv_heads) * std::size_t(shape_.head_dim);
     keys_.assign(rows * std::size_t(L), 0.f);
@@ -439,10 +440,10 @@ class recaller {
     tokens_.resize(std::size_t(n));
     bounds_.resize(std::size_t(a.capacity_pages()));
     held_.resize(std::size_t(a.capacity_pages()));
-    cands_.resize(std::size_t(o.candidates));
-    work_.resize(std::size_t(2 * n + o.candidates));
-    chosen_.resize(std::size_t(o.candidates));
-    pages_.resize(std::size_t(o.candidates));
+    cands_.resize(std::size_t(opt_.candidates));
+    work_.resize(std::size_t(2 * n + opt_.candidates));
+    chosen_.resize(std::size_t(opt_.candidates));
+    pages_.resize(std::size_t(opt_.candidates));
     displaced_.resize(std::size_t(max_cache_slots));
     inputs_.resize(std::size_t(L));
     plan_options po;
@@ -464,9 +465,11 @@ class recaller {
     const policy_spec& spec = spec_;
     const budget& b = budget_;
     INFKV_REQUIRE(a.shape().n_layers == shape_.n_layers && a.shape().kv_heads == shape_.kv_heads &&
-                      a.shape().head_dim == shape_.head_dim && a.shape().g == shape_.g,
+                      a.shape().head_dim == shape_.head_dim && a.shape().g == shape_.g &&
+                      a.capacity_pages() == std::int32_t(bounds_.size()) && a.options().page_tokens == page_tokens_,
                   "archive.shape()", "differs", "the recaller was made for an archive of ", shape_.n_layers,
-                  " layers, ", shape_.kv_heads, " heads of ", shape_.head_dim, " (", to_string(shape_.g), ")");
+                  " layers, ", shape_.kv_heads, " heads of ", shape_.head_dim, " (", to_string(shape_.g), "), ",
+                  bounds_.size(), " pages of ", page_tokens_, " tokens");
     INFKV_REQUIRE(a.held_pages() > 0, "archive", "empty", "recall needs archived pages; the archive holds none");
     const std::int32_t L = shape_.layers_per_page();
     INFKV_REQUIRE(std::int64_t(cache.size()) == L, "cache.size()", cache.size(), "a ", to_string(shape_.g),
@@ -590,6 +593,7 @@ class recaller {
   recall_options opt_;
   backend be_;
   std::int64_t max_cache_ = 0;
+  std::int32_t page_tokens_ = 0;
   std::int32_t q_heads_ = 0;
   std::int64_t max_queries_ = 0;
   std::vector<float> keys_, values_, bounds_;
