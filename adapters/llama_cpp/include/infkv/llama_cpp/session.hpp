@@ -25,6 +25,7 @@
 #include <infkv/infkv.hpp>
 
 #include "capture.hpp"
+#include "detail/kv_state.hpp"
 #include "detail/layer_cache.hpp"
 #include "detail/positions.hpp"
 #include "model_info.hpp"
@@ -55,6 +56,20 @@ class session {
       opt_.executor.pool = pool_.get();
     }
     cpu::workers(opt_.executor, 1);  // checks the executor
+    if (opt_.archive) {
+      INFKV_REQUIRE(opt_.positions == position_mode::keep, "session_options.positions", "compact",
+                    "an archive needs position_mode::keep: recalled rows go back at their own positions");
+      INFKV_REQUIRE(opt_.scratch_seq >= 0 && opt_.scratch_seq != opt_.seq, "session_options.scratch_seq",
+                    opt_.scratch_seq, "an archive needs a second sequence of the context (not seq = ", opt_.seq, ")");
+      INFKV_REQUIRE(!opt_.track_h2o, "session_options.track_h2o", "set",
+                    "an archive recalls with a policy that reads queries; H2O's running scores cannot follow it");
+      const std::int32_t heads = llama_model_n_head_kv(model), q_heads = llama_model_n_head(model);
+      const auto arch = meta_string(model, "general.architecture").value_or("");
+      const auto head_dim = std::int32_t(
+          meta_number(model, arch + ".attention.key_length", double(llama_model_n_embd(model) / std::max(1, q_heads))));
+      archive_.emplace(archive_shape{llama_model_n_layer(model), heads, head_dim, granularity::per_token},
+                       *opt_.archive);
+    }
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
@@ -91,6 +106,12 @@ class session {
                   "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
     const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
     INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
+    if (archive_) {
+      INFKV_REQUIRE(opt_.scratch_seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.scratch_seq",
+                    opt_.scratch_seq, "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
+      INFKV_REQUIRE(llama_memory_seq_pos_max(mem_, opt_.scratch_seq) < 0, "session_options.scratch_seq",
+                    opt_.scratch_seq, "must be an empty sequence at bind (the archive uses it)");
+    }
     shift_ =
         opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) && (rope_.supported || !rope_.has_rope);
   }
@@ -122,10 +143,15 @@ class session {
     for (const auto& h : h2o_) m.h2o += h.bytes();
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
     m.tokens = book_.bytes();
+    m.archive = archive_ ? std::int64_t(archive_->memory() + state_.capacity() + archive_ws_.capacity() +
+                                        (staged_.capacity() + vrows_.capacity()) * sizeof(float))
+                         : 0;
     return m;
   }
   /// Where the time went since bind (or the last reset_stats()).
   const session_stats& stats() const { return stats_; }
+  /// The archive of what evictions removed (session_options::archive), or null.
+  const infkv::archive* archive() const { return archive_ ? &*archive_ : nullptr; }
   void reset_stats() { stats_ = {}; }
   /// Metadata of the cached tokens, in the session's slot order.
   std::span<const token> tokens() const { return book_.tokens(); }
@@ -293,6 +319,115 @@ class session {
     return apply(keep_set::from_view(out));
   }
 
+  /// Brings back from the archive what the window queries need (the last decoded tokens': decode
+  /// a question but its last token, recall, then decode the last token and answer): up to
+  /// `o.budget_tokens` archived slots, chosen and placed by `cpu::recaller` with `p` (a policy
+  /// whose score reads queries) under the cache's budget `b`, in place of as many cached slots,
+  /// which are archived and removed first (never sinks or the recent window). The pages' rows go
+  /// back into llama.cpp's cache at their own positions through the scratch sequence
+  /// (llama_state_seq_set_data, then llama_memory_seq_cp), and into the session's copies. When the
+  /// engine refuses the rows, the pages go back into the archive and the error says the cache
+  /// holds that many slots fewer; the bookkeeping follows the engine either way.
+  template <policy P>
+  recall_report recall(const P& p, const budget& b, const cpu::recall_options& o) {
+    INFKV_REQUIRE(archive_.has_value(), "session_options.archive", "unset",
+                  "recall needs a session created with an archive");
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before recalling");
+    p.validate();
+    require_captures(p.spec());
+    const stopwatch w{stats_.recall};
+    layers_in_.clear();
+    std::vector<const_tensor_view> queries;
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      layers_in_.push_back(inputs(l));
+      queries.push_back(layers_in_.back().queries);
+      INFKV_REQUIRE(queries.back().n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
+                    "decode the question's tokens (all but its last) before recall: their queries choose");
+    }
+    const cpu::backend be{opt_.executor};
+    cpu::recaller rc(*archive_, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
+    const cpu::recall_result res = rc.recall(*archive_, std::span<const layer_inputs<const_tensor_view>>(layers_in_),
+                                             queries, layers_in_[0].query_pos, opt_.scale);
+    recall_report rep;
+    if (res.pages.empty()) return rep;
+    const std::int64_t m = res.tokens, E = row_elems();
+    const std::int32_t L = n_layers();
+    // 1. the pages' rows, staged as f32 [K | V][layer][m][E], and their tokens; the pages leave the archive
+    staged_.assign(std::size_t(2 * L * m * E), 0.f);
+    std::vector<token> back;
+    const std::vector<std::int32_t> pages(res.pages.begin(), res.pages.end());
+    for (const std::int32_t page : pages) {
+      const auto t = archive_->tokens(page);
+      std::vector<kv_view> out;
+      for (std::int32_t l = 0; l < L; ++l)
+        out.push_back(contiguous_nhd(staged(false, l, m) + std::int64_t(back.size()) * E,
+                                     staged(true, l, m) + std::int64_t(back.size()) * E, dtype::f32,
+                                     std::int64_t(t.size()), archive_->shape().kv_heads, archive_->shape().head_dim));
+      cpu::restore(*archive_, page, out, 0);
+      back.insert(back.end(), t.begin(), t.end());
+    }
+    for (const std::int32_t page : pages) archive_->release(page);
+    // 2. the displaced slots leave (archived first); the state read of them is the template of the rows' way back
+    keep_set keep(size());
+    std::vector<std::int64_t> kept;
+    for (std::int64_t s = 0, d = 0; s < size(); ++s)
+      if (d < std::int64_t(res.displaced.size()) && res.displaced[std::size_t(d)] == s)
+        ++d;
+      else
+        kept.push_back(s);
+    keep.add_unit(kept);
+    try {
+      apply(keep);
+    } catch (...) {
+      archive_staged(back);  // nothing lost: the pages go back
+      throw;
+    }
+    // 3. the staged rows into the template, restored into the scratch sequence, shared into the session's
+    const detail::kv_state st = detail::parse_kv_state(state_, L, E);
+    if (st.cells != m) {
+      archive_staged(back);
+      infkv::raise<engine_error>("infkv: recall: llama.cpp's state of the ", m, " displaced slots holds ", st.cells,
+                                 " cells; the pages went back to the archive and the cache holds ", m, " slots fewer");
+    }
+    for (std::int64_t c = 0; c < m; ++c) {
+      const auto pos = std::int32_t(back[std::size_t(c)].pos);
+      std::memcpy(state_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
+      for (std::int32_t l = 0; l < L; ++l) {
+        const auto& sl = st.layers[std::size_t(l)];
+        from_f32(sl.k_type, staged(false, l, m) + c * E, state_.data() + st.k_row(l, c), E);
+        const float* v = staged(true, l, m) + c * E;
+        if (!st.v_trans)
+          from_f32(sl.v_type, v, state_.data() + st.v_elem(l, c, 0), E);
+        else
+          for (std::int64_t j = 0; j < E; ++j) from_f32(sl.v_type, v + j, state_.data() + st.v_elem(l, c, j), 1);
+      }
+    }
+    const std::size_t put = opt_.memory.state_set(ctx_, state_.data(), state_.size(), opt_.scratch_seq);
+    if (put != state_.size()) {
+      clear_scratch();
+      archive_staged(back);
+      verify();
+      infkv::raise<engine_error>("infkv: llama_state_seq_set_data(seq = ", opt_.scratch_seq, ") = ", put, " of ",
+                                 state_.size(),
+                                 " bytes: the recalled rows could not be written; the pages went "
+                                 "back to the archive and the cache holds ",
+                                 m, " slots fewer");
+    }
+    opt_.memory.seq_cp(mem_, opt_.scratch_seq, opt_.seq, -1, -1);
+    clear_scratch();
+    // 4. the session follows: bookkeeping, key (and value) copies
+    for (const token& t : back) {
+      const std::int64_t pos = t.pos;
+      book_.append({&pos, 1}, t.segment, t.kind);
+      rep.positions.push_back(pos);
+    }
+    for (std::int32_t l = 0; l < L; ++l)
+      layers_[std::size_t(l)].append(staged(false, l, m), staged(true, l, m), m, llama_n_ctx(ctx_));
+    verify();
+    rep.pages = std::int64_t(pages.size()), rep.tokens = m;
+    return rep;
+  }
+
   /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
   /// positions in compact mode: for callers that select themselves.
   eviction_result apply(const keep_set& keep) {
@@ -301,6 +436,7 @@ class session {
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens());
+    if (archive_ && keep.size(0) < size()) archive_removed(keep, res.removed);
     ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
@@ -388,6 +524,94 @@ class session {
                                  "sequence and start a new session");
   }
 
+  /// Elements of one cell's K or V row (KV heads x head_dim).
+  std::int64_t row_elems() const { return std::int64_t(archive_->shape().kv_heads) * archive_->shape().head_dim; }
+  /// Layer l's staged rows of a recall of m slots (keys, or values).
+  float* staged(bool values, std::int32_t l, std::int64_t m) {
+    return staged_.data() + ((values ? std::int64_t(n_layers()) : 0) + l) * m * row_elems();
+  }
+  /// Empties the scratch sequence; throws when the memory refuses.
+  void clear_scratch() {
+    if (!opt_.memory.seq_rm(mem_, opt_.scratch_seq, -1, -1))
+      infkv::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.scratch_seq,
+                                 ", -1, -1) = false: the archive's scratch sequence could not be emptied");
+  }
+  /// Reads llama.cpp's rows of the session's cells in `runs` into state_ (through the scratch
+  /// sequence, left empty) and parses them.
+  detail::kv_state read_cells(std::span<const position_run> runs) {
+    const llama_seq_id sc = opt_.scratch_seq;
+    for (const auto& r : runs) opt_.memory.seq_cp(mem_, opt_.seq, sc, llama_pos(r.begin), llama_pos(r.end));
+    const std::size_t n = llama_state_seq_get_size(ctx_, sc);
+    state_.resize(n);
+    const std::size_t got = opt_.memory.state_get(ctx_, state_.data(), n, sc);
+    clear_scratch();
+    if (got != n)
+      infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", sc, ") = ", got, " of ", n,
+                                 " bytes: the evicted rows could not be read for the archive");
+    return detail::parse_kv_state(state_, n_layers(), row_elems());
+  }
+  /// Archives llama.cpp's rows of the slots `keep` evicts (position runs `runs`), before they go.
+  void archive_removed(const keep_set& keep, std::span<const position_run> runs) {
+    const stopwatch w{stats_.archive};
+    const detail::kv_state st = read_cells(runs);
+    const std::int64_t m = size() - keep.size(0), E = row_elems();
+    if (st.cells != m)
+      infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at the ", m,
+                                 " evicted slots' positions (slots sharing a position?): nothing was archived or "
+                                 "removed");
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the evicted slots
+    const auto mask = keep.mask(0);
+    for (std::int64_t s = 0; s < size(); ++s)
+      if (!mask[std::size_t(s)]) by_pos.push_back({tokens()[std::size_t(s)].pos, s});
+    std::sort(by_pos.begin(), by_pos.end());
+    std::vector<token> toks(static_cast<std::size_t>(m));
+    for (std::int64_t c = 0; c < m; ++c) {
+      std::int32_t pos;
+      std::memcpy(&pos, state_.data() + st.pos_at[std::size_t(c)], sizeof pos);
+      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
+      if (it == by_pos.end() || it->first != pos)
+        infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", pos,
+                                   " is not an evicted slot of the session: nothing was archived or removed");
+      toks[std::size_t(c)] = tokens()[std::size_t(it->second)];
+    }
+    const std::int32_t L = n_layers(), H = archive_->shape().kv_heads, d = archive_->shape().head_dim;
+    if (st.v_trans) vrows_.assign(std::size_t(L * m * E), 0.f);  // V rows out of their transposed layout
+    std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(L));
+    for (std::int32_t l = 0; l < L; ++l) {
+      const auto& sl = st.layers[std::size_t(l)];
+      in[std::size_t(l)].tokens = toks;
+      in[std::size_t(l)].keys = nhd(static_cast<const void*>(state_.data() + sl.k_at), sl.k_type, m, H, d);
+      if (!st.v_trans) {
+        in[std::size_t(l)].values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
+        continue;
+      }
+      float* v = vrows_.data() + std::size_t(l * m * E);
+      for (std::int64_t c = 0; c < m; ++c)
+        for (std::int64_t j = 0; j < E; ++j) to_f32(sl.v_type, state_.data() + st.v_elem(l, c, j), v + c * E + j, 1);
+      in[std::size_t(l)].values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
+    }
+    archive_with(in, m);
+  }
+  /// Archives the rows of `back` staged in staged_ (a recall's pages the engine did not take back).
+  void archive_staged(std::span<const token> back) {
+    const auto m = std::int64_t(back.size());
+    const std::int32_t H = archive_->shape().kv_heads, d = archive_->shape().head_dim;
+    std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(n_layers()));
+    for (std::int32_t l = 0; l < n_layers(); ++l) {
+      in[std::size_t(l)].tokens = back;
+      in[std::size_t(l)].keys = nhd(static_cast<const void*>(staged(false, l, m)), dtype::f32, m, H, d);
+      in[std::size_t(l)].values = nhd(static_cast<const void*>(staged(true, l, m)), dtype::f32, m, H, d);
+    }
+    archive_with(in, m);
+  }
+  /// Archives all `m` slots of `in` (every layer).
+  void archive_with(std::span<const layer_inputs<const_tensor_view>> in, std::int64_t m) {
+    keep_set none(m);
+    none.add_unit({});
+    archive_ws_.resize(cpu::archive_scratch_bytes(*archive_, m));
+    cpu::archive_evicted(*archive_, in, none, archive_ws_, 0);
+  }
+
   void observe_h2o(std::span<const std::int64_t> pos) {
     if (h2o_.empty())
       for (std::int32_t l = 0; l < n_layers(); ++l)
@@ -468,6 +692,11 @@ class session {
   std::vector<cpu::h2o_state> h2o_;
   std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
+  std::optional<infkv::archive> archive_;                   // session_options::archive
+  std::vector<std::uint8_t> state_;                         // llama_state_seq data of the last cells read
+  std::vector<float> staged_;                               // a recall's rows
+  std::vector<float> vrows_;                                // V rows read out of a transposed state
+  std::vector<std::byte> archive_ws_;                       // archive_evicted's scratch
 };
 
 }  // namespace infkv::llama_cpp

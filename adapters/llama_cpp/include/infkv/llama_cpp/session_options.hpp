@@ -29,6 +29,17 @@ struct memory_calls {
   std::function<bool(llama_memory_t, llama_seq_id, llama_pos, llama_pos)> seq_rm = llama_memory_seq_rm;
   std::function<void(llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos)> seq_add = llama_memory_seq_add;
   std::function<bool(llama_memory_t)> can_shift = llama_memory_can_shift;
+  /// The archive's route to the cache's rows (session_options::archive): cells shared into the
+  /// scratch sequence, its state read, and a state written back into it.
+  std::function<void(llama_memory_t, llama_seq_id, llama_seq_id, llama_pos, llama_pos)> seq_cp = llama_memory_seq_cp;
+  std::function<std::size_t(llama_context*, std::uint8_t*, std::size_t, llama_seq_id)> state_get =
+      [](llama_context* c, std::uint8_t* dst, std::size_t n, llama_seq_id s) {
+        return llama_state_seq_get_data(c, dst, n, s);
+      };
+  std::function<std::size_t(llama_context*, const std::uint8_t*, std::size_t, llama_seq_id)> state_set =
+      [](llama_context* c, const std::uint8_t* src, std::size_t n, llama_seq_id s) {
+        return llama_state_seq_set_data(c, src, n, s);
+      };
 };
 
 /// Session configuration.
@@ -51,6 +62,14 @@ struct session_options {
   cpu::executor executor{};
   float scale = 0.f;      ///< attention scale; 0 = 1/sqrt(head_dim)
   memory_calls memory{};  ///< how the cache is changed (llama.h by default)
+  /// Keep what evictions remove in an archive (per_token pages: every layer's K and V of the
+  /// evicted tokens, read from llama.cpp's cache), for `session::recall`. Needs positions = keep
+  /// (recalled rows go back at their own positions), an f32 or f16 cache in one unified stream,
+  /// and `scratch_seq`.
+  std::optional<archive_options> archive{};
+  /// A sequence of the context nobody else uses: the archive reads and writes the cache's rows
+  /// through it (llama_state_seq_*), and leaves it empty after every call.
+  llama_seq_id scratch_seq = -1;
 
   /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
   /// window queries, the values where it weights by them, nothing at all where it reads nothing
@@ -85,9 +104,11 @@ struct session_stats {
   double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
   double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
   double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
+  double archive = 0;     ///< reading evicted rows out of llama.cpp's cache and quantizing them (archive)
+  double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
   /// The session's own work outside llama_decode.
-  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate; }
+  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive; }
 };
 
 /// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
@@ -99,10 +120,18 @@ struct session_memory {
   std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
   std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
   std::int64_t tokens = 0;     ///< the position bookkeeping
+  std::int64_t archive = 0;    ///< the archive (session_options::archive), allocated at bind
   /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
   /// types (computed; 0 before the first decode shows the heads).
   std::int64_t kv = 0;
-  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens; }
+  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens + archive; }
+};
+
+/// What one recall did.
+struct recall_report {
+  std::int64_t pages = 0;               ///< archive pages brought back
+  std::int64_t tokens = 0;              ///< slots brought back (as many cached slots were displaced, and archived)
+  std::vector<std::int64_t> positions;  ///< the positions brought back
 };
 
 /// What one eviction did.

@@ -492,8 +492,8 @@ class recaller {
                     "queries[" + std::to_string(l) + "].n_slots", queries[l].n_slots, "must be in [1, ", max_queries_,
                     "] queries of ", q_heads_, " heads; n_heads = ", queries[l].n_heads);
 
-    // 1. bounds, and the best candidates of this layer's pages
-    page_bounds(a, queries, scale, bounds_);
+    // 1. bounds (at the attention scale the scores use), and the best candidates of this layer's pages
+    page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_);
     std::int64_t nh = 0;
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
       if (a.holds(p) && a.info(p).layer == layer) held_[std::size_t(nh++)] = p;

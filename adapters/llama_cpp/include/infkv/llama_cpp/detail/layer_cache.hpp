@@ -106,6 +106,22 @@ class layer_cache {
     query_pos_.insert(query_pos_.end(), pos.end() - take, pos.end());
   }
 
+  /// Appends `m` slots whose keys (and values, when they are kept) are `k`, `v` ([m][n_head_kv]
+  /// [head_dim] f32): rows brought back from the archive. `cells` as in begin().
+  void append(const float* k, const float* v, std::int64_t m, std::int64_t cells) {
+    if (n_head_kv_ == 0 || head_dim_ == 0) return;  // nothing captured: no copies to extend
+    const std::size_t row = row_bytes();
+    const std::int64_t e = std::int64_t(n_head_kv_) * head_dim_;
+    for (auto* rows : {&keys_, &values_}) {
+      if (rows == &values_ && values_.empty()) continue;
+      fit(*rows, std::size_t(n_slots_ + m) * row, std::size_t(cells) * row);
+      const float* src = rows == &keys_ ? k : v;
+      for (std::int64_t j = 0; j < m; ++j)
+        from_f32(type_, src + j * e, rows->data() + std::size_t(n_slots_ + j) * row, e);
+    }
+    n_slots_ += m;
+  }
+
   /// Keeps the slots of `keep` (one unit), compacted to the front as `cpu::compact` does;
   /// `tokens` are the slots' metadata before the eviction (left unchanged). The storage keeps its
   /// size: the next block lands in it.

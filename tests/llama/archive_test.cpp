@@ -1,0 +1,277 @@
+// The llama.cpp session's archive: what an eviction removes is read out of llama.cpp's cache
+// (llama_state_seq_*) and archived within its quantization bound; recall puts archived rows back
+// into llama.cpp's cache at their own positions, exactly as dequantized, and the bookkeeping
+// follows llama.cpp through refusals.
+#include "llama_fixture.hpp"
+
+#include <map>
+
+#include <infkv/llama_cpp/detail/kv_state.hpp>
+
+using namespace infkv_test;
+namespace lc = infkv::llama_cpp;
+
+namespace {
+
+struct setup {
+  bool fa = false;
+  ggml_type type = GGML_TYPE_F32;
+  std::int32_t bits = 8;
+};
+
+lc::session_options archive_options(const setup& c) {
+  auto o = lc::session_options::for_policy(infkv::snapkv{.window = 8});
+  o.key_type = infkv::dtype::f32;
+  o.values = true;  // the host copies are the test's reference for what llama.cpp held
+  o.positions = lc::position_mode::keep;
+  infkv::archive_options a;
+  a.page_tokens = 8, a.key_bits = c.bits, a.value_bits = c.bits, a.capacity_bytes = static_cast<std::size_t>(1) << 22;
+  o.archive = a;
+  o.scratch_seq = 1;
+  return o;
+}
+
+context_ptr archive_context(llama_model* m, lc::session& s, const setup& c, std::uint32_t seqs = 2) {
+  auto p = context_params({.flash_attn = c.fa, .n_ctx = 256, .n_ubatch = 32, .type_k = c.type});
+  p.n_seq_max = seqs;
+  p.kv_unified = true;
+  s.attach(p);
+  context_ptr ctx(llama_init_from_model(m, p));
+  REQUIRE(ctx != nullptr);
+  s.bind(ctx.get());
+  return ctx;
+}
+
+/// The session's host rows (f32) of every cached position: [layer] -> position -> (K row, V row).
+using rows_by_pos = std::vector<std::map<std::int64_t, std::pair<std::vector<float>, std::vector<float>>>>;
+rows_by_pos host_rows(lc::session& s) {
+  rows_by_pos out(static_cast<std::size_t>(s.n_layers()));
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+    const auto in = s.inputs(l);
+    const std::int64_t e = std::int64_t(in.keys.n_heads) * in.keys.head_dim;
+    for (std::int64_t j = 0; j < s.size(); ++j) {
+      std::vector<float> k(static_cast<std::size_t>(e)), v(static_cast<std::size_t>(e));
+      for (std::int32_t h = 0; h < in.keys.n_heads; ++h) {
+        infkv::to_f32(in.keys.type, in.keys.row(j, h), k.data() + h * in.keys.head_dim, in.keys.head_dim);
+        infkv::to_f32(in.values.type, in.values.row(j, h), v.data() + h * in.keys.head_dim, in.keys.head_dim);
+      }
+      out[static_cast<std::size_t>(l)][s.tokens()[static_cast<std::size_t>(j)].pos] = {k, v};
+    }
+  }
+  return out;
+}
+
+/// Every held page's dequantized rows: [layer] -> position -> (K row, V row).
+rows_by_pos archived_rows(const infkv::archive& a) {
+  const auto& sh = a.shape();
+  const std::int64_t e = std::int64_t(sh.kv_heads) * sh.head_dim;
+  rows_by_pos out(static_cast<std::size_t>(sh.n_layers));
+  for (const auto p : a.held()) {
+    const auto t = a.tokens(p);
+    const auto n = std::int64_t(t.size());
+    std::vector<std::vector<float>> k(static_cast<std::size_t>(sh.n_layers),
+                                      std::vector<float>(static_cast<std::size_t>(n * e))),
+        v = k;
+    std::vector<infkv::kv_view> views;
+    for (std::int32_t l = 0; l < sh.n_layers; ++l)
+      views.push_back(infkv::contiguous_nhd(k[static_cast<std::size_t>(l)].data(),
+                                            v[static_cast<std::size_t>(l)].data(), infkv::dtype::f32, n, sh.kv_heads,
+                                            sh.head_dim));
+    infkv::cpu::restore(a, p, views, 0);
+    for (std::int32_t l = 0; l < sh.n_layers; ++l)
+      for (std::int64_t i = 0; i < n; ++i)
+        out[static_cast<std::size_t>(l)][t[static_cast<std::size_t>(i)].pos] = {
+            std::vector<float>(k[static_cast<std::size_t>(l)].begin() + i * e,
+                               k[static_cast<std::size_t>(l)].begin() + (i + 1) * e),
+            std::vector<float>(v[static_cast<std::size_t>(l)].begin() + i * e,
+                               v[static_cast<std::size_t>(l)].begin() + (i + 1) * e)};
+  }
+  return out;
+}
+
+/// llama.cpp's rows of sequence `seq` by position, read through llama_state_seq_get_data.
+rows_by_pos engine_rows(llama_context* ctx, llama_seq_id seq, std::int32_t layers, std::int64_t e) {
+  std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx, seq));
+  REQUIRE(llama_state_seq_get_data(ctx, buf.data(), buf.size(), seq) == buf.size());
+  const auto st = lc::detail::parse_kv_state(buf, layers, e);
+  rows_by_pos out(static_cast<std::size_t>(layers));
+  for (std::int64_t c = 0; c < st.cells; ++c) {
+    std::int32_t pos;
+    std::memcpy(&pos, buf.data() + st.pos_at[static_cast<std::size_t>(c)], 4);
+    for (std::int32_t l = 0; l < layers; ++l) {
+      std::vector<float> k(static_cast<std::size_t>(e)), v(static_cast<std::size_t>(e));
+      infkv::to_f32(st.layers[static_cast<std::size_t>(l)].k_type, buf.data() + st.k_row(l, c), k.data(), e);
+      for (std::int64_t j = 0; j < e; ++j)
+        infkv::to_f32(st.layers[static_cast<std::size_t>(l)].v_type, buf.data() + st.v_elem(l, c, j), v.data() + j, 1);
+      out[static_cast<std::size_t>(l)][pos] = {k, v};
+    }
+  }
+  return out;
+}
+
+float rounded(float x, ggml_type t) { return t == GGML_TYPE_F16 ? infkv::f16_to_f32(infkv::f32_to_f16(x)) : x; }
+
+}  // namespace
+
+TEST_CASE("llama archive: evicted rows are read from llama.cpp's cache and archived within the bound") {
+  auto model = tiny_model(2);
+  setup c;
+  SUBCASE("f32 cache, flash attention off (V transposed)") { c = {false, GGML_TYPE_F32, 8}; }
+  SUBCASE("f16 cache, flash attention on, 4 bits") { c = {true, GGML_TYPE_F16, 4}; }
+  lc::session s(model.get(), archive_options(c));
+  auto ctx = archive_context(model.get(), s, c);
+  REQUIRE(s.decode(random_tokens(40, 1)) == 0);
+  // the parser reads exactly what the session captured from the graph (f32 cache: bit for bit)
+  const auto host = host_rows(s);
+  const std::int64_t e = std::int64_t(s.inputs(0).keys.n_heads) * s.inputs(0).keys.head_dim;
+  const auto engine = engine_rows(ctx.get(), 0, s.n_layers(), e);
+  for (std::int32_t l = 0; l < s.n_layers(); ++l)
+    for (const auto& [pos, kv] : host[static_cast<std::size_t>(l)]) {
+      const auto& got = engine[static_cast<std::size_t>(l)].at(pos);
+      for (std::int64_t j = 0; j < e; ++j) {
+        CHECK(got.first[static_cast<std::size_t>(j)] == rounded(kv.first[static_cast<std::size_t>(j)], c.type));
+        CHECK(got.second[static_cast<std::size_t>(j)] == rounded(kv.second[static_cast<std::size_t>(j)], c.type));
+      }
+    }
+  const auto r = s.evict(infkv::snapkv{.window = 8}, {.capacity = 24, .sinks = 2});
+  REQUIRE(r.evicted == 16);
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);  // the scratch sequence is empty
+  REQUIRE(s.archive() != nullptr);
+  CHECK(s.archive()->held_tokens() == 16);
+  CHECK(s.archive()->held_pages() == 2);
+  CHECK(s.memory().archive >= std::int64_t(s.archive()->memory()));
+  const auto back = archived_rows(*s.archive());
+  const float levels = float((1 << c.bits) - 1);
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+    REQUIRE(back[static_cast<std::size_t>(l)].size() == 16);
+    // every group's range is within the page's: half a step of the page's range bounds each error
+    for (const auto p : s.archive()->held()) {
+      float lo = 1e30f, hi = -1e30f;
+      for (const auto& t : s.archive()->tokens(p))
+        for (const auto& row :
+             {host[static_cast<std::size_t>(l)].at(t.pos).first, host[static_cast<std::size_t>(l)].at(t.pos).second})
+          for (float x : row) lo = std::min(lo, rounded(x, c.type)), hi = std::max(hi, rounded(x, c.type));
+      for (const auto& t : s.archive()->tokens(p)) {
+        const auto& want = host[static_cast<std::size_t>(l)].at(t.pos);
+        const auto& got = back[static_cast<std::size_t>(l)].at(t.pos);
+        for (std::int64_t j = 0; j < e; ++j) {
+          CHECK(std::fabs(got.first[static_cast<std::size_t>(j)] -
+                          rounded(want.first[static_cast<std::size_t>(j)], c.type)) <=
+                (hi - lo) / levels * 0.51f + 1e-3f);
+          CHECK(std::fabs(got.second[static_cast<std::size_t>(j)] -
+                          rounded(want.second[static_cast<std::size_t>(j)], c.type)) <=
+                (hi - lo) / levels * 0.51f + 1e-3f);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("llama archive: recall puts archived rows back at their positions, exactly as dequantized") {
+  auto model = tiny_model(2);
+  setup c;
+  SUBCASE("f32 cache, flash attention off") { c = {false, GGML_TYPE_F32, 4}; }
+  SUBCASE("f16 cache, flash attention on") { c = {true, GGML_TYPE_F16, 4}; }
+  lc::session s(model.get(), archive_options(c));
+  auto ctx = archive_context(model.get(), s, c);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2};
+  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
+  s.evict(policy, b);
+  REQUIRE(s.decode(random_tokens(8, 4)) == 0);  // the "question": its queries choose
+  const std::int64_t size = s.size(), held = s.archive()->held_tokens();
+  const auto before = archived_rows(*s.archive());
+  const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8});
+  REQUIRE(rep.tokens > 0);
+  CHECK(rep.tokens <= 8);
+  CHECK(std::int64_t(rep.positions.size()) == rep.tokens);
+  CHECK(s.size() == size);                    // as many slots displaced as brought back
+  CHECK(s.archive()->held_tokens() == held);  // the displaced went in, the recalled came out
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  const auto pos = positions(s);
+  const std::int64_t e = std::int64_t(s.inputs(0).keys.n_heads) * s.inputs(0).keys.head_dim;
+  const auto engine = engine_rows(ctx.get(), 0, s.n_layers(), e);
+  const auto host = host_rows(s);
+  for (const auto p : rep.positions) {
+    CHECK(pos.count(p) == 1);
+    CHECK(p < 64 - 8);  // an archived position, never the recent window
+    for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+      const auto& want = before[static_cast<std::size_t>(l)].at(p);
+      const auto& got = engine[static_cast<std::size_t>(l)].at(p);
+      for (std::int64_t j = 0; j < e; ++j) {
+        CHECK(got.first[static_cast<std::size_t>(j)] == rounded(want.first[static_cast<std::size_t>(j)], c.type));
+        CHECK(got.second[static_cast<std::size_t>(j)] == rounded(want.second[static_cast<std::size_t>(j)], c.type));
+        CHECK(host[static_cast<std::size_t>(l)].at(p).first[static_cast<std::size_t>(j)] ==
+              want.first[static_cast<std::size_t>(j)]);
+      }
+    }
+  }
+  // the stream goes on after the newest position, with the recalled rows in the cache
+  const auto next = s.next_pos();
+  REQUIRE(s.decode(random_tokens(4, 5)) == 0);
+  CHECK(s.tokens().back().pos == next + 3);
+  check_memory_matches(s);
+}
+
+TEST_CASE("llama archive: the engine refusing the recalled rows loses nothing") {
+  auto model = tiny_model(2);
+  const setup c;
+  auto o = archive_options(c);
+  bool refuse = true;
+  o.memory.state_set = [&](llama_context* ctx, const std::uint8_t* src, std::size_t n, llama_seq_id seq) {
+    return refuse ? static_cast<std::size_t>(0) : llama_state_seq_set_data(ctx, src, n, seq);
+  };
+  lc::session s(model.get(), o);
+  auto ctx = archive_context(model.get(), s, c);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2};
+  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
+  s.evict(policy, b);
+  REQUIRE(s.decode(random_tokens(8, 4)) == 0);
+  const std::int64_t size = s.size(), held = s.archive()->held_tokens();
+  std::int64_t m = 0;
+  try {
+    s.recall(policy, b, {.budget_tokens = 8, .candidates = 8});
+    FAIL("the refused write must raise");
+  } catch (const infkv::engine_error& err) {
+    CHECK(std::string(err.what()).find("the pages went back to the archive") != std::string::npos);
+    m = size - s.size();
+  }
+  CHECK(m > 0);
+  CHECK(s.archive()->held_tokens() == held + m);  // the displaced and the recalled pages are both archived
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  refuse = false;  // and the session goes on
+  REQUIRE(s.decode(random_tokens(2, 6)) == 0);
+  const auto rep = s.recall(policy, {.capacity = 24, .sinks = 2}, {.budget_tokens = 4, .candidates = 8});
+  CHECK(rep.tokens <= 4);
+  check_memory_matches(s);
+}
+
+TEST_CASE("llama archive: bad settings are refused with the option named") {
+  auto model = tiny_model(2);
+  const setup c;
+  auto o = archive_options(c);
+  o.positions = lc::position_mode::compact;
+  CHECK_THROWS_WITH(lc::session(model.get(), o), doctest::Contains("an archive needs position_mode::keep"));
+  o = archive_options(c);
+  o.scratch_seq = 0;
+  CHECK_THROWS_WITH(lc::session(model.get(), o), doctest::Contains("session_options.scratch_seq = 0"));
+  {
+    lc::session s(model.get(), archive_options(c));
+    auto p = context_params({.n_ctx = 256});
+    s.attach(p);
+    context_ptr ctx(llama_init_from_model(model.get(), p));  // one sequence only
+    CHECK_THROWS_WITH(s.bind(ctx.get()), doctest::Contains("must be below the context's n_seq_max = 1"));
+  }
+  lc::session s(model.get(), archive_options(c));
+  auto ctx = archive_context(model.get(), s, c);
+  REQUIRE(s.decode(random_tokens(16, 7)) == 0);
+  CHECK_THROWS_WITH(s.recall(infkv::snapkv{.window = 8}, {.capacity = 24, .sinks = 2}, {.budget_tokens = 4}),
+                    doctest::Contains("recall needs archived pages"));
+  lc::session plain(model.get(), lc::session_options::for_policy(infkv::snapkv{.window = 8}));
+  CHECK_THROWS_WITH(plain.recall(infkv::snapkv{.window = 8}, {.capacity = 24}, {.budget_tokens = 4}),
+                    doctest::Contains("session_options.archive = unset"));
+}
