@@ -275,3 +275,27 @@ TEST_CASE("llama archive: bad settings are refused with the option named") {
   CHECK_THROWS_WITH(plain.recall(infkv::snapkv{.window = 8}, {.capacity = 24}, {.budget_tokens = 4}),
                     doctest::Contains("session_options.archive = unset"));
 }
+
+TEST_CASE("llama archive: recall for a question decodes it aside and leaves the stream as it was") {
+  auto model = tiny_model(2);
+  const setup c;
+  lc::session s(model.get(), archive_options(c));
+  auto ctx = archive_context(model.get(), s, c);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2};
+  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
+  s.evict(policy, b);
+  REQUIRE(s.decode(random_tokens(8, 4)) == 0);
+  const auto qpos = std::vector<std::int64_t>(s.inputs(0).query_pos.begin(), s.inputs(0).query_pos.end());
+  const std::int64_t size = s.size(), next = s.next_pos();
+  const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8}, random_tokens(6, 9));
+  CHECK(rep.tokens <= 8);
+  CHECK(s.size() == size);
+  CHECK(s.next_pos() == next);  // the question's tokens are not part of the stream
+  CHECK(std::vector<std::int64_t>(s.inputs(0).query_pos.begin(), s.inputs(0).query_pos.end()) == qpos);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  check_memory_matches(s);
+  for (const auto p : rep.positions) CHECK(p < 64 - 8);
+  CHECK_THROWS_WITH(s.recall(policy, b, {.budget_tokens = 8}, std::vector<llama_token>{}),
+                    doctest::Contains("question.size() = 0"));
+}

@@ -13,7 +13,8 @@
 namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
-/// --recent-share, --keydiff-kernel and --keep-positions for `s` to `app`.
+/// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates and
+/// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
   const auto pos = at_least(1), nonneg = at_least(0);
@@ -39,6 +40,17 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "recent_keydiff, saddle_union: KeyDiff scores max-pooled over this many "
                  "neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
+  app.add_option("--archive", s.archive_bits,
+                 "keep what evictions remove in an archive at this many bits (2, 4, 8; needs --keep-positions)")
+      ->check(CLI::IsMember({2, 4, 8}));
+  app.add_option("--archive-mib", s.archive_mib, "the archive's capacity in MiB (the oldest pages leave when full)")
+      ->check(pos);
+  app.add_option("--archive-page", s.archive_page, "evicted slots per archive page (the unit recall brings back)")
+      ->check(at_least(1, true, 4096));
+  app.add_option("--recall", s.recall_tokens,
+                 "before each question, bring back at most this many archived slots it needs (needs --archive)")
+      ->check(pos);
+  app.add_option("--recall-candidates", s.recall_candidates, "archive pages scored exactly per recall")->check(pos);
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

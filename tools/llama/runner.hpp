@@ -40,13 +40,18 @@ struct settings : infkv_tools::policy_knobs {
   std::int64_t ask_room = 0;    ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
   std::optional<infkv::dtype> key_type{};            ///< the session's key copies (unset: the cache's own)
+  std::int32_t archive_bits = 0;        ///< archive what evictions remove at this many bits (0: no archive)
+  std::int64_t archive_mib = 256;       ///< the archive's capacity
+  std::int32_t archive_page = 16;       ///< slots per archive page (16 answered more needles than 8 or 32 at 2K)
+  std::int64_t recall_tokens = 0;       ///< recall before each question, at most this many slots (0: none)
+  std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
 /// question, two sequences when questions are asked.
 inline llama_context_params runner_params(const settings& s, std::int64_t cells, std::int64_t n_batch) {
   return context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
-                        s.ask_room > 0 ? 2 : 1);
+                        s.ask_room > 0 || s.archive_bits > 0 ? 2 : 1);
 }
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
@@ -155,8 +160,17 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
       .reduce = s.reduce,
       .positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact,
       .executor = {s.threads}};
-  return infkv_tools::with_policy(
+  auto o = infkv_tools::with_policy(
       k, s, [&](const auto& p) { return infkv::llama_cpp::session_options::for_policy(p, base); });
+  if (s.archive_bits > 0) {  // sequence 1, where questions are asked aside, is the archive's scratch sequence too
+    infkv::archive_options a;
+    a.key_bits = a.value_bits = s.archive_bits;
+    a.page_tokens = s.archive_page;
+    a.capacity_bytes = std::size_t(s.archive_mib) << 20;
+    o.archive = a;
+    o.scratch_seq = 1;
+  }
+  return o;
 }
 
 /// An infkv session over a context of budget + max_feed cells, evicting with one policy.
@@ -213,8 +227,27 @@ class session_runner final : public runner {
     return r.evicted;
   }
 
+  /// With --recall, brings back from the archive what the question needs first (decoded aside on
+  /// the scratch sequence), then asks it aside as every runner does.
+  answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
+             std::int64_t gen) override {
+    if (set_.recall_tokens > 0) {
+      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates};
+      const auto rep = infkv_tools::with_policy(
+          kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
+      recalled_ += rep.tokens;
+      // keep positions: a slot's position is its stream index
+      cached_.clear();
+      for (const auto& t : session_.tokens()) cached_.push_back(t.pos);
+      std::sort(cached_.begin(), cached_.end());
+    }
+    return runner::ask(question, candidates, gen);
+  }
+
   std::int64_t slots() const override { return session_.size(); }
   std::int64_t next_pos() const override { return session_.next_pos(); }
+  /// Slots brought back by recall so far.
+  std::int64_t recalled() const { return recalled_; }
   infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
 
   /// What the session holds beside llama.cpp's cache (session::memory()).
@@ -226,6 +259,7 @@ class session_runner final : public runner {
   infkv::budget budget_;
   std::int64_t cap_;
   infkv::llama_cpp::session session_;
+  std::int64_t recalled_ = 0;
 };
 
 /// No eviction: a context large enough for the whole stream.

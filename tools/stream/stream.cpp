@@ -147,6 +147,27 @@ std::vector<stream::policy_info> check(const options& o) {
   }
   for (const auto& p : chosen)
     if (const std::string why = infkv_tools::budget_problem(p.k, o.s.budget, o.s); !why.empty()) usage_error(why);
+  if (o.s.archive_bits > 0 && !o.s.keep_positions)
+    usage_error(fmt::format("--archive = {}: needs --keep-positions (recalled rows go back at their own positions)",
+                            o.s.archive_bits));
+  if (o.s.recall_tokens > 0 && o.s.archive_bits == 0)
+    usage_error(fmt::format("--recall = {}: needs --archive BITS", o.s.recall_tokens));
+  if (o.s.recall_tokens > 0 && !retrieval)
+    usage_error(fmt::format("--recall = {}: recall runs before questions (--needle or --passkey)", o.s.recall_tokens));
+  for (const auto& p : chosen) {
+    if (o.s.archive_bits == 0) break;
+    const bool session = p.k != stream::kind::full && !infkv_tools::engine_only(p.k);
+    const bool reads = session && infkv_tools::with_policy(p.k, o.s, [](const auto& x) {
+                         const auto sp = x.spec();
+                         for (std::int32_t i = 0; i < sp.parts(); ++i)
+                           if (!sp.part(i).reads_queries()) return false;
+                         return true;
+                       });
+    if (!session || (o.s.recall_tokens > 0 && !reads))
+      usage_error(fmt::format(
+          "--policy = {}: {} (--archive / --recall)", p.name,
+          session ? "recall scores with the policy, and it reads no queries" : "has no session to archive from"));
+  }
   return chosen;
 }
 
@@ -195,6 +216,11 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"reduce", infkv::to_string(o.s.reduce)},
             {"threads", o.s.threads},
             {"keep_positions", o.s.keep_positions},
+            {"archive_bits", o.s.archive_bits},
+            {"archive_mib", o.s.archive_mib},
+            {"archive_page", o.s.archive_page},
+            {"recall_tokens", o.s.recall_tokens},
+            {"recall_candidates", o.s.recall_candidates},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};

@@ -9,7 +9,8 @@
 # captures); three needles in one stream, each asked at distances 100 and 300 (every question
 # at its distance, the full cache holding every key): asking leaves no trace, so the questions at
 # 300 score the same whether the answers at 100 were 8 tokens long or 1; and a --skip run whose
-# block token counts start after the skipped tokens.
+# block token counts start after the skipped tokens. With --archive 4 --recall 32, SnapKV's needle
+# run completes with every question asked.
 # MODE bad_flag: bad values must fail with a message naming the flag. MODE too_big: a budget no
 # machine holds is refused at once, naming --budget.
 # Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
@@ -117,6 +118,16 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "key statement of ${key_tokens} tokens: full kept ${full_kept} (all expected), "
                         "streaming_llm ${window_kept} (none expected)")
   endif()
+  # With an archive and recall before each question: the run completes, the questions recall
+  # what SnapKV's 128-slot cache lost, and the settings are recorded.
+  run_stream(--recall --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+             --policy snapkv --keep-positions --archive 4 --recall 32)
+  string(JSON bits GET "${json}" settings archive_bits)
+  string(JSON recall GET "${json}" settings recall_tokens)
+  string(JSON asked LENGTH "${json}" runs 0 trials)
+  if(NOT bits EQUAL 4 OR NOT recall EQUAL 32 OR NOT asked EQUAL 3)
+    message(FATAL_ERROR "--archive 4 --recall 32: settings ${bits} / ${recall}, ${asked} questions (3)")
+  endif()
   run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
              --policy full,streaming_llm,expected_attention)
   # The JSON names the program that made it and the needle protocol (scripts/eval_sweep.py's record).
@@ -182,7 +193,8 @@ elseif(MODE STREQUAL "too_big")
     message(FATAL_ERROR "infkv-stream --budget 2000000000: exit ${rc}, expected a one-line refusal:\n${err}")
   endif()
 elseif(MODE STREQUAL "bad_flag")
-  foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100")
+  foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100" "--archive;3"
+               "--archive;4" "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)

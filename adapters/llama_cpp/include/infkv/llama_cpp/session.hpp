@@ -319,35 +319,92 @@ class session {
     return apply(keep_set::from_view(out));
   }
 
-  /// Brings back from the archive what the window queries need (the last decoded tokens': decode
-  /// a question but its last token, recall, then decode the last token and answer): up to
-  /// `o.budget_tokens` archived slots, chosen and placed by `cpu::recaller` with `p` (a policy
-  /// whose score reads queries) under the cache's budget `b`, in place of as many cached slots,
-  /// which are archived and removed first (never sinks or the recent window). The pages' rows go
-  /// back into llama.cpp's cache at their own positions through the scratch sequence
-  /// (llama_state_seq_set_data, then llama_memory_seq_cp), and into the session's copies. When the
-  /// engine refuses the rows, the pages go back into the archive and the error says the cache
-  /// holds that many slots fewer; the bookkeeping follows the engine either way.
+  /// Brings back from the archive what `question` needs before it is asked: its post-RoPE queries
+  /// come from decoding it after the cache on the scratch sequence (sharing the session's cells;
+  /// removed again, the session's sequence is untouched), then recall as below with them.
+  template <policy P>
+  recall_report recall(const P& p, const budget& b, const cpu::recall_options& o,
+                       std::span<const llama_token> question) {
+    INFKV_REQUIRE(archive_.has_value(), "session_options.archive", "unset",
+                  "recall needs a session created with an archive");
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before recalling");
+    INFKV_REQUIRE(!question.empty(), "question.size()", 0, "recall needs the question's tokens");
+    INFKV_REQUIRE(opt_.capture, "session_options.capture", "false", "recall reads queries: capture must be on");
+    INFKV_REQUIRE(std::uint32_t(question.size()) <= llama_n_batch(ctx_), "question.size()", question.size(),
+                  "exceeds the context's n_batch = ", llama_n_batch(ctx_));
+    const stopwatch w{stats_.recall};
+    const llama_seq_id sc = opt_.scratch_seq;
+    opt_.memory.seq_cp(mem_, opt_.seq, sc, -1, -1);
+    llama_batch batch = llama_batch_init(std::int32_t(question.size()), 0, 1);
+    struct guard {
+      llama_batch& b;
+      ~guard() { llama_batch_free(b); }
+    } g{batch};
+    const std::int64_t p0 = next_pos(), n = std::int64_t(question.size());
+    std::vector<std::int64_t> qpos;
+    for (std::int64_t i = 0; i < n; ++i) {
+      batch.token[i] = question[std::size_t(i)];
+      batch.pos[i] = llama_pos(p0 + i);
+      batch.n_seq_id[i] = 1;
+      batch.seq_id[i][0] = sc;
+      batch.logits[i] = i + 1 == n;
+      qpos.push_back(p0 + i);
+    }
+    batch.n_tokens = std::int32_t(n);
+    for (auto& l : layers_) l.begin(n, n, llama_n_ctx(ctx_));
+    observer_.begin();
+    const std::int32_t rc = llama_decode(ctx_, batch);
+    observer_.end();
+    clear_scratch();
+    std::string why = rc != 0 ? "llama_decode of the question returned " + std::to_string(rc) : observer_.error();
+    for (std::int32_t l = 0; why.empty() && l < n_layers(); ++l)
+      if (observer_.layers()[std::size_t(l)].n_q != n)
+        why = "cb_eval saw " + std::to_string(observer_.layers()[std::size_t(l)].n_q) + " query rows of layer " +
+              std::to_string(l) + " for " + std::to_string(n) + " question tokens";
+    if (!why.empty()) infkv::raise<engine_error>("infkv: recall: ", why, "; nothing was recalled");
+    std::vector<const_tensor_view> queries;
+    for (auto& l : layers_) queries.push_back(l.batch_queries());
+    return recall_with(p, b, o, queries, qpos);
+  }
+
+  /// Brings back from the archive what the window queries need (the last decoded tokens'), as
+  /// recall(p, b, o, question) does with the question's.
   template <policy P>
   recall_report recall(const P& p, const budget& b, const cpu::recall_options& o) {
     INFKV_REQUIRE(archive_.has_value(), "session_options.archive", "unset",
                   "recall needs a session created with an archive");
     INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before recalling");
-    p.validate();
-    require_captures(p.spec());
     const stopwatch w{stats_.recall};
-    layers_in_.clear();
     std::vector<const_tensor_view> queries;
     for (std::int32_t l = 0; l < n_layers(); ++l) {
-      layers_in_.push_back(inputs(l));
-      queries.push_back(layers_in_.back().queries);
+      queries.push_back(layers_[std::size_t(l)].queries());
       INFKV_REQUIRE(queries.back().n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
-                    "decode the question's tokens (all but its last) before recall: their queries choose");
+                    "decode at least one token before recall: the window queries choose");
     }
+    const auto qpos = layers_[0].query_pos();
+    return recall_with(p, b, o, queries, std::vector<std::int64_t>(qpos.begin(), qpos.end()));
+  }
+
+ private:
+  /// Recall for `queries` (per layer) at positions `qpos`: up to `o.budget_tokens` archived slots,
+  /// chosen and placed by `cpu::recaller` with `p` (a policy whose score reads queries) under the
+  /// cache's budget `b`, in place of as many cached slots, which are archived and removed first
+  /// (never sinks or the recent window). The pages' rows go back into llama.cpp's cache at their
+  /// own positions through the scratch sequence (llama_state_seq_set_data, then
+  /// llama_memory_seq_cp), and into the session's copies. When the engine refuses the rows, the
+  /// pages go back into the archive and the error says the cache holds that many slots fewer;
+  /// the bookkeeping follows the engine either way.
+  template <policy P>
+  recall_report recall_with(const P& p, const budget& b, const cpu::recall_options& o,
+                            std::span<const const_tensor_view> queries, const std::vector<std::int64_t>& qpos) {
+    p.validate();
+    require_captures(p.spec());
+    layers_in_.clear();
+    for (std::int32_t l = 0; l < n_layers(); ++l) layers_in_.push_back(inputs(l));
     const cpu::backend be{opt_.executor};
     cpu::recaller rc(*archive_, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
-    const cpu::recall_result res = rc.recall(*archive_, std::span<const layer_inputs<const_tensor_view>>(layers_in_),
-                                             queries, layers_in_[0].query_pos, opt_.scale);
+    const cpu::recall_result res =
+        rc.recall(*archive_, std::span<const layer_inputs<const_tensor_view>>(layers_in_), queries, qpos, opt_.scale);
     recall_report rep;
     if (res.pages.empty()) return rep;
     const std::int64_t m = res.tokens, E = row_elems();
@@ -428,6 +485,7 @@ class session {
     return rep;
   }
 
+ public:
   /// Removes exactly the slots not in `keep` (one unit over the current slots) and compacts
   /// positions in compact mode: for callers that select themselves.
   eviction_result apply(const keep_set& keep) {
