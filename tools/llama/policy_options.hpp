@@ -41,7 +41,7 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
   app.add_option("--archive", s.archive_bits,
-                 "keep what evictions remove in an archive at this many bits (2, 4, 8; needs --keep-positions)")
+                 "keep what evictions remove in an archive at this many bits (2, 4, 8; implies --keep-positions)")
       ->check(CLI::IsMember({2, 4, 8}));
   app.add_option("--archive-mib", s.archive_mib, "the archive's capacity in MiB (the oldest pages leave when full)")
       ->check(pos);

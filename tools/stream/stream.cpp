@@ -147,9 +147,6 @@ std::vector<stream::policy_info> check(const options& o) {
   }
   for (const auto& p : chosen)
     if (const std::string why = infkv_tools::budget_problem(p.k, o.s.budget, o.s); !why.empty()) usage_error(why);
-  if (o.s.archive_bits > 0 && !o.s.keep_positions)
-    usage_error(fmt::format("--archive = {}: needs --keep-positions (recalled rows go back at their own positions)",
-                            o.s.archive_bits));
   if (o.s.recall_tokens > 0 && o.s.archive_bits == 0)
     usage_error(fmt::format("--recall = {}: needs --archive BITS", o.s.recall_tokens));
   if (o.s.recall_tokens > 0 && !retrieval)
@@ -395,6 +392,7 @@ int main(int argc, char** argv) {
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
   if (!o.key_type.empty()) o.s.key_type = o.key_type == "f32" ? infkv::dtype::f32 : infkv::dtype::f16;
+  if (o.s.archive_bits > 0) o.s.keep_positions = true;  // recalled rows go back at their own positions
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;

@@ -121,12 +121,14 @@ elseif(MODE STREQUAL "passkey")
   # With an archive and recall before each question: the run completes, the questions recall
   # what SnapKV's 128-slot cache lost, and the settings are recorded.
   run_stream(--recall --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
-             --policy snapkv --keep-positions --archive 4 --recall 32)
+             --policy snapkv --archive 4 --recall 32)
   string(JSON bits GET "${json}" settings archive_bits)
   string(JSON recall GET "${json}" settings recall_tokens)
+  string(JSON keep GET "${json}" settings keep_positions)
   string(JSON asked LENGTH "${json}" runs 0 trials)
-  if(NOT bits EQUAL 4 OR NOT recall EQUAL 32 OR NOT asked EQUAL 3)
-    message(FATAL_ERROR "--archive 4 --recall 32: settings ${bits} / ${recall}, ${asked} questions (3)")
+  if(NOT bits EQUAL 4 OR NOT recall EQUAL 32 OR NOT keep OR NOT asked EQUAL 3)
+    message(FATAL_ERROR "--archive 4 --recall 32: settings ${bits} / ${recall}, keep positions ${keep}, ${asked} "
+                        "questions (3)")
   endif()
   run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
              --policy full,streaming_llm,expected_attention)
@@ -194,7 +196,7 @@ elseif(MODE STREQUAL "too_big")
   endif()
 elseif(MODE STREQUAL "bad_flag")
   foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100" "--archive;3"
-               "--archive;4" "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100")
+               "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
