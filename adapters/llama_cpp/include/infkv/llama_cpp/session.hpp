@@ -25,7 +25,7 @@
 #include <infkv/infkv.hpp>
 
 #include "capture.hpp"
-#include "detail/kv_state.hpp"
+#include "detail/archive_link.hpp"
 #include "detail/layer_cache.hpp"
 #include "detail/positions.hpp"
 #include "model_info.hpp"
@@ -63,12 +63,7 @@ class session {
                     opt_.scratch_seq, "an archive needs a second sequence of the context (not seq = ", opt_.seq, ")");
       INFKV_REQUIRE(!opt_.track_h2o, "session_options.track_h2o", "set",
                     "an archive recalls with a policy that reads queries; H2O's running scores cannot follow it");
-      const std::int32_t heads = llama_model_n_head_kv(model), q_heads = llama_model_n_head(model);
-      const auto arch = meta_string(model, "general.architecture").value_or("");
-      const auto head_dim = std::int32_t(
-          meta_number(model, arch + ".attention.key_length", double(llama_model_n_embd(model) / std::max(1, q_heads))));
-      archive_.emplace(archive_shape{llama_model_n_layer(model), heads, head_dim, granularity::per_token},
-                       *opt_.archive);
+      archive_.emplace(model, *opt_.archive);
     }
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
@@ -143,15 +138,13 @@ class session {
     for (const auto& h : h2o_) m.h2o += h.bytes();
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
     m.tokens = book_.bytes();
-    m.archive = archive_ ? std::int64_t(archive_->memory() + state_.capacity() + archive_ws_.capacity() +
-                                        (staged_.capacity() + vrows_.capacity()) * sizeof(float))
-                         : 0;
+    m.archive = archive_ ? archive_->bytes() : 0;
     return m;
   }
   /// Where the time went since bind (or the last reset_stats()).
   const session_stats& stats() const { return stats_; }
   /// The archive of what evictions removed (session_options::archive), or null.
-  const infkv::archive* archive() const { return archive_ ? &*archive_ : nullptr; }
+  const infkv::archive* archive() const { return archive_ ? &archive_->store() : nullptr; }
   void reset_stats() { stats_ = {}; }
   /// Metadata of the cached tokens, in the session's slot order.
   std::span<const token> tokens() const { return book_.tokens(); }
@@ -355,7 +348,7 @@ class session {
     observer_.begin();
     const std::int32_t rc = llama_decode(ctx_, batch);
     observer_.end();
-    clear_scratch();
+    route().clear_scratch();
     std::string why = rc != 0 ? "llama_decode of the question returned " + std::to_string(rc) : observer_.error();
     for (std::int32_t l = 0; why.empty() && l < n_layers(); ++l)
       if (observer_.layers()[std::size_t(l)].n_q != n)
@@ -402,29 +395,20 @@ class session {
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) layers_in_.push_back(inputs(l));
     const cpu::backend be{opt_.executor};
-    cpu::recaller rc(*archive_, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
+    infkv::archive& store = archive_->store();
+    cpu::recaller rc(store, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
     const cpu::recall_result res =
-        rc.recall(*archive_, std::span<const layer_inputs<const_tensor_view>>(layers_in_), queries, qpos, opt_.scale);
+        rc.recall(store, std::span<const layer_inputs<const_tensor_view>>(layers_in_), queries, qpos, opt_.scale);
     recall_report rep;
     if (res.pages.empty()) return rep;
-    const std::int64_t m = res.tokens, E = row_elems();
-    const std::int32_t L = n_layers();
-    // 1. the pages' rows, staged as f32 [K | V][layer][m][E], and their tokens; the pages leave the archive
-    staged_.assign(std::size_t(2 * L * m * E), 0.f);
-    std::vector<token> back;
+    const std::int64_t m = res.tokens;
+    // 1. the pages' rows and tokens staged; the pages leave the archive
     const std::vector<std::int32_t> pages(res.pages.begin(), res.pages.end());
-    for (const std::int32_t page : pages) {
-      const auto t = archive_->tokens(page);
-      std::vector<kv_view> out;
-      for (std::int32_t l = 0; l < L; ++l)
-        out.push_back(contiguous_nhd(staged(false, l, m) + std::int64_t(back.size()) * E,
-                                     staged(true, l, m) + std::int64_t(back.size()) * E, dtype::f32,
-                                     std::int64_t(t.size()), archive_->shape().kv_heads, archive_->shape().head_dim));
-      cpu::restore(*archive_, page, out, 0);
-      back.insert(back.end(), t.begin(), t.end());
-    }
-    for (const std::int32_t page : pages) archive_->release(page);
-    // 2. the displaced slots leave (archived first); the state read of them is the template of the rows' way back
+    const std::vector<token> back = [&] {
+      const auto t = archive_->stage(pages, m);
+      return std::vector<token>(t.begin(), t.end());
+    }();
+    // 2. the displaced slots leave, archived first (that state read is the template of step 3)
     keep_set keep(size());
     std::vector<std::int64_t> kept;
     for (std::int64_t s = 0, d = 0; s < size(); ++s)
@@ -436,50 +420,24 @@ class session {
     try {
       apply(keep);
     } catch (...) {
-      archive_staged(back);  // nothing lost: the pages go back
+      archive_->unstage();  // nothing lost: the pages go back
       throw;
     }
-    // 3. the staged rows into the template, restored into the scratch sequence, shared into the session's
-    const detail::kv_state st = detail::parse_kv_state(state_, L, E);
-    if (st.cells != m) {
-      archive_staged(back);
-      infkv::raise<engine_error>("infkv: recall: llama.cpp's state of the ", m, " displaced slots holds ", st.cells,
-                                 " cells; the pages went back to the archive and the cache holds ", m, " slots fewer");
-    }
-    for (std::int64_t c = 0; c < m; ++c) {
-      const auto pos = std::int32_t(back[std::size_t(c)].pos);
-      std::memcpy(state_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
-      for (std::int32_t l = 0; l < L; ++l) {
-        const auto& sl = st.layers[std::size_t(l)];
-        from_f32(sl.k_type, staged(false, l, m) + c * E, state_.data() + st.k_row(l, c), E);
-        const float* v = staged(true, l, m) + c * E;
-        if (!st.v_trans)
-          from_f32(sl.v_type, v, state_.data() + st.v_elem(l, c, 0), E);
-        else
-          for (std::int64_t j = 0; j < E; ++j) from_f32(sl.v_type, v + j, state_.data() + st.v_elem(l, c, j), 1);
-      }
-    }
-    const std::size_t put = opt_.memory.state_set(ctx_, state_.data(), state_.size(), opt_.scratch_seq);
-    if (put != state_.size()) {
-      clear_scratch();
-      archive_staged(back);
+    // 3. the staged rows into llama.cpp's cache at their positions
+    try {
+      archive_->write_back(route());
+    } catch (...) {
       verify();
-      infkv::raise<engine_error>("infkv: llama_state_seq_set_data(seq = ", opt_.scratch_seq, ") = ", put, " of ",
-                                 state_.size(),
-                                 " bytes: the recalled rows could not be written; the pages went "
-                                 "back to the archive and the cache holds ",
-                                 m, " slots fewer");
+      throw;
     }
-    opt_.memory.seq_cp(mem_, opt_.scratch_seq, opt_.seq, -1, -1);
-    clear_scratch();
     // 4. the session follows: bookkeeping, key (and value) copies
     for (const token& t : back) {
       const std::int64_t pos = t.pos;
       book_.append({&pos, 1}, t.segment, t.kind);
       rep.positions.push_back(pos);
     }
-    for (std::int32_t l = 0; l < L; ++l)
-      layers_[std::size_t(l)].append(staged(false, l, m), staged(true, l, m), m, llama_n_ctx(ctx_));
+    for (std::int32_t l = 0; l < n_layers(); ++l)
+      layers_[std::size_t(l)].append(archive_->staged(false, l), archive_->staged(true, l), m, llama_n_ctx(ctx_));
     verify();
     rep.pages = std::int64_t(pages.size()), rep.tokens = m;
     return rep;
@@ -494,7 +452,10 @@ class session {
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens());
-    if (archive_ && keep.size(0) < size()) archive_removed(keep, res.removed);
+    if (archive_ && keep.size(0) < size()) {
+      const stopwatch w{stats_.archive};
+      archive_->archive_removed(route(), keep, res.removed, tokens());
+    }
     ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
@@ -582,93 +543,8 @@ class session {
                                  "sequence and start a new session");
   }
 
-  /// Elements of one cell's K or V row (KV heads x head_dim).
-  std::int64_t row_elems() const { return std::int64_t(archive_->shape().kv_heads) * archive_->shape().head_dim; }
-  /// Layer l's staged rows of a recall of m slots (keys, or values).
-  float* staged(bool values, std::int32_t l, std::int64_t m) {
-    return staged_.data() + ((values ? std::int64_t(n_layers()) : 0) + l) * m * row_elems();
-  }
-  /// Empties the scratch sequence; throws when the memory refuses.
-  void clear_scratch() {
-    if (!opt_.memory.seq_rm(mem_, opt_.scratch_seq, -1, -1))
-      infkv::raise<engine_error>("infkv: llama_memory_seq_rm(seq = ", opt_.scratch_seq,
-                                 ", -1, -1) = false: the archive's scratch sequence could not be emptied");
-  }
-  /// Reads llama.cpp's rows of the session's cells in `runs` into state_ (through the scratch
-  /// sequence, left empty) and parses them.
-  detail::kv_state read_cells(std::span<const position_run> runs) {
-    const llama_seq_id sc = opt_.scratch_seq;
-    for (const auto& r : runs) opt_.memory.seq_cp(mem_, opt_.seq, sc, llama_pos(r.begin), llama_pos(r.end));
-    const std::size_t n = llama_state_seq_get_size(ctx_, sc);
-    state_.resize(n);
-    const std::size_t got = opt_.memory.state_get(ctx_, state_.data(), n, sc);
-    clear_scratch();
-    if (got != n)
-      infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", sc, ") = ", got, " of ", n,
-                                 " bytes: the evicted rows could not be read for the archive");
-    return detail::parse_kv_state(state_, n_layers(), row_elems());
-  }
-  /// Archives llama.cpp's rows of the slots `keep` evicts (position runs `runs`), before they go.
-  void archive_removed(const keep_set& keep, std::span<const position_run> runs) {
-    const stopwatch w{stats_.archive};
-    const detail::kv_state st = read_cells(runs);
-    const std::int64_t m = size() - keep.size(0), E = row_elems();
-    if (st.cells != m)
-      infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at the ", m,
-                                 " evicted slots' positions (slots sharing a position?): nothing was archived or "
-                                 "removed");
-    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the evicted slots
-    const auto mask = keep.mask(0);
-    for (std::int64_t s = 0; s < size(); ++s)
-      if (!mask[std::size_t(s)]) by_pos.push_back({tokens()[std::size_t(s)].pos, s});
-    std::sort(by_pos.begin(), by_pos.end());
-    std::vector<token> toks(static_cast<std::size_t>(m));
-    for (std::int64_t c = 0; c < m; ++c) {
-      std::int32_t pos;
-      std::memcpy(&pos, state_.data() + st.pos_at[std::size_t(c)], sizeof pos);
-      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
-      if (it == by_pos.end() || it->first != pos)
-        infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", pos,
-                                   " is not an evicted slot of the session: nothing was archived or removed");
-      toks[std::size_t(c)] = tokens()[std::size_t(it->second)];
-    }
-    const std::int32_t L = n_layers(), H = archive_->shape().kv_heads, d = archive_->shape().head_dim;
-    if (st.v_trans) vrows_.assign(std::size_t(L * m * E), 0.f);  // V rows out of their transposed layout
-    std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(L));
-    for (std::int32_t l = 0; l < L; ++l) {
-      const auto& sl = st.layers[std::size_t(l)];
-      in[std::size_t(l)].tokens = toks;
-      in[std::size_t(l)].keys = nhd(static_cast<const void*>(state_.data() + sl.k_at), sl.k_type, m, H, d);
-      if (!st.v_trans) {
-        in[std::size_t(l)].values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
-        continue;
-      }
-      float* v = vrows_.data() + std::size_t(l * m * E);
-      for (std::int64_t c = 0; c < m; ++c)
-        for (std::int64_t j = 0; j < E; ++j) to_f32(sl.v_type, state_.data() + st.v_elem(l, c, j), v + c * E + j, 1);
-      in[std::size_t(l)].values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
-    }
-    archive_with(in, m);
-  }
-  /// Archives the rows of `back` staged in staged_ (a recall's pages the engine did not take back).
-  void archive_staged(std::span<const token> back) {
-    const auto m = std::int64_t(back.size());
-    const std::int32_t H = archive_->shape().kv_heads, d = archive_->shape().head_dim;
-    std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(n_layers()));
-    for (std::int32_t l = 0; l < n_layers(); ++l) {
-      in[std::size_t(l)].tokens = back;
-      in[std::size_t(l)].keys = nhd(static_cast<const void*>(staged(false, l, m)), dtype::f32, m, H, d);
-      in[std::size_t(l)].values = nhd(static_cast<const void*>(staged(true, l, m)), dtype::f32, m, H, d);
-    }
-    archive_with(in, m);
-  }
-  /// Archives all `m` slots of `in` (every layer).
-  void archive_with(std::span<const layer_inputs<const_tensor_view>> in, std::int64_t m) {
-    keep_set none(m);
-    none.add_unit({});
-    archive_ws_.resize(cpu::archive_scratch_bytes(*archive_, m));
-    cpu::archive_evicted(*archive_, in, none, archive_ws_, 0);
-  }
+  /// The archive's way to llama.cpp's rows.
+  detail::cache_route route() const { return {ctx_, mem_, &opt_.memory, opt_.seq, opt_.scratch_seq}; }
 
   void observe_h2o(std::span<const std::int64_t> pos) {
     if (h2o_.empty())
@@ -750,11 +626,7 @@ class session {
   std::vector<cpu::h2o_state> h2o_;
   std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
-  std::optional<infkv::archive> archive_;                   // session_options::archive
-  std::vector<std::uint8_t> state_;                         // llama_state_seq data of the last cells read
-  std::vector<float> staged_;                               // a recall's rows
-  std::vector<float> vrows_;                                // V rows read out of a transposed state
-  std::vector<std::byte> archive_ws_;                       // archive_evicted's scratch
+  std::optional<detail::archive_link> archive_;             // session_options::archive
 };
 
 }  // namespace infkv::llama_cpp

@@ -39,6 +39,12 @@ struct kv_state {
   std::int64_t row_elems = 0;  ///< elements of one cell's K or V row (kv_heads * head_dim)
   std::vector<layer> layers;
 
+  /// Cell c's position in `buf`, the buffer parsed.
+  std::int64_t pos(std::span<const std::uint8_t> buf, std::int64_t c) const {
+    std::int32_t p;
+    std::memcpy(&p, buf.data() + pos_at[std::size_t(c)], sizeof p);
+    return p;
+  }
   /// Cell c's K row of layer l (row_elems elements of layers[l].k_type).
   std::size_t k_row(std::int32_t l, std::int64_t c) const {
     return layers[std::size_t(l)].k_at + std::size_t(c) * layers[std::size_t(l)].k_row;
