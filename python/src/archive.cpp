@@ -135,9 +135,9 @@ void bind_archive(nb::module_& m) {
           "__init__",
           [](infkv::cpu::recaller* r, const infkv::archive& a, const any_policy& pol, const infkv::budget& b,
              std::int64_t budget_tokens, std::int32_t candidates, std::int64_t max_cache_slots, std::int32_t q_heads,
-             std::int64_t max_queries, int threads) {
+             std::int64_t max_queries, bool recency_bias, int threads) {
             (void)infkv::cpu::workers({.threads = threads}, 1);  // checks the thread count
-            const infkv::cpu::recall_options o{budget_tokens, candidates};
+            const infkv::cpu::recall_options o{budget_tokens, candidates, recency_bias};
             std::visit(
                 [&](const auto& p) {
                   new (r) infkv::cpu::recaller(a, p, b, o, max_cache_slots, q_heads, max_queries,
@@ -146,7 +146,7 @@ void bind_archive(nb::module_& m) {
                 pol);
           },
           "archive"_a, "policy"_a, "budget"_a, nb::kw_only(), "budget_tokens"_a, "candidates"_a = 32,
-          "max_cache_slots"_a, "q_heads"_a, "max_queries"_a, "threads"_a = 1)
+          "max_cache_slots"_a, "q_heads"_a, "max_queries"_a, "recency_bias"_a = true, "threads"_a = 1)
       .def(
           "recall",
           [](infkv::cpu::recaller& r, const infkv::archive& a, nb::handle layers_h,

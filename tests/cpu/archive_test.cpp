@@ -560,6 +560,23 @@ TEST_CASE("archive: recall brings back the page a question asks for and displace
     CHECK(cached.tokens[std::size_t(j)].pos < n - 8);
   }
 
+  SUBCASE("recall can score without the policy's recency bias: as the policy with beta 0") {
+    infkv::inf_mllm biased;
+    biased.window = 4, biased.kernel = 1, biased.bias.beta = 8.0;
+    infkv::inf_mllm plain = biased;
+    plain.bias.beta = 0.0;
+    cpu::recaller without(a, biased, b, {.budget_tokens = 8, .candidates = 3, .recency_bias = false}, 64, qh, 8);
+    cpu::recaller zero(a, plain, b, {.budget_tokens = 8, .candidates = 3}, 64, qh, 8);
+    const auto o = without.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f);
+    const std::vector<std::int32_t> op(o.pages.begin(), o.pages.end());
+    const std::vector<std::int64_t> od(o.displaced.begin(), o.displaced.end());
+    const auto z = zero.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f);
+    CHECK(op == std::vector<std::int32_t>(z.pages.begin(), z.pages.end()));
+    CHECK(od == std::vector<std::int64_t>(z.displaced.begin(), z.displaced.end()));
+    REQUIRE(!op.empty());
+    CHECK(a.tokens(op[0])[0].pos == 20);
+  }
+
   SUBCASE("bad input") {
     CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 0}, 64, qh, 8),
                       doctest::Contains("recall_options.budget_tokens = 0"));

@@ -13,7 +13,8 @@
 namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
-/// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates and
+/// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates,
+/// --recall-bias and
 /// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
@@ -51,6 +52,8 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "before each question, bring back at most this many archived slots it needs (needs --archive)")
       ->check(pos);
   app.add_option("--recall-candidates", s.recall_candidates, "archive pages scored exactly per recall")->check(pos);
+  app.add_option("--recall-bias", s.recall_bias,
+                 "recall scores with the policy's recency bias (default true; false: without it, for inf_mllm_bias)");
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

@@ -45,6 +45,7 @@ struct settings : infkv_tools::policy_knobs {
   std::int32_t archive_page = 16;       ///< slots per archive page (16 answered more needles than 8 or 32 at 2K)
   std::int64_t recall_tokens = 0;       ///< recall before each question, at most this many slots (0: none)
   std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall
+  bool recall_bias = true;              ///< recall scores with the policy's recency bias (inf_mllm_bias)
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
@@ -232,7 +233,7 @@ class session_runner final : public runner {
   answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
              std::int64_t gen) override {
     if (set_.recall_tokens > 0) {
-      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates};
+      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates, set_.recall_bias};
       const auto rep = infkv_tools::with_policy(
           kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
       recalled_ += rep.tokens;

@@ -394,6 +394,9 @@ struct recall_result {
 struct recall_options {
   std::int64_t budget_tokens = 0;  ///< most slots one recall brings back (>= 1)
   std::int32_t candidates = 32;    ///< at most this many pages scored exactly, the best by their bounds (>= 1)
+  /// Score with the policy's attention bias. false: without it (beta 0), since archived pages are
+  /// old by definition and a recency bias ranks every one of them below the cache.
+  bool recency_bias = true;
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
@@ -417,6 +420,10 @@ class recaller {
         max_cache_(max_cache_slots),
         q_heads_(q_heads),
         max_queries_(max_queries) {
+    if (!o.recency_bias) {
+      spec_.score.bias.beta = 0.0;
+      if (spec_.second) spec_.second->bias.beta = 0.0;
+    }
     for (std::int32_t i = 0; i < spec_.parts(); ++i)
       INFKV_REQUIRE(spec_.part(i).reads_queries(), "policy", spec_.name,
                     "recall scores candidates against the queries: use a policy whose score reads them (snapkv, "
