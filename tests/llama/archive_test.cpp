@@ -109,6 +109,13 @@ rows_by_pos engine_rows(llama_context* ctx, llama_seq_id seq, std::int32_t layer
   return out;
 }
 
+/// 64 tokens, an eviction to `b`, then 8 tokens more (a "question": their queries choose).
+void stream(lc::session& s, const infkv::snapkv& policy, const infkv::budget& b) {
+  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
+  s.evict(policy, b);
+  REQUIRE(s.decode(random_tokens(8, 4)) == 0);
+}
+
 float rounded(float x, ggml_type t) { return t == GGML_TYPE_F16 ? infkv::f16_to_f32(infkv::f32_to_f16(x)) : x; }
 
 }  // namespace
@@ -177,9 +184,7 @@ TEST_CASE("llama archive: recall puts archived rows back at their positions, exa
   auto ctx = archive_context(model.get(), s, c);
   const infkv::snapkv policy{.window = 8};
   const infkv::budget b{.capacity = 24, .sinks = 2};
-  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
-  s.evict(policy, b);
-  REQUIRE(s.decode(random_tokens(8, 4)) == 0);  // the "question": its queries choose
+  stream(s, policy, b);
   const std::int64_t size = s.size(), held = s.archive()->held_tokens();
   const auto before = archived_rows(*s.archive());
   const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8});
@@ -227,9 +232,7 @@ TEST_CASE("llama archive: the engine refusing the recalled rows loses nothing") 
   auto ctx = archive_context(model.get(), s, c);
   const infkv::snapkv policy{.window = 8};
   const infkv::budget b{.capacity = 24, .sinks = 2};
-  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
-  s.evict(policy, b);
-  REQUIRE(s.decode(random_tokens(8, 4)) == 0);
+  stream(s, policy, b);
   const std::int64_t size = s.size(), held = s.archive()->held_tokens();
   std::int64_t m = 0;
   try {
@@ -283,9 +286,7 @@ TEST_CASE("llama archive: recall for a question decodes it aside and leaves the 
   auto ctx = archive_context(model.get(), s, c);
   const infkv::snapkv policy{.window = 8};
   const infkv::budget b{.capacity = 24, .sinks = 2};
-  REQUIRE(s.decode(random_tokens(64, 3)) == 0);
-  s.evict(policy, b);
-  REQUIRE(s.decode(random_tokens(8, 4)) == 0);
+  stream(s, policy, b);
   const auto qpos = std::vector<std::int64_t>(s.inputs(0).query_pos.begin(), s.inputs(0).query_pos.end());
   const std::int64_t size = s.size(), next = s.next_pos();
   const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8}, random_tokens(6, 9));

@@ -234,9 +234,7 @@ class session_runner final : public runner {
              std::int64_t gen) override {
     if (set_.recall_tokens > 0) {
       const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates, set_.recall_bias};
-      const auto rep = infkv_tools::with_policy(
-          kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
-      recalled_ += rep.tokens;
+      infkv_tools::with_policy(kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
       // keep positions: a slot's position is its stream index
       cached_.clear();
       for (const auto& t : session_.tokens()) cached_.push_back(t.pos);
@@ -247,8 +245,6 @@ class session_runner final : public runner {
 
   std::int64_t slots() const override { return session_.size(); }
   std::int64_t next_pos() const override { return session_.next_pos(); }
-  /// Slots brought back by recall so far.
-  std::int64_t recalled() const { return recalled_; }
   infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }
 
   /// What the session holds beside llama.cpp's cache (session::memory()).
@@ -260,7 +256,6 @@ class session_runner final : public runner {
   infkv::budget budget_;
   std::int64_t cap_;
   infkv::llama_cpp::session session_;
-  std::int64_t recalled_ = 0;
 };
 
 /// No eviction: a context large enough for the whole stream.

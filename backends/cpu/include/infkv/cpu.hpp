@@ -10,6 +10,7 @@
 #include "cpu/executor.hpp"
 #include "cpu/expected.hpp"
 #include "cpu/h2o.hpp"
+#include "cpu/recall.hpp"
 #include "cpu/rope.hpp"
 #include "cpu/score.hpp"
 #include "cpu/select.hpp"
