@@ -74,8 +74,9 @@ class InfkvPress(ScorerPress):
     granularity: infkv.granularity (None: the policy's natural one; per_token is per_layer here,
         a press sees one layer at a time).
     threads: CPU threads infkv scores with.
-    archive: an infkv.Archive (per_layer pages) that takes what every eviction removes, for
-        `recall` to bring back (one batch row; every head must keep the same slots).
+    archive: an infkv.Archive (per_layer pages) that keeps the stream written through (each
+        eviction first archives the slots added since the last), for `recall` to bring back (one
+        batch row; every head must keep the same slots).
     """
 
     policy: Any = None
@@ -84,8 +85,9 @@ class InfkvPress(ScorerPress):
     recent: int = 0
     granularity: Optional[infkv.granularity] = None
     threads: int = 1
-    archive: Any = None  # an infkv.Archive (per_layer) that takes what every eviction removes
+    archive: Any = None  # an infkv.Archive (per_layer) that keeps the stream, written through
     positions: dict = field(default_factory=dict, repr=False)  # layer -> (positions [heads, slots], next)
+    archived_to: dict = field(default_factory=dict, repr=False)  # layer -> first position not archived
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,7 +169,7 @@ class InfkvPress(ScorerPress):
             if len(sets) != 1 or any(not torch.equal(torch.from_numpy(u), torch.from_numpy(sets[0][0])) for u in sets[0]):
                 raise ValueError("infkv: InfkvPress.archive: archiving needs one batch row whose heads keep the same "
                                  f"slots: granularity = {self.granularity} (pass infkv.granularity.per_layer)")
-            _archive_layer(self.archive, module.layer_idx, pos[0, 0], keys[0], values[0], sets[0][0])
+            self.archive_new(module.layer_idx, pos[0, 0], keys[0], values[0])
         for i, units in enumerate(sets):
             idx = torch.stack([torch.from_numpy(u) for u in units])  # (heads, kept)
             kept_pos.append(pos[i].gather(1, idx))
@@ -176,6 +178,20 @@ class InfkvPress(ScorerPress):
             kept_v.append(values[i].gather(1, idx))
         self.positions[module.layer_idx] = (torch.stack(kept_pos), end)
         return torch.stack(kept_k).contiguous(), torch.stack(kept_v).contiguous()
+
+    def archive_new(self, layer: int, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Archives the slots of one layer's cache (keys, values: heads x slots x d; positions `pos`)
+        from the first position not archived yet on, before any of them can leave."""
+        start = self.archived_to.get(layer, 0)
+        new = pos >= start
+        if not bool(new.any()):
+            return 0
+        kept = torch.nonzero(~new).squeeze(1).numpy().astype("int64")
+        toks = infkv.tokens(pos)
+        pages = self.archive.archive(infkv.Layer(toks, keys=keys.detach(), values=values.detach(), layout="hnd"),
+                                     [kept], layer=layer)
+        self.archived_to[layer] = int(pos.max()) + 1
+        return pages
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
@@ -242,20 +258,13 @@ def block_bounds(n: int, block: int, segments: Optional[Iterable[int]] = None) -
     return bounds
 
 
-def _archive_layer(archive, layer: int, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept) -> int:
-    """Archives the slots of one layer's cache (keys, values: heads x slots x d) not in `kept`."""
-    toks = infkv.tokens(pos)
-    return archive.archive(infkv.Layer(toks, keys=keys.detach(), values=values.detach(), layout="hnd"),
-                           [kept.astype("int64") if hasattr(kept, "astype") else kept], layer=layer)
-
-
 @torch.no_grad()
 def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, block: int = 512, *, sinks: int = 0,
                       recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None, archive=None):
     """Prefills `input_ids` (1 x n) block by block into `cache` (a new DynamicCache by default),
     evicting every layer to `capacity` slots right after each block's attention with infkv's
     `policy`. Positions stay the tokens' own (keep mode: position_ids passed, keys not re-rotated).
-    With `archive` (an infkv.Archive of per_layer pages) what every eviction removes is archived.
+    With `archive` (an infkv.Archive of per_layer pages) the stream is archived, written through.
     Returns (cache, press, stats): the press holds the kept positions per layer, for decoding on."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"infkv: input_ids.shape = {tuple(input_ids.shape)}: must be (1, n)")
@@ -290,21 +299,22 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
 
 @dataclass
 class RecallStats:
-    pages: int = 0  # pages brought back, over all layers
+    pages: int = 0  # pages recalled from (they stay archived), over all layers
     tokens: int = 0  # slots brought back (= slots displaced), over all layers
     question_tokens: int = 0
 
 
 @torch.no_grad()
 def recall(model, cache, press: InfkvPress, recaller, question_ids: torch.Tensor) -> RecallStats:
-    """Before a question: brings back into `cache` the archived pages the question needs.
+    """Before a question: brings back into `cache` the archived tokens the question needs.
 
     The question's queries come from one pass over `question_ids` (1 x q) after the cache, at the
     positions after the newest token; its rows leave the cache again, so the caller then decodes the
-    question as usual. Per layer, `recaller` (an infkv.Recaller over `press.archive`) chooses the
-    pages and the cached slots they displace; the pages' dequantized rows take the displaced slots'
-    place at their original positions (keep mode: keys are cached after RoPE), the displaced slots
-    go to the archive and the pages leave it. The cache's size does not change."""
+    question as usual. Per layer, what the stream wrote since the last eviction is archived first;
+    then `recaller` (an infkv.Recaller over `press.archive`) chooses the archived tokens and the
+    cached slots they displace; the tokens' dequantized rows take the displaced slots' place at
+    their original positions (keep mode: keys are cached after RoPE). The archive keeps everything;
+    the cache's size does not change."""
     archive = press.archive
     if archive is None:
         raise ValueError("infkv: press.archive = None: prefill with an archive to recall from it")
@@ -341,26 +351,25 @@ def recall(model, cache, press: InfkvPress, recaller, question_ids: torch.Tensor
             raise ValueError(f"infkv: layer {layer}: the heads hold different slots; recall needs per_layer eviction")
         toks = infkv.tokens(pos[0, 0])
         scale = float(getattr(module, "scaling", 1.0 / math.sqrt(keys.shape[-1])))
-        pages, displaced, n = recaller.recall(
+        press.archive_new(layer, pos[0, 0], keys, values)
+        pages, recalled, displaced = recaller.recall(
             archive, infkv.Layer(toks, keys=keys.detach(), values=values.detach(), layout="hnd"), queries,
             qpos.numpy(), scale, layer=layer)
-        if len(pages) == 0:
+        if len(recalled) == 0:
             continue
-        # the pages first (archiving the displaced slots may drop the archive's oldest pages), then the displaced
-        back = [(archive.restore(int(p)), archive.page(int(p))["tokens"].positions) for p in pages]
-        for p in pages:
-            archive.release(int(p))
+        rows = {int(p): archive.restore(int(p)) for p in np.unique(recalled[:, 0])}  # [1, tokens, heads, d] each
+        rk = torch.from_numpy(np.stack([rows[int(p)][0][0, i] for p, i in recalled])).transpose(0, 1)
+        rv = torch.from_numpy(np.stack([rows[int(p)][1][0, i] for p, i in recalled])).transpose(0, 1)
+        back = np.array([archive.page(int(p))["tokens"].positions[i] for p, i in recalled], dtype=np.int64)
         kept = torch.ones(keys.shape[1], dtype=torch.bool)
         kept[torch.from_numpy(displaced)] = False
         kept_slots = torch.nonzero(kept).squeeze(1)
-        _archive_layer(archive, layer, pos[0, 0], keys, values, kept_slots.numpy())
-        rk = torch.cat([torch.from_numpy(kv[0][0]).transpose(0, 1) for kv, _ in back], dim=1).to(keys.dtype)
-        rv = torch.cat([torch.from_numpy(kv[1][0]).transpose(0, 1) for kv, _ in back], dim=1).to(values.dtype)
-        c.keys = torch.cat([keys[:, kept_slots], rk.to(keys.device)], dim=1).unsqueeze(0).contiguous()
-        c.values = torch.cat([values[:, kept_slots], rv.to(values.device)], dim=1).unsqueeze(0).contiguous()
-        new_pos = torch.cat([pos[0, 0][kept_slots], torch.from_numpy(np.concatenate([p for _, p in back]).astype(np.int64))])
+        c.keys = torch.cat([keys[:, kept_slots], rk.to(keys.dtype).to(keys.device)], dim=1).unsqueeze(0).contiguous()
+        c.values = torch.cat([values[:, kept_slots], rv.to(values.dtype).to(values.device)],
+                             dim=1).unsqueeze(0).contiguous()
+        new_pos = torch.cat([pos[0, 0][kept_slots], torch.from_numpy(back)])
         press.positions[layer] = (new_pos.expand(1, keys.shape[0], -1).clone(), nxt)
         stats.pages += len(pages)
-        stats.tokens += int(n)
+        stats.tokens += len(recalled)
     return stats
 

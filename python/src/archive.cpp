@@ -129,15 +129,16 @@ void bind_archive(nb::module_& m) {
   nb::class_<infkv::cpu::recaller>(
       m, "Recaller",
       "Recall over an Archive for one policy (a source that reads queries) and the cache's budget: ranks pages by "
-      "their bounds, scores the best `candidates` beside the cache with the policy's pipeline and decides which "
-      "come back (at most budget_tokens slots) and which cached slots they displace (never sinks or recent).")
+      "their bounds, scores the best `candidates` and their `neighbours` on each side beside the cache with the "
+      "policy's pipeline and decides which tokens come back (at most budget_tokens) and which cached slots they "
+      "displace (never sinks or recent).")
       .def(
           "__init__",
           [](infkv::cpu::recaller* r, const infkv::archive& a, const any_policy& pol, const infkv::budget& b,
              std::int64_t budget_tokens, std::int32_t candidates, std::int64_t max_cache_slots, std::int32_t q_heads,
-             std::int64_t max_queries, bool recency_bias, int threads) {
+             std::int64_t max_queries, bool recency_bias, std::int32_t neighbours, int threads) {
             (void)infkv::cpu::workers({.threads = threads}, 1);  // checks the thread count
-            const infkv::cpu::recall_options o{budget_tokens, candidates, recency_bias};
+            const infkv::cpu::recall_options o{budget_tokens, candidates, recency_bias, neighbours};
             std::visit(
                 [&](const auto& p) {
                   new (r) infkv::cpu::recaller(a, p, b, o, max_cache_slots, q_heads, max_queries,
@@ -146,7 +147,8 @@ void bind_archive(nb::module_& m) {
                 pol);
           },
           "archive"_a, "policy"_a, "budget"_a, nb::kw_only(), "budget_tokens"_a, "candidates"_a = 32,
-          "max_cache_slots"_a, "q_heads"_a, "max_queries"_a, "recency_bias"_a = true, "threads"_a = 1)
+          "max_cache_slots"_a, "q_heads"_a, "max_queries"_a, "recency_bias"_a = true, "neighbours"_a = 1,
+          "threads"_a = 1)
       .def(
           "recall",
           [](infkv::cpu::recaller& r, const infkv::archive& a, nb::handle layers_h,
@@ -159,15 +161,19 @@ void bind_archive(nb::module_& m) {
               res = r.recall(a, std::span<const infkv::layer_inputs<>>(in), q,
                              std::span<const std::int64_t>(query_pos.data(), query_pos.shape(0)), scale, layer);
             }
+            std::vector<std::int32_t> recalled;
+            for (const auto& t : res.recalled) recalled.push_back(t.page), recalled.push_back(t.index);
+            const std::size_t m = res.recalled.size();
             return nb::make_tuple(to_numpy(std::vector<std::int32_t>(res.pages.begin(), res.pages.end())),
-                                  to_numpy(std::vector<std::int64_t>(res.displaced.begin(), res.displaced.end())),
-                                  res.tokens);
+                                  to_numpy(std::move(recalled), {m, std::size_t(2)}),
+                                  to_numpy(std::vector<std::int64_t>(res.displaced.begin(), res.displaced.end())));
           },
           "archive"_a, "layers"_a, "queries"_a, "query_pos"_a, "scale"_a, nb::kw_only(), "layer"_a = 0,
-          "(pages, displaced slots, tokens) for `queries` (one [n, q_heads, head_dim] array per archive layer, "
+          "(pages, recalled, displaced) for `queries` (one [n, q_heads, head_dim] array per archive layer, "
           "positions `query_pos`) against the cache `layers` (one Layer with keys, and values where the policy "
-          "weights by them; every layer's for per_token). The caller restores the pages, archives the displaced "
-          "slots and releases the pages.");
+          "weights by them; every layer's for per_token): the pages chosen, the archived tokens that come back "
+          "(int32 [m, 2]: page, index among the page's tokens; those the cache does not hold) and the m cached "
+          "slots they displace. The pages stay archived.");
 }
 
 }  // namespace infkv_py

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
@@ -407,7 +408,8 @@ namespace {
 /// The displacement rule's definition, step by step in double with plain scans.
 std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> ref_decide(
     const std::vector<float>& sc, const std::vector<token>& tok, std::int64_t n_cache,
-    const std::vector<cpu::recall_candidate>& cands, std::int64_t sinks, std::int64_t recent, std::int64_t budget) {
+    const std::vector<cpu::recall_candidate>& cands, std::int64_t sinks, std::int64_t recent, std::int64_t budget,
+    std::int64_t neighbours) {
   std::vector<std::int64_t> byt(static_cast<std::size_t>(n_cache));
   std::iota(byt.begin(), byt.end(), 0);
   std::stable_sort(byt.begin(), byt.end(),
@@ -421,7 +423,7 @@ std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> ref_decide(
     if (tok[std::size_t(a)].pos != tok[std::size_t(b)].pos) return tok[std::size_t(a)].pos < tok[std::size_t(b)].pos;
     return a > b;
   };
-  std::vector<bool> taken(cands.size(), false);
+  std::vector<bool> taken(cands.size(), false), considered(cands.size(), false);  // brought back; tested
   std::vector<std::int64_t> chosen, displaced;
   std::int64_t used = 0;
   std::vector<bool> gone(static_cast<std::size_t>(n_cache), false);
@@ -430,7 +432,7 @@ std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> ref_decide(
     std::int64_t best = -1;
     double bm = 0;
     for (std::size_t c = 0; c < cands.size(); ++c) {
-      if (taken[c]) continue;
+      if (taken[c] || considered[c]) continue;
       double m = 0;
       for (auto j = cands[c].begin; j < cands[c].end; ++j) m += sc[std::size_t(j)];
       m /= double(cands[c].end - cands[c].begin);
@@ -441,28 +443,49 @@ std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> ref_decide(
                         cands[c].page < cands[std::size_t(best)].page)));
       if (better) best = std::int64_t(c), bm = m;
     }
-    taken[std::size_t(best)] = true;
-    const auto& x = cands[std::size_t(best)];
-    const std::int64_t m = x.end - x.begin;
-    std::vector<std::int64_t> left;
-    for (auto j : pool)
-      if (!gone[std::size_t(j)]) left.push_back(j);
-    if (used + m > budget || m > std::int64_t(left.size())) continue;
-    std::vector<std::int64_t> victims;  // the m worst left, by repeated scans
-    for (std::int64_t i = 0; i < m; ++i) {
-      std::int64_t w = -1;
-      for (auto j : left)
-        if (std::find(victims.begin(), victims.end(), j) == victims.end() && (w < 0 || worse(j, w))) w = j;
-      victims.push_back(w);
-    }
-    double vs = 0, cs = 0;
-    for (auto j : victims) vs += sc[std::size_t(j)];
-    for (auto j = x.begin; j < x.end; ++j) cs += sc[std::size_t(j)];
-    if (cs > vs) {
-      chosen.push_back(best);
+    if (best < 0) break;
+    considered[std::size_t(best)] = true;
+    // the m worst slots left, by repeated scans
+    const auto victims_of = [&](std::int64_t m) {
+      std::vector<std::int64_t> left, victims;
+      for (auto j : pool)
+        if (!gone[std::size_t(j)]) left.push_back(j);
+      if (m > std::int64_t(left.size())) return std::optional<std::vector<std::int64_t>>{};
+      for (std::int64_t i = 0; i < m; ++i) {
+        std::int64_t w = -1;
+        for (auto j : left)
+          if (std::find(victims.begin(), victims.end(), j) == victims.end() && (w < 0 || worse(j, w))) w = j;
+        victims.push_back(w);
+      }
+      return std::optional<std::vector<std::int64_t>>{victims};
+    };
+    const auto size = [&](std::int64_t c) { return cands[std::size_t(c)].end - cands[std::size_t(c)].begin; };
+    const auto bring = [&](std::int64_t c, const std::vector<std::int64_t>& victims) {
+      taken[std::size_t(c)] = true;
+      chosen.push_back(c);
       for (auto j : victims) gone[std::size_t(j)] = true, displaced.push_back(j);
-      used += m;
-    }
+      used += size(c);
+    };
+    const auto& x = cands[std::size_t(best)];
+    const std::int64_t m = size(best);
+    const auto victims = victims_of(m);
+    if (used + m > budget || !victims) continue;
+    double vs = 0, cs = 0;
+    for (auto j : *victims) vs += sc[std::size_t(j)];
+    for (auto j = x.begin; j < x.end; ++j) cs += sc[std::size_t(j)];
+    if (!(cs > vs)) continue;
+    bring(best, *victims);
+    // its neighbours: joined candidates, nearest first, the next before the previous
+    for (std::int64_t step = 1; step <= neighbours; ++step)
+      for (const std::int64_t dir : {1, -1}) {
+        const std::int64_t c = best + dir * step;
+        if (c < 0 || c >= std::int64_t(cands.size())) continue;
+        bool joined = true;  // every candidate from best to c joins its previous
+        for (std::int64_t e = std::min(best, c) + 1; e <= std::max(best, c); ++e)
+          joined = joined && cands[std::size_t(e)].joins_previous;
+        if (!joined || taken[std::size_t(c)] || used + size(c) > budget) continue;
+        if (const auto v = victims_of(size(c))) bring(c, *v);
+      }
   }
   std::sort(displaced.begin(), displaced.end());
   return {chosen, displaced};
@@ -470,7 +493,7 @@ std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> ref_decide(
 
 }  // namespace
 
-TEST_CASE("archive: the displacement rule equals its definition, ties included") {
+TEST_CASE("archive: the displacement rule equals its definition, ties and neighbours included") {
   std::mt19937 rng(13);
   for (int trial = 0; trial < 400; ++trial) {
     const std::int64_t n_cache = 5 + rng() % 30, nc = 1 + rng() % 6;
@@ -485,19 +508,21 @@ TEST_CASE("archive: the displacement rule equals its definition, ties included")
       const std::int64_t m = 1 + rng() % 4;
       const std::int64_t p0 = trial % 3 == 0 ? 10 : std::int64_t(rng() % 90);  // equal first positions, sometimes
       for (std::int64_t t = 0; t < m; ++t) tok.push_back({p0 + t, 0, modality::text});
-      cands.push_back({ids[std::size_t(c)], at, at + m});
+      cands.push_back({ids[std::size_t(c)], at, at + m, c > 0 && rng() % 3 != 0});
       at += m;
     }
     std::vector<float> sc(static_cast<std::size_t>(at));
     for (auto& x : sc) x = float(rng() % 5) * 0.25f;  // few distinct values: many ties
     const std::int64_t sinks = rng() % 3, recent = rng() % 4, bud = 1 + rng() % 12;
-    std::vector<std::int64_t> work(static_cast<std::size_t>(2 * n_cache + nc)), chosen(static_cast<std::size_t>(nc)),
-        displaced(static_cast<std::size_t>(n_cache));
+    const std::int32_t neighbours = std::int32_t(trial % 3);
+    std::vector<std::int64_t> work(static_cast<std::size_t>(2 * n_cache + 2 * nc)),
+        chosen(static_cast<std::size_t>(nc)), displaced(static_cast<std::size_t>(n_cache));
     budget protect;
     protect.capacity = n_cache, protect.sinks = sinks, protect.recent = recent;
-    const auto [nch, nd] = cpu::decide_recall(sc, tok, n_cache, cands, protect, bud, work, chosen, displaced);
+    const auto [nch, nd] =
+        cpu::decide_recall(sc, tok, n_cache, cands, protect, bud, neighbours, work, chosen, displaced);
     const auto [rc, rd] = ref_decide(sc, tok, n_cache, cands, std::min(sinks, n_cache),
-                                     std::min(recent, n_cache - std::min(sinks, n_cache)), bud);
+                                     std::min(recent, n_cache - std::min(sinks, n_cache)), bud, neighbours);
     CHECK(std::vector<std::int64_t>(chosen.begin(), chosen.begin() + nch) == rc);
     CHECK(std::vector<std::int64_t>(displaced.begin(), displaced.begin() + nd) == rd);
   }
@@ -596,10 +621,28 @@ TEST_CASE("archive: recall brings back the page a question asks for and displace
     archive other(archive_shape{L, H, 8, granularity::per_token}, opts(4, 4, 4, 1 << 20));
     CHECK_THROWS_WITH(r.recall(other, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f),
                       doctest::Contains("archive.shape() = differs"));
-    auto clash = cached;  // a cached token at an archived position
-    clash.tokens[10].pos = 21;
-    const auto cin = clash.inputs();
-    CHECK_THROWS_WITH(r.recall(a, std::span<const layer_inputs<>>(cin), qv, qpos, 0.25f),
-                      doctest::Contains("holds a text token at position 21, which the cache holds too"));
+    CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 4, .neighbours = -1}, 64, qh, 8),
+                      doctest::Contains("recall_options.neighbours = -1"));
+  }
+
+  SUBCASE("written through: the archive holds the cached tokens too, recall brings back only the others") {
+    archive all(archive_shape{L, H, d, granularity::per_token}, opts(4, 4, 4, 1 << 20));
+    keep_set none(n);
+    none.add_unit({});
+    archive_all(all, full, none);
+    CHECK(all.held_tokens() == n);
+    cpu::recaller wr(all, policy, b, {.budget_tokens = 8, .candidates = 3}, 64, qh, 8);
+    const auto w = wr.recall(all, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f);
+    REQUIRE(w.tokens >= 4);
+    std::vector<std::int64_t> back;
+    for (const auto& t : w.recalled) back.push_back(all.tokens(t.page)[std::size_t(t.index)].pos);
+    for (std::int64_t p = 20; p < 24; ++p) CHECK(std::count(back.begin(), back.end(), p) == 1);  // the needle
+    for (const auto p : back)
+      CHECK(std::none_of(cached.tokens.begin(), cached.tokens.end(), [&](const token& t) { return t.pos == p; }));
+    CHECK(std::int64_t(w.displaced.size()) == w.tokens);
+    const cache& everything = full;  // a cache that holds every archived token: nothing to recall
+    const auto ein = everything.inputs();
+    cpu::recaller er(all, policy, b, {.budget_tokens = 8, .candidates = 3}, n, qh, 8);
+    CHECK(er.recall(all, std::span<const layer_inputs<>>(ein), qv, qpos, 0.25f).tokens == 0);
   }
 }

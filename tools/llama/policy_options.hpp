@@ -14,7 +14,7 @@ namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
 /// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates,
-/// --recall-bias and
+/// --recall-neighbours, --recall-bias and
 /// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
@@ -42,16 +42,19 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
   app.add_option("--archive", s.archive_bits,
-                 "keep what evictions remove in an archive at this many bits (2, 4, 8; implies --keep-positions)")
+                 "keep the stream in an archive at this many bits (2, 4, 8; implies --keep-positions)")
       ->check(CLI::IsMember({2, 4, 8}));
   app.add_option("--archive-mib", s.archive_mib, "the archive's capacity in MiB (the oldest pages leave when full)")
       ->check(pos);
-  app.add_option("--archive-page", s.archive_page, "evicted slots per archive page (the unit recall brings back)")
+  app.add_option("--archive-page", s.archive_page, "slots per archive page (the unit recall ranks)")
       ->check(at_least(1, true, 4096));
   app.add_option("--recall", s.recall_tokens,
                  "before each question, bring back at most this many archived slots it needs (needs --archive)")
       ->check(pos);
   app.add_option("--recall-candidates", s.recall_candidates, "archive pages scored exactly per recall")->check(pos);
+  app.add_option("--recall-neighbours", s.recall_neighbours,
+                 "a recalled page brings this many adjoining pages on each side (0: none)")
+      ->check(at_least(0, true, 64));
   app.add_option("--recall-bias", s.recall_bias,
                  "recall scores with the policy's recency bias (default true; false: without it, for inf_mllm_bias)");
   app.add_flag("--keep-positions", s.keep_positions,

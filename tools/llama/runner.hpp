@@ -44,7 +44,8 @@ struct settings : infkv_tools::policy_knobs {
   std::int64_t archive_mib = 256;       ///< the archive's capacity
   std::int32_t archive_page = 16;       ///< slots per archive page (16 answered more needles than 8 or 32 at 2K)
   std::int64_t recall_tokens = 0;       ///< recall before each question, at most this many slots (0: none)
-  std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall
+  std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall (the best by their bounds)
+  std::int32_t recall_neighbours = 1;   ///< a recalled page brings this many adjoining pages on each side
   bool recall_bias = true;              ///< recall scores with the policy's recency bias (inf_mllm_bias)
 };
 
@@ -233,7 +234,8 @@ class session_runner final : public runner {
   answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
              std::int64_t gen) override {
     if (set_.recall_tokens > 0) {
-      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates, set_.recall_bias};
+      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates, set_.recall_bias,
+                                          set_.recall_neighbours};
       infkv_tools::with_policy(kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
       // keep positions: a slot's position is its stream index
       cached_.clear();

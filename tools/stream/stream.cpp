@@ -218,6 +218,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"archive_page", o.s.archive_page},
             {"recall_tokens", o.s.recall_tokens},
             {"recall_candidates", o.s.recall_candidates},
+            {"recall_neighbours", o.s.recall_neighbours},
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"smooth", o.smooth}}},

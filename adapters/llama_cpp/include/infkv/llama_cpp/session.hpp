@@ -381,17 +381,21 @@ class session {
  private:
   /// Recall for `queries` (per layer) at positions `qpos`: up to `o.budget_tokens` archived slots,
   /// chosen and placed by `cpu::recaller` with `p` (a policy whose score reads queries) under the
-  /// cache's budget `b`, in place of as many cached slots, which are archived and removed first
-  /// (never sinks or the recent window). The pages' rows go back into llama.cpp's cache at their
-  /// own positions through the scratch sequence (llama_state_seq_set_data, then
-  /// llama_memory_seq_cp), and into the session's copies. When the engine refuses the rows, the
-  /// pages go back into the archive and the error says the cache holds that many slots fewer;
-  /// the bookkeeping follows the engine either way.
+  /// cache's budget `b`, in place of as many cached slots (never sinks or the recent window),
+  /// which leave the cache (the archive holds them: everything is archived before it can leave).
+  /// The recalled rows go back into llama.cpp's cache at their own positions through the scratch
+  /// sequence (llama_state_seq_set_data, then llama_memory_seq_cp), and into the session's
+  /// copies; their pages stay archived. When the engine refuses the rows, the error says the
+  /// cache holds that many slots fewer; the bookkeeping follows the engine either way.
   template <policy P>
   recall_report recall_with(const P& p, const budget& b, const cpu::recall_options& o,
                             std::span<const const_tensor_view> queries, const std::vector<std::int64_t>& qpos) {
     p.validate();
     require_captures(p.spec());
+    {
+      const stopwatch w{stats_.archive};  // what the stream wrote since the last eviction, first
+      archive_->archive_new(route(), tokens());
+    }
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) layers_in_.push_back(inputs(l));
     const cpu::backend be{opt_.executor};
@@ -400,15 +404,14 @@ class session {
     const cpu::recall_result res =
         rc.recall(store, std::span<const layer_inputs<const_tensor_view>>(layers_in_), queries, qpos, opt_.scale);
     recall_report rep;
-    if (res.pages.empty()) return rep;
+    if (res.recalled.empty()) return rep;
     const std::int64_t m = res.tokens;
-    // 1. the pages' rows and tokens staged; the pages leave the archive
-    const std::vector<std::int32_t> pages(res.pages.begin(), res.pages.end());
+    // 1. the recalled rows and tokens staged (their pages stay archived)
     const std::vector<token> back = [&] {
-      const auto t = archive_->stage(pages, m);
+      const auto t = archive_->stage(res.recalled);
       return std::vector<token>(t.begin(), t.end());
     }();
-    // 2. the displaced slots leave, archived first (that state read is the template of step 3)
+    // 2. the displaced slots' state read (the template of step 4), then they leave
     keep_set keep(size());
     std::vector<std::int64_t> kept;
     for (std::int64_t s = 0, d = 0; s < size(); ++s)
@@ -417,12 +420,8 @@ class session {
       else
         kept.push_back(s);
     keep.add_unit(kept);
-    try {
-      apply(keep);
-    } catch (...) {
-      archive_->unstage();  // nothing lost: the pages go back
-      throw;
-    }
+    archive_->read_template(route(), keep.evicted_runs(tokens()));
+    apply(keep);
     // 3. the staged rows into llama.cpp's cache at their positions
     try {
       archive_->write_back(route());
@@ -439,7 +438,7 @@ class session {
     for (std::int32_t l = 0; l < n_layers(); ++l)
       layers_[std::size_t(l)].append(archive_->staged(false, l), archive_->staged(true, l), m, llama_n_ctx(ctx_));
     verify();
-    rep.pages = std::int64_t(pages.size()), rep.tokens = m;
+    rep.pages = std::int64_t(res.pages.size()), rep.tokens = m;
     return rep;
   }
 
@@ -452,9 +451,9 @@ class session {
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens());
-    if (archive_ && keep.size(0) < size()) {
+    if (archive_ && keep.size(0) < size()) {  // written through: nothing leaves before it is archived
       const stopwatch w{stats_.archive};
-      archive_->archive_removed(route(), keep, res.removed, tokens());
+      archive_->archive_new(route(), tokens());
     }
     ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {

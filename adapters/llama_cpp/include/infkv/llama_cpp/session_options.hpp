@@ -62,8 +62,9 @@ struct session_options {
   cpu::executor executor{};
   float scale = 0.f;      ///< attention scale; 0 = 1/sqrt(head_dim)
   memory_calls memory{};  ///< how the cache is changed (llama.h by default)
-  /// Keep what evictions remove in an archive (per_token pages: every layer's K and V of the
-  /// evicted tokens, read from llama.cpp's cache), for `session::recall`. Needs positions = keep
+  /// Keep the stream in an archive, for `session::recall`: per_token pages of every layer's K and
+  /// V, read from llama.cpp's cache and written through (each eviction first archives what the
+  /// stream wrote since the last, so nothing leaves the cache unarchived). Needs positions = keep
   /// (recalled rows go back at their own positions), an f32 or f16 cache in one unified stream,
   /// and `scratch_seq`.
   std::optional<archive_options> archive{};
@@ -104,7 +105,7 @@ struct session_stats {
   double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
   double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
   double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
-  double archive = 0;     ///< reading evicted rows out of llama.cpp's cache and quantizing them (archive)
+  double archive = 0;     ///< reading new rows out of llama.cpp's cache and quantizing them (archive)
   double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
   /// The session's own work outside llama_decode.
@@ -129,8 +130,8 @@ struct session_memory {
 
 /// What one recall did.
 struct recall_report {
-  std::int64_t pages = 0;               ///< archive pages brought back
-  std::int64_t tokens = 0;              ///< slots brought back (as many cached slots were displaced, and archived)
+  std::int64_t pages = 0;               ///< archive pages recalled from (they stay archived)
+  std::int64_t tokens = 0;              ///< slots brought back (as many cached slots were displaced)
   std::vector<std::int64_t> positions;  ///< the positions brought back
 };
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <infkv/archive.hpp>
@@ -21,10 +22,13 @@
 
 namespace infkv::cpu {
 
-/// A candidate page's slots [begin, end) among the scored slots (after the cache's).
+/// A candidate page's slots [begin, end) among the scored slots (after the cache's);
+/// `joins_previous`: the page follows the previous candidate's with no archived page between
+/// (their positions adjoin when the archive is written through).
 struct recall_candidate {
   std::int32_t page = 0;
   std::int64_t begin = 0, end = 0;
+  bool joins_previous = false;
 };
 
 /// The displacement rule, on one decision row `scores` over the cache's `n_cache` slots and the
@@ -34,21 +38,24 @@ struct recall_candidate {
 /// Candidates are taken by their mean score, highest first (ties: the newer first position, then
 /// the lower page id); a candidate of n slots comes back when it fits in `budget_tokens` and in
 /// the displaceable slots left and the sum of its scores exceeds the sum of the n worst slots
-/// left (strictly; sums in double), which it then displaces. Writes the chosen candidates'
-/// indices to `chosen` and the displaced slots, increasing, to `displaced`; returns their counts.
-/// `work` holds 2 * n_cache + candidates entries. Allocates nothing.
-inline std::pair<std::int64_t, std::int64_t> decide_recall(std::span<const float> scores, std::span<const token> tokens,
-                                                           std::int64_t n_cache,
-                                                           std::span<const recall_candidate> cands,
-                                                           const budget& protect, std::int64_t budget_tokens,
-                                                           std::span<std::int64_t> work, std::span<std::int64_t> chosen,
-                                                           std::span<std::int64_t> displaced) {
+/// left (strictly; sums in double), which it then displaces. A candidate that comes back brings
+/// its `neighbours` nearest joined candidates on each side (nearest first, the next before the
+/// previous) that have not come back, each as it fits, displacing the worst slots left without
+/// a score test: a question's queries find the words a statement shares with it, not always the
+/// answer beside them. Writes the chosen candidates' indices, in decision order, to `chosen` and
+/// the displaced slots, increasing, to `displaced`; returns their counts. `work` holds
+/// 2 * n_cache + 2 * candidates entries. Allocates nothing.
+inline std::pair<std::int64_t, std::int64_t> decide_recall(
+    std::span<const float> scores, std::span<const token> tokens, std::int64_t n_cache,
+    std::span<const recall_candidate> cands, const budget& protect, std::int64_t budget_tokens, std::int32_t neighbours,
+    std::span<std::int64_t> work, std::span<std::int64_t> chosen, std::span<std::int64_t> displaced) {
   const std::int64_t n = std::int64_t(scores.size()), nc = std::int64_t(cands.size());
   INFKV_REQUIRE(std::int64_t(tokens.size()) == n, "tokens.size()", tokens.size(), "must equal scores.size() (", n, ")");
   INFKV_REQUIRE(n_cache >= 0 && n_cache <= n, "n_cache", n_cache, "must be in [0, ", n, "]");
   INFKV_REQUIRE(budget_tokens >= 0, "budget_tokens", budget_tokens, "must be >= 0");
-  INFKV_REQUIRE(std::int64_t(work.size()) >= 2 * n_cache + nc, "work.size()", work.size(),
-                "must be >= ", 2 * n_cache + nc);
+  INFKV_REQUIRE(neighbours >= 0, "neighbours", neighbours, "must be >= 0");
+  INFKV_REQUIRE(std::int64_t(work.size()) >= 2 * n_cache + 2 * nc, "work.size()", work.size(),
+                "must be >= ", 2 * n_cache + 2 * nc);
   INFKV_REQUIRE(std::int64_t(chosen.size()) >= nc, "chosen.size()", chosen.size(), "must be >= ", nc);
   for (std::int64_t i = 0; i < n; ++i)
     INFKV_REQUIRE(!std::isnan(scores[std::size_t(i)]), "scores[" + std::to_string(i) + "]", "nan", "must not be NaN");
@@ -63,6 +70,7 @@ inline std::pair<std::int64_t, std::int64_t> decide_recall(std::span<const float
   std::int64_t* const order = work.data();
   std::int64_t* const worst = order + n_cache;
   std::int64_t* const corder = worst + n_cache;
+  std::int64_t* const taken = corder + nc;
   time_order_into(tokens.first(std::size_t(n_cache)), order);
   std::int64_t nd = 0;
   const std::int64_t sinks = std::min(protect.sinks, n_cache), recent = std::min(protect.recent, n_cache - sinks);
@@ -88,15 +96,31 @@ inline std::pair<std::int64_t, std::int64_t> decide_recall(std::span<const float
     if (pa != pb) return pa > pb;
     return cands[std::size_t(a)].page < cands[std::size_t(b)].page;
   });
+  std::fill(taken, taken + nc, std::int64_t{0});
   std::int64_t used = 0, k = 0, nch = 0;
+  const auto fits = [&](std::int64_t c) {
+    const std::int64_t m = cands[std::size_t(c)].end - cands[std::size_t(c)].begin;
+    return used + m <= budget_tokens && k + m <= nd;
+  };
+  const auto take = [&](std::int64_t c) {
+    const std::int64_t m = cands[std::size_t(c)].end - cands[std::size_t(c)].begin;
+    taken[c] = 1, chosen[std::size_t(nch++)] = c, k += m, used += m;
+  };
   for (std::int64_t i = 0; i < nc; ++i) {
-    const auto& x = cands[std::size_t(corder[i])];
+    const std::int64_t c = corder[i];
+    const auto& x = cands[std::size_t(c)];
     const std::int64_t m = x.end - x.begin;
-    if (used + m > budget_tokens || k + m > nd) continue;
-    if (sum(x.begin, x.end, [](std::int64_t j) { return j; }) >
-        sum(k, k + m, [&](std::int64_t j) { return worst[j]; })) {
-      chosen[std::size_t(nch++)] = corder[i];
-      k += m, used += m;
+    if (taken[c] || !fits(c)) continue;
+    if (!(sum(x.begin, x.end, [](std::int64_t j) { return j; }) >
+          sum(k, k + m, [&](std::int64_t j) { return worst[j]; })))
+      continue;
+    take(c);
+    bool next = true, prev = true;  // the chains of joined candidates on each side are unbroken
+    for (std::int64_t step = 1; step <= neighbours && (next || prev); ++step) {
+      next = next && c + step < nc && cands[std::size_t(c + step)].joins_previous;
+      prev = prev && c - step >= 0 && cands[std::size_t(c - step + 1)].joins_previous;
+      if (next && !taken[c + step] && fits(c + step)) take(c + step);
+      if (prev && !taken[c - step] && fits(c - step)) take(c - step);
     }
   }
   INFKV_REQUIRE(std::int64_t(displaced.size()) >= k, "displaced.size()", displaced.size(), "must be >= ", k);
@@ -105,12 +129,20 @@ inline std::pair<std::int64_t, std::int64_t> decide_recall(std::span<const float
   return {nch, k};
 }
 
-/// What a recall decided: the pages to bring back (decision order) and the cache slots they
-/// displace (increasing); spans into the recaller, valid until its next call.
+/// One archived token: its page and its index among the page's tokens.
+struct archived_token {
+  std::int32_t page = 0, index = 0;
+};
+
+/// What a recall decided: the pages chosen (decision order), the archived tokens that come back
+/// (their tokens the cache does not hold, page by page in decision order, each page's in time
+/// order) and the cache slots they displace (increasing, as many); spans into the recaller, valid
+/// until its next call.
 struct recall_result {
   std::span<const std::int32_t> pages;
+  std::span<const archived_token> recalled;
   std::span<const std::int64_t> displaced;
-  std::int64_t tokens = 0;  ///< slots the pages hold (= displaced.size())
+  std::int64_t tokens = 0;  ///< recalled.size() = displaced.size()
 };
 
 struct recall_options {
@@ -119,12 +151,18 @@ struct recall_options {
   /// Score with the policy's attention bias. false: without it (beta 0), since archived pages are
   /// old by definition and a recency bias ranks every one of them below the cache.
   bool recency_bias = true;
+  /// A page that comes back brings this many adjoining pages on each side (decide_recall): they
+  /// are candidates too, scored beside the others.
+  std::int32_t neighbours = 1;
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
-/// `candidates` exactly beside the cache with a policy's own pipeline (their dequantized keys and
-/// values appended to the cache's, the given queries as the window), and decides by
-/// decide_recall what comes back. Every buffer (the policy's workspace included) is sized at
+/// `candidates` exactly beside the cache with a policy's own pipeline (the dequantized keys and
+/// values of their tokens the cache does not hold appended to the cache's, the given queries as
+/// the window), and decides by decide_recall what comes back. A page's token is held by the
+/// cache when the cache has a token of equal position, segment and modality: an archive may hold
+/// everything the stream wrote (write-through, as the llama.cpp session keeps it) or only what
+/// left the cache. Every buffer (the policy's workspace included) is sized at
 /// construction for caches of up to `max_cache_slots` slots and `max_queries` queries: recall
 /// allocates nothing. per_token and
 /// per_layer archives (a per_head archive's pages hold different positions per head, which one
@@ -155,13 +193,16 @@ class recaller {
                   "different positions: archive per_layer or per_token");
     INFKV_REQUIRE(o.budget_tokens >= 1, "recall_options.budget_tokens", o.budget_tokens, "must be >= 1");
     INFKV_REQUIRE(o.candidates >= 1, "recall_options.candidates", o.candidates, "must be >= 1");
+    INFKV_REQUIRE(o.neighbours >= 0, "recall_options.neighbours", o.neighbours, "must be >= 0");
     opt_.candidates = std::min(o.candidates, a.capacity_pages());
+    max_cands_ = std::int32_t(std::min<std::int64_t>(
+        std::int64_t(opt_.candidates) * (1 + 2 * std::int64_t(o.neighbours)), a.capacity_pages()));
     page_tokens_ = a.options().page_tokens;  // "at most": no more pages than the archive holds
     INFKV_REQUIRE(max_cache_slots >= 1, "max_cache_slots", max_cache_slots, "must be >= 1");
     INFKV_REQUIRE(q_heads >= 1 && q_heads % shape_.kv_heads == 0, "q_heads", q_heads,
                   "must be a positive multiple of the archive's ", shape_.kv_heads, " KV heads");
     INFKV_REQUIRE(max_queries >= 1, "max_queries", max_queries, "must be >= 1");
-    const std::int64_t n = max_cache_slots + std::int64_t(opt_.candidates) * a.options().page_tokens;
+    const std::int64_t n = max_cache_slots + std::int64_t(max_cands_) * a.options().page_tokens;
     const std::int32_t L = shape_.layers_per_page();
     const std::size_t rows = std::size_t(n) * std::size_t(shape_.kv_heads) * std::size_t(shape_.head_dim);
     keys_.assign(rows * std::size_t(L), 0.f);
@@ -169,11 +210,16 @@ class recaller {
     tokens_.resize(std::size_t(n));
     bounds_.resize(std::size_t(a.capacity_pages()));
     held_.resize(std::size_t(a.capacity_pages()));
-    cands_.resize(std::size_t(opt_.candidates));
-    work_.resize(std::size_t(2 * n + opt_.candidates));
-    chosen_.resize(std::size_t(opt_.candidates));
-    pages_.resize(std::size_t(opt_.candidates));
+    by_pos_.resize(std::size_t(a.capacity_pages()));
+    at_.resize(std::size_t(a.capacity_pages()));
+    mark_.resize(std::size_t(a.capacity_pages()));
+    cands_.resize(std::size_t(max_cands_));
+    work_.resize(std::size_t(2 * n + 2 * max_cands_));
+    chosen_.resize(std::size_t(max_cands_));
+    pages_.resize(std::size_t(max_cands_));
     displaced_.resize(std::size_t(max_cache_slots));
+    index_.resize(std::size_t(n - max_cache_slots));
+    recalled_.resize(std::size_t(n - max_cache_slots));
     inputs_.resize(std::size_t(L));
     plan_options po;
     po.g = shape_.g, po.n_layers = L;
@@ -186,7 +232,7 @@ class recaller {
   /// the archive's layer `layer` for per_layer), scoring with the recaller's policy (a source
   /// that reads queries) under its budget (the cache's). Checks: a non-empty archive of the cache's shape, a
   /// budget whose room for recall (its keep count less the protected slots) holds
-  /// budget_tokens, no candidate text token at a cached text token's position.
+  /// budget_tokens.
   template <row_source R>
   recall_result recall(const archive& a, std::span<const layer_inputs<R>> cache,
                        std::span<const const_tensor_view> queries, std::span<const std::int64_t> query_pos, float scale,
@@ -221,40 +267,64 @@ class recaller {
                     "queries[" + std::to_string(l) + "].n_slots", queries[l].n_slots, "must be in [1, ", max_queries_,
                     "] queries of ", q_heads_, " heads; n_heads = ", queries[l].n_heads);
 
-    // 1. bounds (at the attention scale the scores use), and the best candidates of this layer's pages
+    // 1. the cache's tokens by (position, segment, modality), to tell which archived tokens it holds
+    std::int64_t* const held_at = work_.data();  // the cache's slots by (position, segment, modality)
+    for (std::int64_t j = 0; j < n_cache; ++j) held_at[j] = j;
+    const auto ident = [](const token& t) { return std::tuple(t.pos, t.segment, t.kind); };
+    std::sort(held_at, held_at + n_cache, [&](std::int64_t x, std::int64_t y) {
+      return ident(ctoks[std::size_t(x)]) < ident(ctoks[std::size_t(y)]);
+    });
+    const auto cached = [&](const token& t) {
+      const auto it = std::lower_bound(held_at, held_at + n_cache, t, [&](std::int64_t x, const token& v) {
+        return ident(ctoks[std::size_t(x)]) < ident(v);
+      });
+      return it != held_at + n_cache && ident(ctoks[std::size_t(*it)]) == ident(t);
+    };
+    // 2. bounds (at the attention scale the scores use), and the best candidates among this layer's pages
+    //    holding a token the cache does not
     page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer);
-    std::int64_t nh = 0;
+    std::int64_t nh = 0, nl = 0;
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
-      if (a.holds(p) && a.info(p).layer == layer) held_[std::size_t(nh++)] = p;
-    INFKV_REQUIRE(nh > 0, "archive", "empty", "holds no page of layer ", layer);
+      if (a.holds(p) && a.info(p).layer == layer) {
+        ++nl;
+        if (!std::ranges::all_of(a.tokens(p), cached)) held_[std::size_t(nh++)] = p;
+      }
+    INFKV_REQUIRE(nl > 0, "archive", "empty", "holds no page of layer ", layer);
+    if (nh == 0) return {};  // the cache holds every archived token
     const auto better = [&](std::int32_t x, std::int32_t y) {
       const float bx = bounds_[std::size_t(x)], by = bounds_[std::size_t(y)];
       if (bx != by) return bx > by;
       const auto px = a.tokens(x)[0].pos, py = a.tokens(y)[0].pos;
       return px != py ? px > py : x < y;
     };
-    const std::int64_t nc = std::min<std::int64_t>(opt_.candidates, nh);
-    std::partial_sort(held_.begin(), held_.begin() + nc, held_.begin() + nh, better);
-    std::sort(held_.begin(), held_.begin() + nc, [&](std::int32_t x, std::int32_t y) {  // candidates in time order
+    // the pages in time order: a page's neighbours are the pages beside it there
+    const auto first = [&](std::int32_t x, std::int32_t y) {
       const auto px = a.tokens(x)[0].pos, py = a.tokens(y)[0].pos;
       return px != py ? px < py : x < y;
-    });
+    };
+    std::copy(held_.begin(), held_.begin() + nh, by_pos_.begin());
+    std::sort(by_pos_.begin(), by_pos_.begin() + nh, first);
+    for (std::int64_t i = 0; i < nh; ++i)
+      at_[std::size_t(by_pos_[std::size_t(i)])] = std::int32_t(i), mark_[std::size_t(i)] = 0;
+    const std::int64_t nk = std::min<std::int64_t>(opt_.candidates, nh), w = opt_.neighbours;
+    std::partial_sort(held_.begin(), held_.begin() + nk, held_.begin() + nh, better);
+    for (std::int64_t c = 0; c < nk; ++c) {
+      const std::int64_t i = at_[std::size_t(held_[std::size_t(c)])];
+      for (std::int64_t j = std::max<std::int64_t>(0, i - w); j <= std::min(nh - 1, i + w); ++j)
+        mark_[std::size_t(j)] = 1;
+    }
 
-    // 2. the scored slots: the cache's, then the candidates'
+    // 3. the scored slots: the cache's, then the candidates' tokens the cache does not hold, in time order
     std::copy(ctoks.begin(), ctoks.end(), tokens_.begin());
-    std::int64_t n = n_cache;
-    for (std::int64_t c = 0; c < nc; ++c) {
-      const std::int32_t p = held_[std::size_t(c)];
+    std::int64_t n = n_cache, nc = 0;
+    for (std::int64_t i = 0; i < nh; ++i) {
+      if (!mark_[std::size_t(i)]) continue;
+      const std::int32_t p = by_pos_[std::size_t(i)];
       const auto pt = a.tokens(p);
-      for (const token& t : pt)
-        if (t.kind == modality::text)
-          for (const token& ct : ctoks)
-            INFKV_REQUIRE(!(ct.kind == modality::text && ct.pos == t.pos), "archive page", p,
-                          "holds a text token at position ", t.pos,
-                          ", which the cache holds too: an archive must hold only what left the cache");
-      cands_[std::size_t(c)] = {p, n, n + std::int64_t(pt.size())};
-      std::copy(pt.begin(), pt.end(), tokens_.begin() + n);
-      n += std::int64_t(pt.size());
+      const std::int64_t begin = n;
+      for (std::size_t t = 0; t < pt.size(); ++t)
+        if (!cached(pt[t])) tokens_[std::size_t(n)] = pt[t], index_[std::size_t(n - n_cache)] = std::int32_t(t), ++n;
+      cands_[std::size_t(nc++)] = {p, begin, n, i > 0 && mark_[std::size_t(i - 1)] != 0};
     }
     const std::int32_t H = shape_.kv_heads, d = shape_.head_dim;
     const std::int64_t layer_floats = n * H * d;
@@ -279,11 +349,13 @@ class recaller {
         }
       for (std::int64_t c = 0; c < nc; ++c) {
         const auto& x = cands_[std::size_t(c)];
-        for (std::int64_t t = 0; t < x.end - x.begin; ++t)
+        for (std::int64_t j = x.begin; j < x.end; ++j) {
+          const std::int32_t t = index_[std::size_t(j - n_cache)];
           for (std::int32_t h = 0; h < H; ++h) {
-            dequantize(a, x.page, l * H + h, std::int32_t(t), false, K + ((x.begin + t) * H + h) * d);
-            if (need_values) dequantize(a, x.page, l * H + h, std::int32_t(t), true, V + ((x.begin + t) * H + h) * d);
+            dequantize(a, x.page, l * H + h, t, false, K + (j * H + h) * d);
+            if (need_values) dequantize(a, x.page, l * H + h, t, true, V + (j * H + h) * d);
           }
+        }
       }
       auto& li = inputs_[std::size_t(l)];
       li = layer_inputs<const_tensor_view>{};
@@ -296,7 +368,7 @@ class recaller {
       li.rotary = in.rotary;
     }
 
-    // 3. the policy's own scores over both, then the displacement rule
+    // 4. the policy's own scores over both, then the displacement rule
     plan_options po;
     po.g = shape_.g, po.n_layers = L;
     const plan pl = make_plan(be_, spec, b, shape_of(inputs_[0]), po);
@@ -305,13 +377,16 @@ class recaller {
     const auto [nch, nd] = decide_recall(std::span<const float>(&s(0, 0), std::size_t(n)),
                                          std::span<const token>(tokens_.data(), std::size_t(n)), n_cache,
                                          std::span<const recall_candidate>(cands_.data(), std::size_t(nc)),
-                                         pl.effective, opt_.budget_tokens, work_, chosen_, displaced_);
+                                         pl.effective, opt_.budget_tokens, opt_.neighbours, work_, chosen_, displaced_);
     std::int64_t tokens = 0;
     for (std::int64_t i = 0; i < nch; ++i) {
       const auto& x = cands_[std::size_t(chosen_[std::size_t(i)])];
-      pages_[std::size_t(i)] = x.page, tokens += x.end - x.begin;
+      pages_[std::size_t(i)] = x.page;
+      for (std::int64_t j = x.begin; j < x.end; ++j)
+        recalled_[std::size_t(tokens++)] = {x.page, index_[std::size_t(j - n_cache)]};
     }
     return {std::span<const std::int32_t>(pages_.data(), std::size_t(nch)),
+            std::span<const archived_token>(recalled_.data(), std::size_t(tokens)),
             std::span<const std::int64_t>(displaced_.data(), std::size_t(nd)), tokens};
   }
 
@@ -327,8 +402,13 @@ class recaller {
   std::int64_t max_queries_ = 0;
   std::vector<float> keys_, values_, bounds_;
   std::vector<token> tokens_;
+  std::int32_t max_cands_ = 0;  // candidate pages at most: the best and their neighbours
   std::vector<std::int32_t> held_, pages_;
+  std::vector<std::int32_t> by_pos_, at_;  // a layer's pages in time order, each page's index there
+  std::vector<std::uint8_t> mark_;         // the candidates among them
   std::vector<recall_candidate> cands_;
+  std::vector<std::int32_t> index_;  // a candidate slot's index among its page's tokens
+  std::vector<archived_token> recalled_;
   std::vector<std::int64_t> work_, chosen_, displaced_;
   std::vector<layer_inputs<const_tensor_view>> inputs_;
   std::unique_ptr<workspace> ws_;

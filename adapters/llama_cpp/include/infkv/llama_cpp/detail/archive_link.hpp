@@ -39,7 +39,9 @@ struct cache_route {
   }
 };
 
-/// The archive (per_token pages of every layer) and the buffers of its transfers.
+/// The archive (per_token pages of every layer), written through: every slot the stream wrote
+/// is archived, in pages of consecutive positions, before the first eviction that could remove
+/// it; a recall copies rows back and the pages stay. Positions below `archived_to()` are archived.
 class archive_link {
  public:
   archive_link(const llama_model* model, const archive_options& o) : store_(shape_of(model), o) {}
@@ -48,33 +50,34 @@ class archive_link {
   const infkv::archive& store() const { return store_; }
   /// Bytes held: the archive and the transfer buffers.
   std::int64_t bytes() const {
-    return std::int64_t(store_.memory() + state_.capacity() + scratch_.capacity() +
+    return std::int64_t(store_.memory() + state_.capacity() + template_.capacity() + scratch_.capacity() +
                         (staged_.capacity() + vrows_.capacity()) * sizeof(float));
   }
+  /// The first position not archived yet.
+  std::int64_t archived_to() const { return archived_to_; }
 
-  /// Archives llama.cpp's rows of the slots `keep` evicts from the session's cached `tokens`
-  /// (position runs `runs`), before they are removed; the state read stays as the template of a
-  /// recall's write-back (write_back).
-  void archive_removed(const cache_route& r, const keep_set& keep, std::span<const position_run> runs,
-                       std::span<const token> tokens) {
-    const kv_state st = read_cells(r, runs);
-    const std::int64_t m = std::int64_t(tokens.size()) - keep.size(0), E = row_elems();
-    if (st.cells != m)
-      infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at the ", m,
-                                 " evicted slots' positions (slots sharing a position?): nothing was archived or "
-                                 "removed");
-    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the evicted slots
-    const auto mask = keep.mask(0);
+  /// Archives llama.cpp's rows of the session's cached `tokens` at positions from archived_to()
+  /// on (all of them are cached: nothing leaves before it is archived), in time order, cut into
+  /// pages of page_tokens.
+  void archive_new(const cache_route& r, std::span<const token> tokens) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the slots to archive
     for (std::size_t s = 0; s < tokens.size(); ++s)
-      if (!mask[s]) by_pos.push_back({tokens[s].pos, std::int64_t(s)});
+      if (tokens[s].pos >= archived_to_) by_pos.push_back({tokens[s].pos, std::int64_t(s)});
+    if (by_pos.empty()) return;
     std::sort(by_pos.begin(), by_pos.end());
+    const std::int64_t m = std::int64_t(by_pos.size()), end = by_pos.back().first + 1, E = row_elems();
+    const position_run run{archived_to_, end};
+    const kv_state st = read_cells(r, {&run, 1}, state_);
+    if (st.cells != m)
+      infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at positions [", run.begin, ", ", run.end,
+                                 "), the session ", m, " slots (slots sharing a position?): nothing was archived");
     std::vector<token> toks(static_cast<std::size_t>(m));
     for (std::int64_t c = 0; c < m; ++c) {
       const std::int64_t pos = st.pos(state_, c);
       const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
       if (it == by_pos.end() || it->first != pos)
         infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", pos,
-                                   " is not an evicted slot of the session: nothing was archived or removed");
+                                   " is not a slot of the session: nothing was archived");
       toks[std::size_t(c)] = tokens[std::size_t(it->second)];
     }
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
@@ -93,82 +96,71 @@ class archive_link {
         for (std::int64_t j = 0; j < E; ++j) to_f32(sl.v_type, state_.data() + st.v_elem(l, c, j), v + c * E + j, 1);
       in[std::size_t(l)].values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
     }
-    archive_all(in, m);
+    keep_set none(m);
+    none.add_unit({});
+    scratch_.resize(cpu::archive_scratch_bytes(store_, m));
+    cpu::archive_evicted(store_, std::span<const layer_inputs<const_tensor_view>>(in), none, scratch_, 0);
+    archived_to_ = end;
   }
 
-  /// Stages the rows (f32) and tokens of `pages` (m slots in all) and releases the pages.
-  std::span<const token> stage(std::span<const std::int32_t> pages, std::int64_t m) {
-    const std::int32_t L = layers();
-    const std::int64_t E = row_elems();
+  /// Stages the rows (f32) and tokens of the archived tokens `recalled`; the pages stay.
+  std::span<const token> stage(std::span<const cpu::archived_token> recalled) {
+    const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
+    const std::int64_t E = row_elems(), m = std::int64_t(recalled.size());
     staged_.assign(std::size_t(2 * L * m * E), 0.f);
     back_.clear();
     m_ = m;
-    for (const std::int32_t page : pages) {
-      const auto t = store_.tokens(page);
-      const std::int64_t at = std::int64_t(back_.size()) * E;
-      std::vector<kv_view> out;
+    for (std::int64_t c = 0; c < m; ++c) {
+      const auto& x = recalled[std::size_t(c)];
+      back_.push_back(store_.tokens(x.page)[std::size_t(x.index)]);
       for (std::int32_t l = 0; l < L; ++l)
-        out.push_back(contiguous_nhd(staged(false, l) + at, staged(true, l) + at, dtype::f32, std::int64_t(t.size()),
-                                     store_.shape().kv_heads, store_.shape().head_dim));
-      cpu::restore(store_, page, out, 0);
-      back_.insert(back_.end(), t.begin(), t.end());
+        for (std::int32_t h = 0; h < H; ++h) {
+          cpu::dequantize(store_, x.page, l * H + h, x.index, false, staged(false, l) + c * E + h * d);
+          cpu::dequantize(store_, x.page, l * H + h, x.index, true, staged(true, l) + c * E + h * d);
+        }
     }
-    INFKV_REQUIRE(std::int64_t(back_.size()) == m, "m", m, "the pages hold ", back_.size(), " slots");
-    for (const std::int32_t page : pages) store_.release(page);
     return back_;
   }
   /// Layer l's staged keys (or values): [staged slots][KV heads][head_dim] f32.
   float* staged(bool values, std::int32_t l) {
     return staged_.data() + ((values ? std::int64_t(layers()) : 0) + l) * m_ * row_elems();
   }
-  /// Archives the staged rows again (a recall that could not finish).
-  void unstage() {
-    const auto m = std::int64_t(back_.size());
-    const std::int32_t H = store_.shape().kv_heads, d = store_.shape().head_dim;
-    std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(layers()));
-    for (std::int32_t l = 0; l < layers(); ++l) {
-      in[std::size_t(l)].tokens = back_;
-      in[std::size_t(l)].keys = nhd(static_cast<const void*>(staged(false, l)), dtype::f32, m, H, d);
-      in[std::size_t(l)].values = nhd(static_cast<const void*>(staged(true, l)), dtype::f32, m, H, d);
-    }
-    archive_all(in, m);
+
+  /// Reads the state of the session's cells in `runs` (the slots a recall displaces, as many as
+  /// it stages) as the template write_back fills.
+  void read_template(const cache_route& r, std::span<const position_run> runs) {
+    const kv_state st = read_cells(r, runs, template_);
+    if (st.cells != std::int64_t(back_.size()))
+      infkv::raise<engine_error>("infkv: recall: llama.cpp holds ", st.cells, " cells at the ", back_.size(),
+                                 " displaced slots' positions: nothing was recalled");
   }
 
-  /// Writes the staged rows at their positions into the state archive_removed last read (the
-  /// displaced slots', as many cells), restores it into the scratch sequence and shares its cells
-  /// into the session's. When llama.cpp refuses, the staged pages go back into the archive and
-  /// engine_error says the cache holds that many slots fewer.
+  /// Writes the staged rows at their positions into the template (read_template), restores it into
+  /// the scratch sequence and shares its cells into the session's. When llama.cpp refuses,
+  /// engine_error says the cache holds that many slots fewer (their rows stay archived).
   void write_back(const cache_route& r) {
     const std::int32_t L = layers();
     const std::int64_t m = std::int64_t(back_.size()), E = row_elems();
-    const kv_state st = parse_kv_state(state_, L, E);
-    if (st.cells != m) {
-      unstage();
-      infkv::raise<engine_error>("infkv: recall: llama.cpp's state of the ", m, " displaced slots holds ", st.cells,
-                                 " cells; the pages went back to the archive and the cache holds ", m, " slots fewer");
-    }
+    const kv_state st = parse_kv_state(template_, L, E);
     for (std::int64_t c = 0; c < m; ++c) {
       const auto pos = std::int32_t(back_[std::size_t(c)].pos);
-      std::memcpy(state_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
+      std::memcpy(template_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
       for (std::int32_t l = 0; l < L; ++l) {
         const auto& sl = st.layers[std::size_t(l)];
-        from_f32(sl.k_type, staged(false, l) + c * E, state_.data() + st.k_row(l, c), E);
+        from_f32(sl.k_type, staged(false, l) + c * E, template_.data() + st.k_row(l, c), E);
         const float* v = staged(true, l) + c * E;
         if (!st.v_trans)
-          from_f32(sl.v_type, v, state_.data() + st.v_elem(l, c, 0), E);
+          from_f32(sl.v_type, v, template_.data() + st.v_elem(l, c, 0), E);
         else
-          for (std::int64_t j = 0; j < E; ++j) from_f32(sl.v_type, v + j, state_.data() + st.v_elem(l, c, j), 1);
+          for (std::int64_t j = 0; j < E; ++j) from_f32(sl.v_type, v + j, template_.data() + st.v_elem(l, c, j), 1);
       }
     }
-    const std::size_t put = r.calls->state_set(r.ctx, state_.data(), state_.size(), r.scratch);
-    if (put != state_.size()) {
+    const std::size_t put = r.calls->state_set(r.ctx, template_.data(), template_.size(), r.scratch);
+    if (put != template_.size()) {
       r.clear_scratch();
-      unstage();
       infkv::raise<engine_error>("infkv: llama_state_seq_set_data(seq = ", r.scratch, ") = ", put, " of ",
-                                 state_.size(),
-                                 " bytes: the recalled rows could not be written; the pages went back to the archive "
-                                 "and the cache holds ",
-                                 m, " slots fewer");
+                                 template_.size(), " bytes: the recalled rows could not be written; the cache holds ",
+                                 m, " slots fewer (they stay archived)");
     }
     r.calls->seq_cp(r.mem, r.scratch, r.seq, -1, -1);
     r.clear_scratch();
@@ -185,33 +177,28 @@ class archive_link {
   std::int32_t layers() const { return store_.shape().n_layers; }
   std::int64_t row_elems() const { return std::int64_t(store_.shape().kv_heads) * store_.shape().head_dim; }
 
-  /// Reads llama.cpp's rows of the session's cells in `runs` into state_ and parses them.
-  kv_state read_cells(const cache_route& r, std::span<const position_run> runs) {
+  /// Reads llama.cpp's rows of the session's cells in `runs` into `buf` and parses them.
+  kv_state read_cells(const cache_route& r, std::span<const position_run> runs, std::vector<std::uint8_t>& buf) {
     for (const auto& run : runs) r.calls->seq_cp(r.mem, r.seq, r.scratch, llama_pos(run.begin), llama_pos(run.end));
     const std::size_t n = llama_state_seq_get_size(r.ctx, r.scratch);
-    state_.resize(n);
-    const std::size_t got = r.calls->state_get(r.ctx, state_.data(), n, r.scratch);
+    buf.resize(n);
+    const std::size_t got = r.calls->state_get(r.ctx, buf.data(), n, r.scratch);
     r.clear_scratch();
     if (got != n)
       infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", r.scratch, ") = ", got, " of ", n,
-                                 " bytes: the evicted rows could not be read for the archive");
-    return parse_kv_state(state_, layers(), row_elems());
-  }
-  /// Archives all `m` slots of `in` (every layer).
-  void archive_all(std::span<const layer_inputs<const_tensor_view>> in, std::int64_t m) {
-    keep_set none(m);
-    none.add_unit({});
-    scratch_.resize(cpu::archive_scratch_bytes(store_, m));
-    cpu::archive_evicted(store_, in, none, scratch_, 0);
+                                 " bytes: the cache's rows could not be read for the archive");
+    return parse_kv_state(buf, layers(), row_elems());
   }
 
   infkv::archive store_;
-  std::vector<std::uint8_t> state_;  // the state of the cells read last
-  std::vector<float> staged_;        // a recall's rows: [K | V][layer][slot][E]
-  std::vector<token> back_;          // their tokens
-  std::int64_t m_ = 0;               // slots staged
-  std::vector<float> vrows_;         // V rows out of a transposed state
-  std::vector<std::byte> scratch_;   // archive_evicted's
+  std::vector<std::uint8_t> state_;     // the state of the cells archived last
+  std::vector<std::uint8_t> template_;  // a recall's: the displaced cells' state, filled by write_back
+  std::int64_t archived_to_ = 0;        // the first position not archived yet
+  std::vector<float> staged_;           // a recall's rows: [K | V][layer][slot][E]
+  std::vector<token> back_;             // their tokens
+  std::int64_t m_ = 0;                  // slots staged
+  std::vector<float> vrows_;            // V rows out of a transposed state
+  std::vector<std::byte> scratch_;      // archive_evicted's
 };
 
 }  // namespace infkv::llama_cpp::detail
