@@ -94,6 +94,8 @@ class runner {
   virtual std::int64_t slots() const = 0;
   /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
   virtual std::int64_t host_bytes() const { return 0; }
+  /// Bytes of the archive's pages held (archive::held_bytes), 0 without an archive.
+  virtual std::int64_t archive_bytes() const { return 0; }
   /// Where the time went: the session's split, or the decodes and memory calls of the others.
   virtual infkv::llama_cpp::session_stats stats() const { return stats_; }
   /// How many of the stream's tokens [begin, end) (indices in feed order) are cached now.
@@ -251,6 +253,9 @@ class session_runner final : public runner {
 
   /// What the session holds beside llama.cpp's cache (session::memory()).
   std::int64_t host_bytes() const override { return session_.memory().total(); }
+  std::int64_t archive_bytes() const override {
+    return session_.archive() ? std::int64_t(session_.archive()->held_bytes()) : 0;
+  }
 
  private:
   kind kind_;

@@ -62,14 +62,20 @@ struct retrieval_stream {
 struct passkey_trial {
   probe p;
   std::string answer;
-  std::int64_t key_kept = 0;     ///< tokens of the key statement cached when the question is asked
-  std::vector<double> logprobs;  ///< each candidate's log-probability after the question (teacher forcing)
-  double needle_logprob = 0.0;   ///< ... the true value's
-  std::int64_t rank = 0;         ///< 1 + the candidates scoring at least as high as the true one (forced choice)
-  std::size_t best_other = 0;    ///< the best-scoring other candidate (when there is one)
-  bool forced_success = false;   ///< the true value ranks first (strictly) among its candidates
-  bool success = false;          ///< the greedy answer begins with the value (answer_matches)
-  double seconds = 0.0;          ///< asking and answering
+  std::int64_t key_kept = 0;      ///< tokens of the key statement cached when the question is asked
+  std::vector<double> logprobs;   ///< each candidate's log-probability after the question (teacher forcing)
+  double needle_logprob = 0.0;    ///< ... the true value's
+  std::int64_t rank = 0;          ///< 1 + the candidates scoring at least as high as the true one (forced choice)
+  std::size_t best_other = 0;     ///< the best-scoring other candidate (when there is one)
+  bool forced_success = false;    ///< the true value ranks first (strictly) among its candidates
+  bool success = false;           ///< the greedy answer begins with the value (answer_matches)
+  double seconds = 0.0;           ///< asking and answering (recall included)
+  std::int64_t key_recalled = 0;  ///< tokens of the key statement cached after the recall before the question
+  double recall_seconds = 0.0;    ///< the recall before the question (session_stats::recall)
+  /// Decoding the stream so far (session_stats::decode): prefilling the context block by block,
+  /// against a bounded cache for an evicting runner (less than re-prefilling it whole)
+  double decode_seconds = 0.0;
+  std::int64_t archive_bytes = 0;  ///< the archive's pages held (archive::held_bytes) when asked
   /// The best other candidate's log-probability (-inf when there is none).
   double best_other_logprob() const {
     return p.forced() ? logprobs[best_other] : -std::numeric_limits<double>::infinity();
@@ -266,7 +272,12 @@ inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, se
       t.p = rs.probes[next];
       t.best_other = t.p.truth;
       t.key_kept = r->cached_in(t.p.key_at, t.p.key_end);
+      const auto before = r->stats();
       const auto a = r->ask(t.p.question, t.p.choices, gen);
+      t.key_recalled = r->cached_in(t.p.key_at, t.p.key_end);
+      t.recall_seconds = r->stats().recall - before.recall;
+      t.decode_seconds = before.decode;
+      t.archive_bytes = r->archive_bytes();
       t.answer = a.text, t.logprobs = a.logprobs;
       t.needle_logprob = t.logprobs[t.p.truth];
       t.rank = forced_rank(t.logprobs, t.p.truth);
