@@ -14,7 +14,7 @@ namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
 /// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates,
-/// --recall-neighbours, --recall-bias and
+/// --prefetch, --recall-neighbours, --recall-bias and
 /// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
@@ -50,6 +50,10 @@ inline void add_policy_options(CLI::App& app, settings& s) {
       ->check(at_least(1, true, 4096));
   app.add_option("--recall", s.recall_tokens,
                  "before each question, bring back at most this many archived slots it needs (needs --archive)")
+      ->check(pos);
+  app.add_option("--prefetch", s.prefetch_tokens,
+                 "after each eviction, bring back at most this many archived slots the window's queries need "
+                 "(live prefetching; needs --archive)")
       ->check(pos);
   app.add_option("--recall-candidates", s.recall_candidates, "archive pages scored exactly per recall")->check(pos);
   app.add_option("--recall-neighbours", s.recall_neighbours,

@@ -46,7 +46,8 @@ struct settings : infkv_tools::policy_knobs {
   std::int64_t recall_tokens = 0;       ///< recall before each question, at most this many slots (0: none)
   std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall (the best by their bounds)
   std::int32_t recall_neighbours = 1;   ///< a recalled page brings this many adjoining pages on each side
-  bool recall_bias = true;              ///< recall scores with the policy's recency bias (inf_mllm_bias)
+  std::int64_t prefetch_tokens = 0;  ///< after each eviction, recall at most this many slots for the window (0: none)
+  bool recall_bias = true;           ///< recall scores with the policy's recency bias (inf_mllm_bias)
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
@@ -228,6 +229,12 @@ class session_runner final : public runner {
     cached_.resize(out);
     INFKV_REQUIRE(std::int64_t(out) == session_.size(), "infkv-stream: tracked stream tokens", out,
                   "differ from the session's slots ", session_.size());
+    if (set_.prefetch_tokens > 0) {  // live prefetching: what the window's queries need comes back
+      infkv_tools::with_policy(kind_, set_, [&](const auto& p) {
+        return session_.recall(p, budget_, recall_options(set_.prefetch_tokens));
+      });
+      track_session();
+    }
     return r.evicted;
   }
 
@@ -236,13 +243,10 @@ class session_runner final : public runner {
   answer ask(std::span<const llama_token> question, std::span<const std::vector<llama_token>> candidates,
              std::int64_t gen) override {
     if (set_.recall_tokens > 0) {
-      const infkv::cpu::recall_options ro{set_.recall_tokens, set_.recall_candidates, set_.recall_bias,
-                                          set_.recall_neighbours};
-      infkv_tools::with_policy(kind_, set_, [&](const auto& p) { return session_.recall(p, budget_, ro, question); });
-      // keep positions: a slot's position is its stream index
-      cached_.clear();
-      for (const auto& t : session_.tokens()) cached_.push_back(t.pos);
-      std::sort(cached_.begin(), cached_.end());
+      infkv_tools::with_policy(kind_, set_, [&](const auto& p) {
+        return session_.recall(p, budget_, recall_options(set_.recall_tokens), question);
+      });
+      track_session();
     }
     return runner::ask(question, candidates, gen);
   }
@@ -258,6 +262,17 @@ class session_runner final : public runner {
   }
 
  private:
+  infkv::cpu::recall_options recall_options(std::int64_t tokens) const {
+    return {tokens, set_.recall_candidates, set_.recall_bias, set_.recall_neighbours};
+  }
+  /// After a recall: the stream tokens cached are the session's positions (keep positions: a
+  /// slot's position is its stream index).
+  void track_session() {
+    cached_.clear();
+    for (const auto& t : session_.tokens()) cached_.push_back(t.pos);
+    std::sort(cached_.begin(), cached_.end());
+  }
+
   kind kind_;
   settings set_;
   infkv::budget budget_;

@@ -18,6 +18,8 @@ inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
           {"seq_add", t.seq_add},
           {"host_evict", t.host_evict},
           {"rerotate", t.rerotate},
+          {"archive", t.archive},
+          {"recall", t.recall},
           {"decodes", t.decodes},
           {"decoded_tokens", t.decoded_tokens},
           {"evictions", t.evictions}};

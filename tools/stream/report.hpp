@@ -178,7 +178,9 @@ inline nlohmann::json passkey_json(const nlohmann::json& head, const std::vector
                         {"key_recalled", t.key_recalled},
                         {"recall_seconds", t.recall_seconds},
                         {"decode_seconds", t.decode_seconds},
-                        {"archive_bytes", t.archive_bytes}});
+                        {"archive_bytes", t.archive_bytes},
+                        {"cache_bytes", t.cache_bytes},
+                        {"full_bytes", t.full_bytes}});
     }
     j["runs"].push_back({{"policy", r.policy},
                          {"note", r.note},
@@ -197,7 +199,7 @@ inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   std::ostringstream os;
   os << "policy,trial,stream,kind,person,needle,key_at,distance,prompt_tokens,key_tokens,key_kept,success,"
         "forced_success,rank,candidates,needle_logprob,best_other,best_other_logprob,seconds,key_recalled,"
-        "recall_seconds,decode_seconds,archive_bytes,answer\n";
+        "recall_seconds,decode_seconds,archive_bytes,cache_bytes,full_bytes,answer\n";
   const auto clean = [](std::string a) {
     for (auto& c : a)
       if (c == '"' || c == '\n' || c == ',' || c == '\r') c = ' ';
@@ -206,14 +208,14 @@ inline std::string passkey_csv(const std::vector<passkey_run>& runs) {
   for (const auto& r : runs)
     for (const auto& t : r.trials) {
       const bool f = t.p.forced();
-      os << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.4f},{},{},{:.3f},{},{:.4f},{:.3f},{},\"{}\"\n",
-                        r.policy, t.p.trial, t.p.stream, t.p.kind, t.p.person, clean(t.p.needle), t.p.key_at,
-                        t.p.distance(), t.p.at + std::int64_t(t.p.question.size()), t.p.key_tokens(), t.key_kept,
-                        int(t.success), f ? std::to_string(int(t.forced_success)) : std::string(),
-                        f ? std::to_string(t.rank) : "", t.p.candidates.size(), t.needle_logprob,
-                        f ? clean(t.p.candidates[t.best_other]) : "",
-                        f ? fmt::format("{:.4f}", t.best_other_logprob()) : "", t.seconds, t.key_recalled,
-                        t.recall_seconds, t.decode_seconds, t.archive_bytes, clean(t.answer));
+      os << fmt::format(
+          "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.4f},{},{},{:.3f},{},{:.4f},{:.3f},{},{},{},\"{}\"\n",
+          r.policy, t.p.trial, t.p.stream, t.p.kind, t.p.person, clean(t.p.needle), t.p.key_at, t.p.distance(),
+          t.p.at + std::int64_t(t.p.question.size()), t.p.key_tokens(), t.key_kept, int(t.success),
+          f ? std::to_string(int(t.forced_success)) : std::string(), f ? std::to_string(t.rank) : "",
+          t.p.candidates.size(), t.needle_logprob, f ? clean(t.p.candidates[t.best_other]) : "",
+          f ? fmt::format("{:.4f}", t.best_other_logprob()) : "", t.seconds, t.key_recalled, t.recall_seconds,
+          t.decode_seconds, t.archive_bytes, t.cache_bytes, t.full_bytes, clean(t.answer));
     }
   return os.str();
 }

@@ -149,6 +149,8 @@ std::vector<stream::policy_info> check(const options& o) {
     if (const std::string why = infkv_tools::budget_problem(p.k, o.s.budget, o.s); !why.empty()) usage_error(why);
   if (o.s.recall_tokens > 0 && o.s.archive_bits == 0)
     usage_error(fmt::format("--recall = {}: needs --archive BITS", o.s.recall_tokens));
+  if (o.s.prefetch_tokens > 0 && o.s.archive_bits == 0)
+    usage_error(fmt::format("--prefetch = {}: needs --archive BITS", o.s.prefetch_tokens));
   if (o.s.recall_tokens > 0 && !retrieval)
     usage_error(fmt::format("--recall = {}: recall runs before questions (--needle or --passkey)", o.s.recall_tokens));
   for (const auto& p : chosen) {
@@ -160,9 +162,9 @@ std::vector<stream::policy_info> check(const options& o) {
                            if (!sp.part(i).reads_queries()) return false;
                          return true;
                        });
-    if (!session || (o.s.recall_tokens > 0 && !reads))
+    if (!session || ((o.s.recall_tokens > 0 || o.s.prefetch_tokens > 0) && !reads))
       usage_error(fmt::format(
-          "--policy = {}: {} (--archive / --recall)", p.name,
+          "--policy = {}: {} (--archive / --recall / --prefetch)", p.name,
           session ? "recall scores with the policy, and it reads no queries" : "has no session to archive from"));
   }
   return chosen;
@@ -219,6 +221,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"recall_tokens", o.s.recall_tokens},
             {"recall_candidates", o.s.recall_candidates},
             {"recall_neighbours", o.s.recall_neighbours},
+            {"prefetch_tokens", o.s.prefetch_tokens},
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"smooth", o.smooth}}},

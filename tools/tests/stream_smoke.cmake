@@ -181,6 +181,17 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "the questions at distance 300 scored ${logp_8} after 8-token answers at 100, but ${logp_1} "
                         "after 1-token answers: asking left something in the cache")
   endif()
+  # Live prefetching on the text stream: after each eviction a recall for the window's queries
+  # (the session's recall time is counted), the settings recorded.
+  run_stream(--prefetch --model ${MODEL} --text ${TEXT} --tokens 320 --budget 128 --block 32 --policy snapkv
+             --archive 4 --prefetch 16)
+  string(JSON prefetch GET "${json}" settings prefetch_tokens)
+  string(JSON recall_s GET "${json}" runs 0 time recall)
+  string(JSON blocks LENGTH "${json}" runs 0 blocks)
+  if(NOT prefetch EQUAL 16 OR NOT recall_s GREATER 0 OR NOT blocks EQUAL 10)
+    message(FATAL_ERROR "--archive 4 --prefetch 16: prefetch_tokens ${prefetch}, recall ${recall_s} s (> 0), "
+                        "${blocks} blocks (10)")
+  endif()
   run_stream(--skip --model ${MODEL} --text ${TEXT} --skip 1000 --tokens 96 --budget 64 --block 32 --policy streaming_llm)
   string(JSON first GET "${json}" runs 0 blocks 0 tokens)
   string(JSON last GET "${json}" runs 0 blocks 2 tokens)
@@ -196,7 +207,7 @@ elseif(MODE STREQUAL "too_big")
   endif()
 elseif(MODE STREQUAL "bad_flag")
   foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100" "--archive;3"
-               "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100")
+               "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100" "--prefetch;8")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)

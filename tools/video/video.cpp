@@ -106,9 +106,11 @@ std::vector<stream::policy_info> check(options& o) {
   if (o.mmproj.empty()) usage_error("--mmproj is required");
   if (o.media.empty()) usage_error("--media is required");
   if (const std::string why = infkv_tools::knobs_problem(o.s); !why.empty()) usage_error(why);
-  if (o.s.archive_bits > 0 || o.s.recall_tokens > 0)
-    usage_error(fmt::format("--archive = {}, --recall = {}: infkv-video does not archive yet (infkv-stream does)",
-                            o.s.archive_bits, o.s.recall_tokens));
+  if (o.s.archive_bits > 0 || o.s.recall_tokens > 0 || o.s.prefetch_tokens > 0)
+    usage_error(
+        fmt::format("--archive = {}, --recall = {}, --prefetch = {}: infkv-video does not archive yet "
+                    "(infkv-stream does)",
+                    o.s.archive_bits, o.s.recall_tokens, o.s.prefetch_tokens));
   std::sort(o.ask_after.begin(), o.ask_after.end());
   if (std::adjacent_find(o.ask_after.begin(), o.ask_after.end()) != o.ask_after.end())
     usage_error(fmt::format("--ask-after = {}: a count is listed twice", fmt::join(o.ask_after, ",")));
