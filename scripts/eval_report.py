@@ -44,6 +44,11 @@ Generators:
                     64-token blocks (bootstrap interval), slots at the end
   prefill_memory    scripts/prefill_memory.py's JSON: cache bytes and resident-set growth of plain
                     and block-wise prefill per prompt length
+  needles_archive   a needle sweep with an archive: per model, distance and policy, the statement
+                    tokens cached before and after the recall, the recall's seconds per question
+                    (mean and largest) and the largest share of the stream's own decoding so far
+                    they cost, and the bytes held at the questions (archive pages + the cache's
+                    slots in f16) as a share of every token's K and V in f16 (lowest and highest)
 """
 import argparse
 import csv
@@ -451,10 +456,35 @@ def prefill_memory(j, record):
                   "block-wise: RSS growth"], body)
 
 
+def needles_archive(rows, record):
+    """What recall did and cost, per model, distance and policy run with an archive (the rows carry
+    key_recalled, recall_seconds, decode_seconds, archive_bytes, cache_bytes and full_bytes)."""
+    body = []
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        for distance in sorted({int(r["distance"]) for r in rows if r["model"] == model}):
+            mine = [r for r in rows if r["model"] == model and int(r["distance"]) == distance]
+            for policy in OrderedDict.fromkeys(r["policy"] for r in mine):
+                g = [r for r in mine if r["policy"] == policy and int(r["archive_bytes"]) > 0]
+                if not g:
+                    continue
+                secs = [float(r["recall_seconds"]) for r in g]
+                cost = [float(r["recall_seconds"]) / float(r["decode_seconds"]) for r in g]
+                held = [(int(r["archive_bytes"]) + int(r["cache_bytes"])) / int(r["full_bytes"]) for r in g]
+                body.append([MODEL_NAMES.get(model, model), distance, f"`{policy}`", len(g),
+                             f"{100 * sum(statement_share(r) for r in g) / len(g):.0f}%",
+                             f"{100 * sum(int(r['key_recalled']) / int(r['key_tokens']) for r in g) / len(g):.0f}%",
+                             f"{sum(secs) / len(secs):.2f} / {max(secs):.2f}", f"{100 * max(cost):.1f}%",
+                             f"{100 * min(held):.1f}-{100 * max(held):.1f}%"])
+    return table(["model", "distance", "policy", "questions", "statement cached before recall", "after recall",
+                  "recall s, mean / max", "recall / stream decoding so far, max",
+                  "archive + cache / full f16 K and V"], body)
+
+
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
               "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
               "targets": targets, "needles_cached": needles_cached, "kvpress_prefill": kvpress_prefill,
-              "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory}
+              "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory,
+              "needles_archive": needles_archive}
 
 
 def generate(doc_path):

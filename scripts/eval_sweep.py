@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--skips", default="0,200000,400000,600000",
                     help="ppl: where each slice starts, in tokens of the text (--skip)")
     ap.add_argument("--tokens", type=int, default=10000, help="ppl: tokens per slice")
+    ap.add_argument("--text", choices=["kjv", "jargon"], default="kjv",
+                    help="needles, ppl: the text (scripts/kjv.sh: the KJV; scripts/jargon.sh: the Jargon File)")
     ap.add_argument("--policies", default=POLICIES)
     ap.add_argument("--distance", default="2048", help="infkv-stream --needle (comma list)")
     ap.add_argument("--budget", type=int, default=1024)
@@ -155,7 +157,7 @@ def main():
         cells = [(f"s{s}", ["--seed", str(s)], [str(s)]) for s in seeds(a.seeds)]
         lead = ["seed"]
     else:
-        text = last_line(["scripts/kjv.sh"])
+        text = last_line([f"scripts/{a.text}.sh"])
     if a.mode == "needles":
         common = ["--text", text, "--needle", a.distance, "--needles", str(a.needles), "--people", str(a.people),
                   "--needle-gap", str(a.gap), "--trials", str(a.needles)]
