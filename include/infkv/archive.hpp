@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "config.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "scores.hpp"
@@ -39,53 +40,80 @@ struct quant_params {
 
 namespace detail {
 /// The next f16 below / above a finite f16 (bits).
-inline std::uint16_t f16_below(std::uint16_t h) {
+INFKV_HOST_DEVICE inline std::uint16_t f16_below(std::uint16_t h) {
   if (h == 0x0000) return 0x8001;  // +0 -> the smallest negative subnormal
   return (h & 0x8000) ? std::uint16_t(h + 1) : std::uint16_t(h - 1);
 }
-inline std::uint16_t f16_above(std::uint16_t h) {
+INFKV_HOST_DEVICE inline std::uint16_t f16_above(std::uint16_t h) {
   if (h == 0x8000) return 0x0001;  // -0 -> the smallest positive subnormal
   return (h & 0x8000) ? std::uint16_t(h - 1) : std::uint16_t(h + 1);
 }
-inline bool f16_finite(std::uint16_t h) { return (h & 0x7c00) != 0x7c00; }
+INFKV_HOST_DEVICE inline bool f16_finite(std::uint16_t h) { return (h & 0x7c00) != 0x7c00; }
+/// The largest f16 at or below x (`up`: the smallest at or above) into h; false when x has none
+/// (not finite, or beyond f16's range on that side). Host and device alike.
+INFKV_HOST_DEVICE inline bool f16_rounded(float x, bool up, std::uint16_t& h) {
+  if (!(x - x == 0.f)) return false;  // not finite
+  h = f32_to_f16(x);
+  if (f16_finite(h) && (up ? f16_to_f32(h) < x : f16_to_f32(h) > x)) h = up ? f16_above(h) : f16_below(h);
+  return f16_finite(h);
+}
+/// make_quant_params without throwing: false when min or the step has no f16 (host and device).
+INFKV_HOST_DEVICE inline bool quant_params_of(float min, float max, std::int32_t bits, quant_params& out) {
+  std::uint16_t lo = 0, step = 0;
+  if (!f16_rounded(min, false, lo)) return false;
+  const double span = (double(max) - double(f16_to_f32(lo))) / double((1 << bits) - 1);  // >= 0: lo <= min <= max
+  float s = float(span);
+  if (double(s) < span) {  // the next float up (s >= 0)
+    std::uint32_t b = 0;
+    std::memcpy(&b, &s, sizeof b);
+    ++b;
+    std::memcpy(&s, &b, sizeof s);
+  }
+  if (!f16_rounded(s, true, step)) return false;
+  out = {lo, step};
+  return true;
+}
 }  // namespace detail
 
 /// The largest f16 at or below x; throws when x has none (below -65504 or not finite).
 inline std::uint16_t f16_round_down(float x, const char* what) {
-  std::uint16_t h = f32_to_f16(x);
-  if (detail::f16_finite(h) && f16_to_f32(h) > x) h = detail::f16_below(h);
-  INFKV_REQUIRE(std::isfinite(x) && detail::f16_finite(h), what, x,
-                "must be finite and within f16's range (|x| <= 65504)");
+  std::uint16_t h = 0;
+  INFKV_REQUIRE(detail::f16_rounded(x, false, h), what, x, "must be finite and within f16's range (|x| <= 65504)");
   return h;
 }
 /// The smallest f16 at or above x; throws when x has none.
 inline std::uint16_t f16_round_up(float x, const char* what) {
-  std::uint16_t h = f32_to_f16(x);
-  if (detail::f16_finite(h) && f16_to_f32(h) < x) h = detail::f16_above(h);
-  INFKV_REQUIRE(std::isfinite(x) && detail::f16_finite(h), what, x,
-                "must be finite and within f16's range (|x| <= 65504)");
+  std::uint16_t h = 0;
+  INFKV_REQUIRE(detail::f16_rounded(x, true, h), what, x, "must be finite and within f16's range (|x| <= 65504)");
   return h;
 }
 
 /// The parameters of a group whose values lie in [min, max] at `bits` bits per code.
 inline quant_params make_quant_params(float min, float max, std::int32_t bits) {
-  const std::uint16_t lo = f16_round_down(min, "archive: a group's smallest value");
-  const double span = (double(max) - double(f16_to_f32(lo))) / double((1 << bits) - 1);
-  float s = float(span);
-  if (double(s) < span) s = std::nextafter(s, std::numeric_limits<float>::infinity());
-  return {lo, f16_round_up(s, "archive: a group's step (range / (2^bits - 1))")};
+  quant_params q;
+  if (!detail::quant_params_of(min, max, bits, q)) {  // say which bound has no f16
+    const std::uint16_t lo = f16_round_down(min, "archive: a group's smallest value");
+    (void)f16_round_up(float((double(max) - double(f16_to_f32(lo))) / double((1 << bits) - 1)),
+                       "archive: a group's step (range / (2^bits - 1))");
+  }
+  return q;
 }
 
-/// The code of x in a group (x within the group's range; rounding to nearest, clamped to the
-/// code range against f32 rounding at its ends).
-inline std::uint32_t quant_code(float x, float lo, float step, std::int32_t bits) {
+/// The code of x in a group (x within the group's range; rounding to nearest, ties to even,
+/// clamped to the code range against f32 rounding at its ends). Host and device alike.
+INFKV_HOST_DEVICE inline std::uint32_t quant_code(float x, float lo, float step, std::int32_t bits) {
   if (step <= 0.f) return 0;
+#if defined(__CUDA_ARCH__)
+  const float q = nearbyintf((x - lo) / step);
+#else
   const float q = std::nearbyint((x - lo) / step);
-  return std::uint32_t(std::clamp(q, 0.f, float((1 << bits) - 1)));
+#endif
+  const float top = float((1 << bits) - 1);
+  return std::uint32_t(q < 0.f ? 0.f : (q > top ? top : q));
 }
 
 /// Code i of a packed code array (bits in {2, 4, 8}, least significant bits first).
-inline std::uint32_t code_at(const std::uint8_t* codes, std::int64_t i, std::int32_t bits) {
+INFKV_HOST_DEVICE inline std::uint32_t code_at(const std::uint8_t* codes, std::int64_t i, std::int32_t bits) {
   const std::int64_t bit = i * bits;
   return (codes[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1);
 }

@@ -18,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include <infkv/cuda/detail/archive_steps.hpp>
 #include <infkv/cuda/detail/cache_steps.hpp>
 
 namespace infkv_test {

@@ -903,3 +903,108 @@ TEST_CASE("cuda steps (host): Expected Attention's logits through GEMM tiles mat
       }
     }
 }
+
+TEST_CASE("cuda steps (host): archive pages quantize, dequantize and bound exactly as the CPU's") {
+  std::mt19937 gen(41);
+  for (const dtype t : {dtype::f32, dtype::f16})
+    for (const std::int32_t bits : {2, 4, 8})
+      for (const std::int32_t n : {5, 8}) {  // a partial page and a full one
+        CAPTURE(to_string(t));
+        CAPTURE(bits);
+        CAPTURE(n);
+        const std::int32_t L = 2, H = 2, d = 16, P = 8;
+        const archive_shape shape{L, H, d, granularity::per_token};
+        const archive_options o{.page_tokens = P,
+                                .key_bits = bits,
+                                .value_bits = bits,
+                                .value_group = bits == 4 ? 4 : 0,
+                                .capacity_bytes = std::size_t(1) << 20};
+        // n tokens of every layer, nhd, the type t
+        std::vector<std::vector<std::uint8_t>> K, V;
+        std::uniform_real_distribution<float> u(-3.f, 3.f);
+        for (std::int32_t l = 0; l < L; ++l) {
+          std::vector<float> k(std::size_t(n * H * d)), v(k.size());
+          for (auto& x : k) x = u(gen);
+          for (auto& x : v) x = u(gen);
+          std::vector<std::uint8_t> kb(k.size() * size_of(t)), vb(kb.size());
+          from_f32(t, k.data(), kb.data(), std::int64_t(k.size()));
+          from_f32(t, v.data(), vb.data(), std::int64_t(v.size()));
+          K.push_back(std::move(kb)), V.push_back(std::move(vb));
+        }
+        std::vector<token> tok(static_cast<std::size_t>(n));
+        for (std::int32_t i = 0; i < n; ++i) tok[std::size_t(i)] = {100 + i, 0, modality::text};
+        std::vector<layer_inputs<>> in(static_cast<std::size_t>(L));
+        for (std::int32_t l = 0; l < L; ++l) {
+          in[std::size_t(l)].keys = nhd(static_cast<const void*>(K[std::size_t(l)].data()), t, n, H, d);
+          in[std::size_t(l)].values = nhd(static_cast<const void*>(V[std::size_t(l)].data()), t, n, H, d);
+          in[std::size_t(l)].tokens = tok;
+        }
+        archive a(shape, o);
+        keep_set none(n);
+        none.add_unit({});
+        cpu::workspace ws(cpu::archive_scratch_bytes(a, n));
+        REQUIRE(cpu::archive_evicted(a, std::span<const layer_inputs<>>(in), none, ws.span()) == 1);
+        const std::int32_t page = a.held()[0];
+        // the steps: row r = l * H + h reads token j's row at K[l] + (j * H + h) * d
+        std::vector<const void*> kr, vr;
+        for (std::int32_t l = 0; l < L; ++l)
+          for (std::int32_t h = 0; h < H; ++h) {
+            kr.push_back(K[std::size_t(l)].data() + std::size_t(h * d) * size_of(t));
+            vr.push_back(V[std::size_t(l)].data() + std::size_t(h * d) * size_of(t));
+          }
+        const cuda::page_rows rows{kr.data(), vr.data(), t, std::int64_t(H) * d, n};
+        std::vector<std::uint8_t> bytes(a.layout().bytes, 0);
+        cuda::status_word word = cuda::status_ok;
+        cuda::quantize_page_steps(host_launcher{}, &word, a.layout(), rows, bytes.data());
+        CHECK(cuda::decode(word).ok());
+        CHECK(std::equal(bytes.begin(), bytes.end(), a.row(page, 0)));  // the CPU's bytes, exactly
+        std::vector<float> dk(std::size_t(L * H * n * d)), dv(dk.size());
+        cuda::dequantize_page_steps(host_launcher{}, a.layout(), bytes.data(), n, dk.data(), dv.data());
+        std::vector<float> ck(static_cast<std::size_t>(d)), cv(ck.size());
+        bool same = true;
+        for (std::int32_t r = 0; r < L * H; ++r)
+          for (std::int32_t j = 0; j < n; ++j) {
+            cpu::dequantize(a, page, r, j, false, ck.data());
+            cpu::dequantize(a, page, r, j, true, cv.data());
+            for (std::int32_t c = 0; c < d; ++c)
+              same = same && dk[std::size_t((r * n + j) * d + c)] == ck[std::size_t(c)] &&
+                     dv[std::size_t((r * n + j) * d + c)] == cv[std::size_t(c)];
+          }
+        CHECK(same);
+        // bounds of this page and of two more, for random queries of 4 query heads
+        for (std::int32_t more = 0; more < 2; ++more)
+          REQUIRE(cpu::archive_evicted(a, std::span<const layer_inputs<>>(in), none, ws.span()) == 1);
+        std::vector<std::vector<float>> qs;
+        std::vector<const_tensor_view> qv;
+        for (std::int32_t l = 0; l < L; ++l) {
+          std::vector<float> q(std::size_t(3 * 4 * d));
+          for (auto& x : q) x = u(gen);
+          qs.push_back(std::move(q));
+        }
+        for (std::int32_t l = 0; l < L; ++l)
+          qv.push_back(nhd(static_cast<const void*>(qs[std::size_t(l)].data()), dtype::f32, 3, 4, d));
+        std::vector<float> want(static_cast<std::size_t>(a.capacity_pages()));
+        cpu::page_bounds(a, qv, 0.25f, want);
+        const auto held = a.held();
+        std::vector<const std::uint8_t*> pages;
+        std::vector<std::int32_t> first(held.size(), 0), heads(held.size(), 0);
+        for (const auto p : held) pages.push_back(a.row(p, 0));
+        std::vector<float> scratch(held.size() * std::size_t(L)), got(held.size());
+        cuda::page_bounds_steps(host_launcher{}, shape, a.layout(), pages.data(), first.data(), heads.data(),
+                                std::int64_t(held.size()), qv.data(), 0.25f, scratch.data(), got.data());
+        for (std::size_t i = 0; i < held.size(); ++i) CHECK(got[i] == want[std::size_t(held[i])]);
+        // an element beyond f16's range is recorded, named, and raised
+        if (t == dtype::f32 && bits == 4 && n == 5) {
+          reinterpret_cast<float*>(K[1].data())[(3 * H + 1) * d + 7] = 1e6f;  // layer 1, token 3, head 1, channel 7
+          word = cuda::status_ok;
+          cuda::quantize_page_steps(host_launcher{}, &word, a.layout(), rows, bytes.data());
+          const cuda::status st = cuda::decode(word);
+          CHECK(st.kind == cuda::fault::not_archivable);
+          CHECK(st.a == 3);  // row l * H + h
+          CHECK(st.e == 7);
+          CHECK(st.b == 3);
+          CHECK_THROWS_WITH(cuda::raise_if(st, "quantize_page"),
+                            doctest::Contains("page row 3, token 3, channel 7: an archived element must be finite"));
+        }
+      }
+}

@@ -1,6 +1,7 @@
 // infkv CUDA backend: cuda::backend's primitives, compaction and re-rotation, each the steps of
 // cuda/steps.hpp and cuda/cache_steps.hpp run by the device launcher (one kernel per step).
 #include <infkv/cuda/backend.hpp>
+#include <infkv/cuda/detail/archive_steps.hpp>
 #include <infkv/cuda/detail/cache_steps.hpp>
 
 #include "launcher.cuh"
@@ -191,6 +192,34 @@ void rerotate(const paged_rows& keys, const std::int64_t* delta, const rope& r, 
               cudaStream_t stream) {
   detail::require_status(status);
   rerotate_steps(detail::device_launcher{stream}, status, keys, delta, r);
+}
+
+void quantize_page(const page_layout& layout, const page_rows& in, std::uint8_t* page, status_word* status,
+                   cudaStream_t stream) {
+  detail::require_status(status);
+  detail::require_device(page, "page");
+  quantize_page_steps(detail::device_launcher{stream}, status, layout, in, page);
+}
+void dequantize_page(const page_layout& layout, const std::uint8_t* page, std::int32_t n_tokens, float* keys,
+                     float* values, cudaStream_t stream) {
+  detail::require_device(page, "page");
+  detail::require_device(keys, "keys");
+  detail::require_device(values, "values");
+  dequantize_page_steps(detail::device_launcher{stream}, layout, page, n_tokens, keys, values);
+}
+void page_bounds(const archive_shape& shape, const page_layout& layout, const std::uint8_t* const* pages,
+                 const std::int32_t* first_layer, const std::int32_t* head, std::int64_t n_pages,
+                 const const_tensor_view* queries, float scale, float* scratch, float* out, cudaStream_t stream) {
+  INFKV_REQUIRE(n_pages >= 0, "n_pages", n_pages, "must be >= 0");
+  if (n_pages == 0) return;
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{pages, "pages"},
+                                {first_layer, "first_layer"},
+                                {queries, "queries"},
+                                {scratch, "scratch"},
+                                {out, "out"}})
+    detail::require_device(p, name);
+  page_bounds_steps(detail::device_launcher{stream}, shape, layout, pages, first_layer, head, n_pages, queries, scale,
+                    scratch, out);
 }
 
 }  // namespace infkv::cuda

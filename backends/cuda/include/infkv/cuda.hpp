@@ -5,4 +5,5 @@
 
 #include <infkv/infkv.hpp>
 
+#include "cuda/archive.hpp"
 #include "cuda/backend.hpp"

@@ -21,6 +21,7 @@ enum class fault : std::uint8_t {
   value_not_finite = 6,  ///< a = head, b = slot
   logit_overflow = 7,    ///< Expected Attention's logit of key b of head a under query head e is not finite
   nan_score = 8,         ///< a = row, b = column
+  not_archivable = 9,    ///< an archived element not finite or beyond f16's range: a = page row, e = channel, b = token
 };
 
 /// A status word: ~0 when nothing was recorded, else kind (8 bits) | a (12) | e (12) | b (32).
@@ -73,6 +74,9 @@ inline void raise_if(status s, const char* what) {
            "queries of head ", s.e, " overflows f32: keys and queries must be small enough that s^2 (q.k)^2 / 2 ",
            "stays finite");
     case fault::nan_score: fail("infkv: ", what, ": scores[", s.a, ", ", s.b, "] = nan: scores must not be NaN");
+    case fault::not_archivable:
+      fail("infkv: ", what, ": page row ", s.a, ", token ", s.b, ", channel ", s.e,
+           ": an archived element must be finite with |x| <= 65504 (f16's range)");
   }
   fail("infkv: ", what, ": unknown device status ", int(s.kind));
 }

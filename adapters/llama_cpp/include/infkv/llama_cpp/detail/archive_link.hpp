@@ -15,6 +15,7 @@
 #include <llama.h>
 
 #include <infkv/cpu/archive.hpp>
+#include <infkv/cpu/recall.hpp>
 #include <infkv/error.hpp>
 #include <infkv/keep_set.hpp>
 
