@@ -82,7 +82,8 @@ void quantize_page_steps(const L& launch, status_word* status, const page_layout
         quant_params q;
         std::memcpy(&q, params + (values ? std::size_t(t) * groups + std::size_t(c / g) : std::size_t(c)) * sizeof q,
                     sizeof q);
-        out |= quant_code(detail::page_elem(x, values, r, t, c), f16_to_f32(q.lo), f16_to_f32(q.step), bits) << (j * bits);
+        out |= quant_code(detail::page_elem(x, values, r, t, c), f16_to_f32(q.lo), f16_to_f32(q.step), bits)
+               << (j * bits);
       }
       row[(values ? Lo.v_codes : Lo.k_codes) + std::size_t(byte)] = std::uint8_t(out);
     });
@@ -92,10 +93,10 @@ void quantize_page_steps(const L& launch, status_word* status, const page_layout
 /// Dequantizes every row of `page` (n_tokens tokens): keys[(r * n_tokens + t) * head_dim + c]
 /// and the values alike, f32, exactly as cpu::dequantize.
 template <class L>
-void dequantize_page_steps(const L& launch, const page_layout& layout, const std::uint8_t* page,
-                           std::int32_t n_tokens, float* keys, float* values) {
-  INFKV_REQUIRE(n_tokens >= 1 && n_tokens <= layout.tokens, "n_tokens", n_tokens, "must be in [1, page_tokens = ",
-                layout.tokens, "]");
+void dequantize_page_steps(const L& launch, const page_layout& layout, const std::uint8_t* page, std::int32_t n_tokens,
+                           float* keys, float* values) {
+  INFKV_REQUIRE(n_tokens >= 1 && n_tokens <= layout.tokens, "n_tokens", n_tokens,
+                "must be in [1, page_tokens = ", layout.tokens, "]");
   const page_layout Lo = layout;
   const std::int32_t d = Lo.head_dim, n = n_tokens, groups = Lo.groups();
   launch.for_each(std::int64_t(Lo.rows) * n * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
@@ -123,8 +124,7 @@ void page_bounds_steps(const L& launch, const archive_shape& shape, const page_l
                        float* out) {
   const page_layout Lo = layout;
   const archive_shape s = shape;
-  const std::int32_t lp = s.layers_per_page(), hp = s.heads_per_page(), d = s.head_dim,
-                     rmax = (1 << Lo.k_bits) - 1;
+  const std::int32_t lp = s.layers_per_page(), hp = s.heads_per_page(), d = s.head_dim, rmax = (1 << Lo.k_bits) - 1;
   launch.for_each(n_pages * lp, [=] INFKV_HOST_DEVICE(std::int64_t i) {
     const std::int64_t p = i / lp;
     const auto l = std::int32_t(i % lp);
