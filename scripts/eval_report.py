@@ -198,7 +198,9 @@ def needles_policies(rows, record):
             per_seed = len([r for r in first if int(r["seed"]) == seeds[0]])
             # a guess uniform over the kind's candidates ranks the true value first with 1 / candidates
             chance = sum(1 / int(r["candidates"]) for r in first)
-            which = f"seeds {seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else f"seed {seeds[0]}"
+            contiguous = seeds == list(range(seeds[0], seeds[-1] + 1))
+            which = (f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}" if contiguous
+                     else "seeds " + ", ".join(str(x) for x in seeds))
             out_lines += [f"**{MODEL_NAMES.get(model, model)}**, {which} "
                           f"({per_seed} questions per seed, distance {distance}; a uniform guess among the "
                           f"candidates would be chosen right in {chance:.1f} of the {len(first)} questions"
