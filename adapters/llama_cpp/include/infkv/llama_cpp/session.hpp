@@ -411,7 +411,7 @@ class session {
       const auto t = archive_->stage(res.recalled);
       return std::vector<token>(t.begin(), t.end());
     }();
-    // 2. the displaced slots' state read (the template of step 4), then they leave
+    // 2. the displaced slots' state read (the template of step 3), then they leave
     keep_set keep(size());
     std::vector<std::int64_t> kept;
     for (std::int64_t s = 0, d = 0; s < size(); ++s)
