@@ -112,6 +112,20 @@ INFKV_HOST_DEVICE inline std::uint32_t quant_code(float x, float lo, float step,
   return std::uint32_t(q < 0.f ? 0.f : (q > top ? top : q));
 }
 
+/// The largest magnitude an archived element may have: its group's f16 parameters hold it.
+inline constexpr float archive_max_abs = 65504.f;
+
+/// Group i's parameters in a page row's parameter array starting at `at` (unaligned).
+INFKV_HOST_DEVICE inline quant_params params_at(const std::uint8_t* at, std::size_t i) {
+  quant_params q;
+  std::memcpy(&q, at + i * sizeof q, sizeof q);
+  return q;
+}
+/// The value a code stands for in a group: lo + code * step.
+INFKV_HOST_DEVICE inline float dequantized(quant_params q, std::uint32_t code) {
+  return f16_to_f32(q.lo) + float(code) * f16_to_f32(q.step);
+}
+
 /// Code i of a packed code array (bits in {2, 4, 8}, least significant bits first).
 INFKV_HOST_DEVICE inline std::uint32_t code_at(const std::uint8_t* codes, std::int64_t i, std::int32_t bits) {
   const std::int64_t bit = i * bits;

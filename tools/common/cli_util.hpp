@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "errors.hpp"
 
@@ -60,6 +61,13 @@ inline void write_file(const std::string& flag, const std::string& path, const s
   std::ofstream out(path, std::ios::binary);
   out.write(bytes.data(), std::streamsize(bytes.size()));
   if (!out.flush()) fail("{} = {}: cannot write the file", flag, path);
+}
+
+/// Writes `j` to `path` as JSON, `indent` spaces per level, and a newline. Text that is not valid
+/// UTF-8 (a model's answer cut inside a character) is written with U+FFFD in its place rather
+/// than failing the run at its end.
+inline void write_json(const std::string& flag, const std::string& path, const nlohmann::json& j, int indent = 1) {
+  write_file(flag, path, j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
 }
 
 }  // namespace infkv_tools

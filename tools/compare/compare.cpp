@@ -381,7 +381,7 @@ void report(const options& o, const job& jb, const results& r) {
   if (o.json_path == "-")
     fmt::print("{}\n", j.dump(2));
   else
-    infkv_tools::write_file("--json", o.json_path, j.dump(2) + "\n");
+    infkv_tools::write_json("--json", o.json_path, j, 2);
 }
 
 }  // namespace

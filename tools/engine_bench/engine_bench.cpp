@@ -90,7 +90,7 @@ nlohmann::json head(const options& o, const llama_model* m, const char* what) {
 
 void write_json(const options& o, nlohmann::json j) {
   j["load_average_end"] = load_average();
-  if (!o.json.empty()) infkv_tools::write_file("--json", o.json, j.dump(1) + "\n");
+  if (!o.json.empty()) infkv_tools::write_json("--json", o.json, j);
 }
 
 int run_decode(const options& o, const llama_model* m) {

@@ -273,7 +273,7 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
     j["tokens"] = toks.size();
     j["skip"] = o.skip;
     j["load_average_end"] = stream::num(load1);
-    infkv_tools::write_file("--json", o.json, j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+    infkv_tools::write_json("--json", o.json, j);
   }
   const std::string csv = stream::to_csv(runs);
   if (!o.csv.empty()) infkv_tools::write_file("--csv", o.csv, csv);
@@ -377,7 +377,7 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
         {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}, {"people", o.people}};
     if (o.passkey.empty()) j["needle"]["protocol"] = stream::needle_protocol;
     j["load_average_end"] = stream::num(load_average());
-    infkv_tools::write_file("--json", o.json, j.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+    infkv_tools::write_json("--json", o.json, j);
   }
   if (!o.csv.empty()) infkv_tools::write_file("--csv", o.csv, stream::passkey_csv(runs));
   return 0;

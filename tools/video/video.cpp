@@ -706,10 +706,7 @@ int run(const options& o, const std::vector<stream::policy_info>& chosen) {
   std::vector<policy_run> runs;
   for (const auto& p : chosen) runs.push_back(run_policy(o, p, m, mctx.get(), facts));
   print_summary(runs, facts, o.ask_after);
-  if (!o.json.empty())
-    infkv_tools::write_file(
-        "--json", o.json,
-        to_json(o, m, facts, runs, media).dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  if (!o.json.empty()) infkv_tools::write_json("--json", o.json, to_json(o, m, facts, runs, media));
   if (!o.csv.empty()) infkv_tools::write_file("--csv", o.csv, to_csv(runs));
   return 0;
 }

@@ -11,6 +11,7 @@
 #include "cpu/expected.hpp"
 #include "cpu/h2o.hpp"
 #include "cpu/recall.hpp"
+#include "cpu/recall_rule.hpp"
 #include "cpu/rope.hpp"
 #include "cpu/score.hpp"
 #include "cpu/select.hpp"

@@ -21,9 +21,6 @@ namespace infkv::cpu {
 
 namespace detail {
 
-/// The largest magnitude an archived element may have: its group's f16 parameters hold it.
-inline constexpr float archive_max_abs = 65504.f;
-
 /// Row r of a page: its layer offset and head offset within the page.
 inline std::pair<std::int32_t, std::int32_t> page_row(const archive_shape& s, std::int32_t r) {
   return {r / s.heads_per_page(), r % s.heads_per_page()};
@@ -186,22 +183,11 @@ inline void dequantize(const archive& a, std::int32_t page, std::int32_t r, std:
   INFKV_REQUIRE(t >= 0 && t < a.info(page).n_tokens, "token", t, "must be in [0, ", a.info(page).n_tokens, ")");
   const std::uint8_t* row = a.row(page, r);
   const std::int32_t d = L.head_dim;
-  if (!values) {
-    const auto* kp = reinterpret_cast<const quant_params*>(row + L.k_params);
-    for (std::int32_t c = 0; c < d; ++c) {
-      quant_params q;
-      std::memcpy(&q, kp + c, sizeof q);
-      out[c] =
-          f16_to_f32(q.lo) + float(code_at(row + L.k_codes, std::int64_t(t) * d + c, L.k_bits)) * f16_to_f32(q.step);
-    }
-    return;
-  }
-  const auto* vp = reinterpret_cast<const quant_params*>(row + L.v_params);
-  for (std::int32_t c = 0; c < d; ++c) {
-    quant_params q;
-    std::memcpy(&q, vp + std::int64_t(t) * L.groups() + c / L.v_group, sizeof q);
-    out[c] = f16_to_f32(q.lo) + float(code_at(row + L.v_codes, std::int64_t(t) * d + c, L.v_bits)) * f16_to_f32(q.step);
-  }
+  for (std::int32_t c = 0; c < d; ++c)
+    out[c] = values ? dequantized(params_at(row + L.v_params, std::size_t(t) * L.groups() + std::size_t(c / L.v_group)),
+                                  code_at(row + L.v_codes, std::int64_t(t) * d + c, L.v_bits))
+                    : dequantized(params_at(row + L.k_params, std::size_t(c)),
+                                  code_at(row + L.k_codes, std::int64_t(t) * d + c, L.k_bits));
 }
 
 /// Writes a page's dequantized rows into `out` (the page's layers: every archive layer for
@@ -273,11 +259,10 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
       float best = -std::numeric_limits<float>::infinity();
       for (std::int32_t hp = 0; hp < s.heads_per_page(); ++hp) {
         const std::int32_t h = s.g == granularity::per_head ? pi.unit : hp;
-        const auto* kp = reinterpret_cast<const quant_params*>(a.row(p, lp * s.heads_per_page() + hp) + L.k_params);
+        const std::uint8_t* kp = a.row(p, lp * s.heads_per_page() + hp) + L.k_params;
         for (std::int32_t c = 0; c < d; ++c) {
-          quant_params qp;
-          std::memcpy(&qp, kp + c, sizeof qp);
-          lo[c] = f16_to_f32(qp.lo), hi[c] = lo[c] + float(rmax) * f16_to_f32(qp.step);
+          const quant_params qp = params_at(kp, std::size_t(c));
+          lo[c] = f16_to_f32(qp.lo), hi[c] = dequantized(qp, std::uint32_t(rmax));
         }
         for (std::int64_t i = 0; i < Q.n_slots; ++i)
           for (std::int32_t g = 0; g < group; ++g) {

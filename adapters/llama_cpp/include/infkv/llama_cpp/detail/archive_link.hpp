@@ -109,11 +109,10 @@ class archive_link {
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
     const std::int64_t E = row_elems(), m = std::int64_t(recalled.size());
     staged_.assign(std::size_t(2 * L * m * E), 0.f);
-    back_.clear();
-    m_ = m;
+    back_.resize(std::size_t(m));  // staged() reads the staged count from back_
     for (std::int64_t c = 0; c < m; ++c) {
       const auto& x = recalled[std::size_t(c)];
-      back_.push_back(store_.tokens(x.page)[std::size_t(x.index)]);
+      back_[std::size_t(c)] = store_.tokens(x.page)[std::size_t(x.index)];
       for (std::int32_t l = 0; l < L; ++l)
         for (std::int32_t h = 0; h < H; ++h) {
           cpu::dequantize(store_, x.page, l * H + h, x.index, false, staged(false, l) + c * E + h * d);
@@ -124,7 +123,7 @@ class archive_link {
   }
   /// Layer l's staged keys (or values): [staged slots][KV heads][head_dim] f32.
   float* staged(bool values, std::int32_t l) {
-    return staged_.data() + ((values ? std::int64_t(layers()) : 0) + l) * m_ * row_elems();
+    return staged_.data() + ((values ? std::int64_t(layers()) : 0) + l) * std::int64_t(back_.size()) * row_elems();
   }
 
   /// Reads the state of the session's cells in `runs` (the slots a recall displaces, as many as
@@ -197,7 +196,6 @@ class archive_link {
   std::int64_t archived_to_ = 0;        // the first position not archived yet
   std::vector<float> staged_;           // a recall's rows: [K | V][layer][slot][E]
   std::vector<token> back_;             // their tokens
-  std::int64_t m_ = 0;                  // slots staged
   std::vector<float> vrows_;            // V rows out of a transposed state
   std::vector<std::byte> scratch_;      // archive_evicted's
 };

@@ -21,7 +21,7 @@ INFKV_HOST_DEVICE inline float page_elem(const page_rows& x, bool values, std::i
 /// Records not_archivable unless v is finite with |v| <= 65504 (its group's f16 parameters hold it).
 INFKV_HOST_DEVICE inline void check_archivable(status_word* st, float v, std::int32_t r, std::int32_t c,
                                                std::int32_t t) {
-  if (!(finite(v) && v <= 65504.f && v >= -65504.f)) record(st, encode(fault::not_archivable, r, c, t));
+  if (!(finite(v) && v <= archive_max_abs && v >= -archive_max_abs)) record(st, encode(fault::not_archivable, r, c, t));
 }
 }  // namespace detail
 
@@ -79,9 +79,8 @@ void quantize_page_steps(const L& launch, status_word* status, const page_layout
         const std::int64_t code = byte * per + j;
         if (code >= std::int64_t(n) * d) break;
         const auto t = std::int32_t(code / d), c = std::int32_t(code % d);
-        quant_params q;
-        std::memcpy(&q, params + (values ? std::size_t(t) * groups + std::size_t(c / g) : std::size_t(c)) * sizeof q,
-                    sizeof q);
+        const quant_params q =
+            params_at(params, values ? std::size_t(t) * groups + std::size_t(c / g) : std::size_t(c));
         out |= quant_code(detail::page_elem(x, values, r, t, c), f16_to_f32(q.lo), f16_to_f32(q.step), bits)
                << (j * bits);
       }
@@ -102,12 +101,10 @@ void dequantize_page_steps(const L& launch, const page_layout& layout, const std
   launch.for_each(std::int64_t(Lo.rows) * n * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
     const auto r = std::int32_t(i / (std::int64_t(n) * d)), t = std::int32_t(i / d % n), c = std::int32_t(i % d);
     const std::uint8_t* row = page + std::size_t(r) * Lo.row_bytes;
-    quant_params k, v;
-    std::memcpy(&k, row + Lo.k_params + std::size_t(c) * sizeof k, sizeof k);
-    std::memcpy(&v, row + Lo.v_params + (std::size_t(t) * groups + std::size_t(c / Lo.v_group)) * sizeof v, sizeof v);
     const std::int64_t code = std::int64_t(t) * d + c;
-    keys[i] = f16_to_f32(k.lo) + float(code_at(row + Lo.k_codes, code, Lo.k_bits)) * f16_to_f32(k.step);
-    values[i] = f16_to_f32(v.lo) + float(code_at(row + Lo.v_codes, code, Lo.v_bits)) * f16_to_f32(v.step);
+    keys[i] = dequantized(params_at(row + Lo.k_params, std::size_t(c)), code_at(row + Lo.k_codes, code, Lo.k_bits));
+    values[i] = dequantized(params_at(row + Lo.v_params, std::size_t(t) * groups + std::size_t(c / Lo.v_group)),
+                            code_at(row + Lo.v_codes, code, Lo.v_bits));
   });
 }
 
@@ -139,9 +136,8 @@ void page_bounds_steps(const L& launch, const archive_shape& shape, const page_l
           const void* qrow = Q.row(q, h * group + gi);
           float sum = 0.f;
           for (std::int32_t c = 0; c < d; ++c) {
-            quant_params k;
-            std::memcpy(&k, kp + std::size_t(c) * sizeof k, sizeof k);
-            const float lo = f16_to_f32(k.lo), hi = lo + float(rmax) * f16_to_f32(k.step);
+            const quant_params k = params_at(kp, std::size_t(c));
+            const float lo = f16_to_f32(k.lo), hi = dequantized(k, std::uint32_t(rmax));
             const float x = detail::load(Q.type, qrow, c);
             sum += fmaxf(x * lo, x * hi);
           }
