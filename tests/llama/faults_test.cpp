@@ -132,10 +132,11 @@ TEST_CASE("llama faults: the memory refusing to roll back a decode is reported, 
   context_ptr ctx(llama_init_from_model(model.get(), p));
   s.bind(ctx.get());
   inj.refuse_at = -1;
-  CHECK_THROWS_WITH_AS(s.decode(random_tokens(5, 11)),
-                       doctest::Contains("llama_memory_seq_rm(seq = 0, p0 = -1, p1 = -1) = false while rolling back a "
-                                         "decode (infkv: layer 0: cb_eval saw 0 query and 0 key rows for 5 tokens"),
-                       infkv::engine_error);
+  CHECK_THROWS_WITH_AS(
+      s.decode(random_tokens(5, 11)),
+      doctest::Contains("llama_memory_seq_rm(seq = 0, p0 = -1, p1 = -1) = false while rolling back a "
+                        "decode (infkv: layer 0: cb_eval saw 0 query, 0 key and 0 value rows for 5 tokens"),
+      infkv::engine_error);
   CHECK(inj.rm_calls == 1);
   CHECK(s.size() == 0);
   CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 0) == 4);  // what the error says

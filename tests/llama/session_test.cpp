@@ -170,7 +170,8 @@ TEST_CASE("llama session: a context whose cb_eval was replaced is detected and r
 namespace {
 
 /// Largest element difference of two row sources with the same shape, and the largest magnitude.
-std::pair<float, float> row_diff(const infkv::const_tensor_view& a, const infkv::const_tensor_view& b) {
+template <infkv::row_source A, infkv::row_source B>
+std::pair<float, float> row_diff(const A& a, const B& b) {
   REQUIRE(a.n_slots == b.n_slots);
   REQUIRE(a.n_heads == b.n_heads);
   float d = 0.f, mag = 0.f;
@@ -234,8 +235,11 @@ TEST_CASE("llama session: captured values follow eviction and position compactio
   for (int l = 0; l < 2; ++l) {
     const auto v = s.inputs(l).values;
     REQUIRE(v.n_slots == 40);
-    const auto* x = static_cast<const float*>(v.data);
-    before[std::size_t(l)].assign(x, x + 40 * row);
+    for (std::int64_t j = 0; j < 40; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const auto* x = static_cast<const float*>(v.row(j, h));
+        before[std::size_t(l)].insert(before[std::size_t(l)].end(), x, x + 16);
+      }
   }
   const auto r = s.evict(infkv::expected_attention{.window = 16, .rotary = s.rope().params},
                          {.capacity = 20, .sinks = 2, .recent = 4});
@@ -251,8 +255,12 @@ TEST_CASE("llama session: captured values follow eviction and position compactio
     REQUIRE(in.values.n_slots == 20);
     for (std::int64_t j = 0; j < 20; ++j) {
       const auto old = kept[std::size_t(in.tokens[std::size_t(j)].pos)];
-      const auto* got = static_cast<const float*>(in.values.row(j, 0));
-      CHECK(std::equal(got, got + row, before[std::size_t(l)].begin() + std::ptrdiff_t(std::size_t(old) * row)));
+      for (int h = 0; h < 2; ++h) {
+        const auto* got = static_cast<const float*>(in.values.row(j, h));
+        CHECK(
+            std::equal(got, got + 16,
+                       before[std::size_t(l)].begin() + std::ptrdiff_t(std::size_t(old) * row + std::size_t(h) * 16)));
+      }
     }
   }
   check_memory_matches(s);
@@ -384,7 +392,8 @@ TEST_CASE("llama session: key copies in the cache's own type, allocated once, me
   auto model = tiny_model(2);  // 2 layers, 2 KV heads, head_dim 16, 4 query heads
   const std::int64_t n_ctx = 256, layers = 2, row = 2 * 16;
   SUBCASE("an f16 cache: f16 keys, half of llama.cpp's K and V") {
-    lc::session s(model.get(), lc::session_options::for_policy(infkv::snapkv{.window = 8}));
+    lc::session s(model.get(),
+                  lc::session_options::for_policy(infkv::snapkv{.window = 8}, {.keys = lc::key_source::copy}));
     auto ctx = bound_context(model.get(), s, {.type_k = GGML_TYPE_F16});
     CHECK(s.key_type() == infkv::dtype::f16);
     REQUIRE(s.decode(random_tokens(100, 40)) == 0);  // of its 100 queries only the last 8 are kept
@@ -402,9 +411,22 @@ TEST_CASE("llama session: key copies in the cache's own type, allocated once, me
       CHECK(s.memory().keys == m.keys);  // the storage never grows or moves
     }
     CHECK(s.memory().workspace > 0);
+    CHECK(s.keys() == lc::key_source::copy);
+  }
+  SUBCASE("reading llama.cpp's cache instead: no copies, each cached token's cell") {
+    lc::session s(model.get(), lc::session_options::for_policy(infkv::snapkv{.window = 8}));
+    auto ctx = bound_context(model.get(), s, {.type_k = GGML_TYPE_F16});
+    REQUIRE(s.decode(random_tokens(100, 40)) == 0);
+    CHECK(s.keys() == lc::key_source::engine);
+    const auto m = s.memory();
+    CHECK(m.keys == 0);
+    CHECK(m.values == 0);
+    CHECK(m.tokens >= 100 * 4);
+    CHECK(s.inputs(1).keys.type == infkv::dtype::f16);
+    CHECK(s.inputs(1).keys.n_slots == 100);
   }
   SUBCASE("an f32 cache keeps f32 keys; a session can ask for f16 ones") {
-    lc::session f32(model.get());
+    lc::session f32(model.get(), {.keys = lc::key_source::copy});
     auto c32 = bound_context(model.get(), f32);
     CHECK(f32.key_type() == infkv::dtype::f32);
     lc::session f16(model.get(), {.key_type = infkv::dtype::f16, .values = true});

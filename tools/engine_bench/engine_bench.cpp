@@ -162,6 +162,7 @@ int run_decode(const options& o, const llama_model* m) {
       r->feed(std::span(toks).subspan(std::size_t(at), std::size_t(std::min(o.s.block, o.warm - at))));
       r->evict();
     }
+    r->evicts_above(o.s.budget + o.s.block - 1);  // the rule of the loop below
     const auto before = r->stats();
     const auto t0 = clock_type::now();
     for (std::int64_t i = 0; i < o.bounded_gen; ++i) {

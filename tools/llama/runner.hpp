@@ -91,6 +91,9 @@ class runner {
   virtual void feed(std::span<const llama_token> toks, bool extend = false) = 0;
   /// Evicts down to the budget; returns the slots removed.
   virtual std::int64_t evict() = 0;
+  /// From now on the caller evicts as soon as slots() exceeds `above` (a session then observes
+  /// queries only on the decodes the next eviction reads: session::evicts_above).
+  virtual void evicts_above(std::int64_t above) { (void)above; }
   /// Tokens cached now.
   virtual std::int64_t slots() const = 0;
   /// Bytes of the host copies the runner keeps beside the llama.cpp cache (keys, queries).
@@ -251,6 +254,7 @@ class session_runner final : public runner {
     return runner::ask(question, candidates, gen);
   }
 
+  void evicts_above(std::int64_t above) override { session_.evicts_above(above); }
   std::int64_t slots() const override { return session_.size(); }
   std::int64_t next_pos() const override { return session_.next_pos(); }
   infkv::llama_cpp::session_stats stats() const override { return session_.stats(); }

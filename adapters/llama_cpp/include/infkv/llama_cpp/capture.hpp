@@ -4,7 +4,11 @@
 // across however many micro-batches llama_decode splits a batch into, or hands each node to its
 // owner, which copies what it keeps straight from the graph. Works with flash attention
 // on and off (those nodes exist either way). On request it also copies the values (`Vcur-<layer>`,
-// the node reshaped or viewed to [head_dim, heads, tokens]). Public llama.h / ggml API only.
+// the node reshaped or viewed to [head_dim, heads, tokens]). It can also watch, without asking for
+// any node (the graph then runs unsplit), where llama.cpp writes each token's K and V: the
+// `cache_k_l<layer>` / `cache_v_l<layer>` tensors a GGML_OP_SET_ROWS node writes, and that node's
+// cell indices (its third source, an I64 input tensor on the host, set before the graph runs), so
+// that the owner can read the cache's own rows later. Public llama.h / ggml API only.
 #pragma once
 
 #include <chrono>
@@ -92,7 +96,37 @@ struct layer_rows {
   std::vector<float> k;
   std::vector<float> v;  ///< [n_v][n_head_kv][head_dim] when values are captured
   node_rope rope;        ///< the key node's RoPE
+  /// Where the decode's K rows went (observe.cells): the layer's K and V cache tensors, the cells
+  /// of the tokens in batch order, and whether the V cache holds rows (flash attention; false:
+  /// llama.cpp stores V transposed, element by element).
+  const ggml_tensor* k_cache = nullptr;
+  const ggml_tensor* v_cache = nullptr;
+  bool v_rows = false;
+  std::vector<std::int64_t> cells;
 };
+
+/// What one decode observes: the Q, K and V rows it copies out (each asks for its graph nodes,
+/// which splits the graph there), and the cells its K rows are written to (asks for nothing).
+struct observe_set {
+  bool queries = true, keys = true, values = false, cells = false;
+  bool splits() const { return queries || keys || values; }
+};
+
+/// The layer of a llama.cpp cache tensor named "cache_<tag>k_l<layer>" (`kind` 'k') or
+/// "cache_<tag>v_l<layer>" ('v'), or -1.
+inline std::int32_t cache_layer_of(const char* name, char kind) {
+  const std::string_view n(name);
+  if (n.substr(0, 6) != "cache_") return -1;
+  const std::size_t at = n.rfind("_l");
+  if (at == std::string_view::npos || at < 7 || n[at - 1] != kind || (at - 1 > 6 && n[at - 2] != '_')) return -1;
+  std::int32_t layer = 0;
+  if (at + 2 == n.size()) return -1;
+  for (char c : n.substr(at + 2)) {
+    if (c < '0' || c > '9' || layer > 1'000'000) return -1;
+    layer = layer * 10 + (c - '0');
+  }
+  return layer;
+}
 
 /// The RoPE parameters of a ROPE node.
 inline node_rope rope_of(const ggml_tensor* t) {
@@ -185,9 +219,15 @@ class graph_observer {
     p.cb_eval_user_data = this;
   }
 
-  /// Starts collecting (clears the rows of the previous decode).
-  void begin() {
-    for (auto& l : layers_) l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear(), l.rope = {};
+  /// Starts collecting (clears the rows of the previous decode): every row kind the observer
+  /// was made for.
+  void begin() { begin({.queries = true, .keys = true, .values = values_}); }
+  /// Starts collecting what `what` names (values only where the observer was made for them).
+  void begin(observe_set what) {
+    for (auto& l : layers_)
+      l.n_q = l.n_k = l.n_v = 0, l.q.clear(), l.k.clear(), l.v.clear(), l.rope = {}, l.cells.clear();
+    what.values = what.values && values_;
+    what_ = what;
     error_.clear();
     seconds_ = 0;
     active_ = true;
@@ -211,6 +251,13 @@ class graph_observer {
   bool eval(ggml_tensor* t, bool ask) {
     if (ask) {
       next_wants_ = next_cb_ != nullptr && next_cb_(t, true, next_user_);
+      if (active_ && what_.cells && t->op == GGML_OP_SET_ROWS && error_.empty()) {
+        try {
+          note_cells(t);
+        } catch (const std::exception& e) {  // never unwind through C code: the session reads error()
+          error_ = e.what();
+        }
+      }
       return next_wants_ || (active_ && match(t) != 0);
     }
     bool ok = true;
@@ -230,13 +277,47 @@ class graph_observer {
   /// 1 for a post-RoPE query node, 2 for a post-RoPE key node, 3 for a value node shaped
   /// [head_dim, heads, tokens] (when values are captured), 0 otherwise.
   int match(const ggml_tensor* t) const {
+    if (!what_.splits()) return 0;
     const char* name = ggml_get_name(t);
-    if (values_ && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' && layer_of(name, "Vcur") >= 0)
+    if (what_.values && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW) && name[0] == 'V' &&
+        layer_of(name, "Vcur") >= 0)
       return 3;
     if (t->op != GGML_OP_ROPE) return 0;
-    if (name[0] == 'Q' && layer_of(name, "Qcur") >= 0) return 1;
-    if (name[0] == 'K' && layer_of(name, "Kcur") >= 0) return 2;
+    if (what_.queries && name[0] == 'Q' && layer_of(name, "Qcur") >= 0) return 1;
+    if (what_.keys && name[0] == 'K' && layer_of(name, "Kcur") >= 0) return 2;
     return 0;
+  }
+
+  /// A SET_ROWS node writing a layer's K (or V) cache: records the cache tensor and, for K, the
+  /// cells of the tokens. ggml_set_rows(a, b, c) makes a view of the destination a with src[0] = b
+  /// (the rows), src[1] = c (the indices: an input on the host, set before the graph runs) and
+  /// src[2] = a.
+  void note_cells(const ggml_tensor* t) {
+    const ggml_tensor* dst = t->src[2];
+    if (dst == nullptr) return;
+    const ggml_tensor* root = dst;
+    while (root->view_src != nullptr) root = root->view_src;
+    const char* name = ggml_get_name(root);
+    const std::int32_t kl = cache_layer_of(name, 'k'), vl = kl >= 0 ? -1 : cache_layer_of(name, 'v');
+    if (kl < 0 && vl < 0) return;
+    const std::int32_t layer = kl >= 0 ? kl : vl;
+    INFKV_REQUIRE(layer < std::int32_t(layers_.size()), "layer", layer, "llama.cpp cache tensor ", name,
+                  " is beyond the model's ", layers_.size(), " layers");
+    layer_rows& l = layers_[std::size_t(layer)];
+    if (vl >= 0) {  // rows (flash attention) or transposed: one row per cell, or one element per row
+      l.v_cache = root;
+      l.v_rows = dst->ne[0] == root->ne[0];
+      return;
+    }
+    const ggml_tensor* idx = t->src[1];
+    if (idx == nullptr || (idx->type != GGML_TYPE_I64 && idx->type != GGML_TYPE_I32) || idx->data == nullptr ||
+        (idx->buffer != nullptr && !ggml_backend_buffer_is_host(idx->buffer)) || ggml_nelements(idx) != idx->ne[0])
+      infkv::raise<engine_error>("infkv: llama.cpp writes ", name,
+                                 " through indices infkv cannot read on the host: its cells are unknown");
+    l.k_cache = root;
+    for (std::int64_t i = 0; i < idx->ne[0]; ++i)
+      l.cells.push_back(idx->type == GGML_TYPE_I64 ? static_cast<const std::int64_t*>(idx->data)[i]
+                                                   : static_cast<const std::int32_t*>(idx->data)[i]);
   }
 
   void observe(const ggml_tensor* t) {
@@ -272,6 +353,7 @@ class graph_observer {
   bool next_wants_ = false;
   bool active_ = false;
   bool values_ = false;
+  observe_set what_{};
   handler to_;
 };
 

@@ -1,7 +1,9 @@
 // infkv llama.cpp adapter: a session over one llama_context and one sequence id. It observes
-// post-RoPE Q and K (and V on request) through `cb_eval` and keeps a host copy of each layer's
-// keys (values) in the cache's own type and of its recent queries, copied straight from the graph
-// (detail/layer_cache.hpp), so that every infkv policy can score (memory() says what that holds);
+// post-RoPE queries through `cb_eval` and keeps each layer's recent ones, copied straight from the
+// graph (detail/layer_cache.hpp), on the decodes whose queries the next eviction reads
+// (session_options::evicts_above); policies score llama.cpp's own K (V) rows where they lie, found
+// through the cells the graph writes them to, or, where that cannot be (key_source), a host copy
+// of each layer's keys (values) taken at every decode (memory() says what the session holds);
 // its position <-> slot bookkeeping is detail/positions.hpp (llama.h has no public cell ->
 // position map), its options and reports session_options.hpp. It evicts by removing position runs
 // with llama_memory_seq_rm and, in compact mode, closes the gaps with llama_memory_seq_add
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -37,6 +40,12 @@ namespace infkv::llama_cpp {
 /// the context parameters, create the context, `bind` it, then `decode` and `evict`.
 /// Not copyable or movable (the context holds its address).
 class session {
+  /// One layer's K and V cache tensors in llama.cpp (key_source::engine).
+  struct cache_tensors {
+    const ggml_tensor* k = nullptr;
+    const ggml_tensor* v = nullptr;
+  };
+
  public:
   explicit session(const llama_model* model, session_options opt = {})
       : model_(model), opt_(opt), observer_(checked_layers(model), opt.values, [this](const node_rows& r) {
@@ -65,6 +74,10 @@ class session {
                     "an archive recalls with a policy that reads queries; H2O's running scores cannot follow it");
       archive_.emplace(model, *opt_.archive);
     }
+    INFKV_REQUIRE(!opt_.evicts_above || *opt_.evicts_above >= 0, "session_options.evicts_above", *opt_.evicts_above,
+                  "must be >= 0");
+    INFKV_REQUIRE(opt_.keys != key_source::engine || opt_.capture, "session_options.keys", "engine",
+                  "needs capture = true (the cells are found in the graph)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
@@ -109,6 +122,21 @@ class session {
     }
     shift_ =
         opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) && (rope_.supported || !rope_.has_rope);
+    // llama.cpp's cache can be read by the policies unless something needs the copies (decided
+    // for good at the first decode, which also shows where the rows lie).
+    const auto readable = [](ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_F32 || t == GGML_TYPE_BF16; };
+    const char* why_not = opt_.keys == key_source::copy ? "copy"
+                          : opt_.archive                ? "the archive recalls rows into the copies"
+                          : opt_.track_h2o              ? "H2O scores every decode against the copies"
+                          : n_swa_ > 0                  ? "llama.cpp drops sliding-window layers' old cells itself"
+                          : !readable(type_k_)          ? "type_k is quantized"
+                          : opt_.values && !readable(type_v_)                    ? "type_v is quantized"
+                          : opt_.key_type && *opt_.key_type != dtype_of(type_k_) ? "key_type differs from the cache's"
+                                                                                 : nullptr;
+    if (why_not != nullptr && opt_.keys == key_source::engine)
+      infkv::raise<invalid_argument>("infkv: session_options.keys = engine: ", why_not,
+                                     ": the policies cannot score llama.cpp's rows; use key_source::copy");
+    decided_ = !opt_.capture || why_not != nullptr;
   }
 
   llama_context* context() const { return ctx_; }
@@ -126,18 +154,27 @@ class session {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     return layer_rope_[std::size_t(layer)];
   }
+  /// From now on the caller evicts as soon as size() exceeds `above` (session_options::
+  /// evicts_above; nullopt: queries are observed at every decode again).
+  void evicts_above(std::optional<std::int64_t> above) {
+    INFKV_REQUIRE(!above || *above >= 0, "evicts_above", above.value_or(0), "must be >= 0");
+    opt_.evicts_above = above;
+  }
+  /// Where the scored keys come from now: engine once the first decode showed llama.cpp's rows
+  /// readable (key_source), copy otherwise (also before the first decode decides).
+  key_source keys() const { return engine_ ? key_source::engine : key_source::copy; }
   /// The bytes the session holds now (capacity of its buffers) and llama.cpp's K and V bytes.
   session_memory memory() const {
     session_memory m;
     for (const auto& l : layers_) {
-      m.keys += l.key_bytes(), m.values += l.value_bytes(), m.queries += l.query_bytes() + l.staged_bytes();
+      m.keys += l.key_bytes(), m.values += l.value_bytes(), m.queries += l.query_bytes();
       if (ctx_ != nullptr)
         m.kv += std::int64_t(llama_n_ctx(ctx_)) * std::int64_t(ggml_row_size(type_k_, l.n_head_kv() * l.head_dim()) +
                                                                ggml_row_size(type_v_, l.n_head_kv() * l.head_dim()));
     }
     for (const auto& h : h2o_) m.h2o += h.bytes();
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
-    m.tokens = book_.bytes();
+    m.tokens = book_.bytes() + std::int64_t(cells_.capacity() * sizeof(std::int32_t));
     m.archive = archive_ ? archive_->bytes() : 0;
     return m;
   }
@@ -164,15 +201,18 @@ class session {
     book_.reserve(end);
   }
 
-  /// The inputs a policy scores for one layer: keys, values (when captured), window queries and
-  /// their positions, tokens, H2O's accumulated scores (track_h2o), the layer's RoPE.
-  layer_inputs<const_tensor_view> inputs(std::int32_t layer) {
+  /// The inputs a policy scores for one layer: keys and values (when read) as rows of llama.cpp's
+  /// cache (key_source::engine: one cell per page) or of the session's copies (one page), window
+  /// queries and their positions, tokens, H2O's accumulated scores (track_h2o), the layer's RoPE.
+  /// The rows are valid until the next decode or eviction.
+  layer_inputs<const_paged_rows> inputs(std::int32_t layer) {
     INFKV_REQUIRE(layer >= 0 && layer < n_layers(), "layer", layer, "must be in [0, ", n_layers(), ")");
     auto& l = layers_[std::size_t(layer)];
     const rope_info& r = layer_rope_[std::size_t(layer)];
+    const cache_tensors c = engine_ ? caches_[std::size_t(layer)] : cache_tensors{};
     return {
-        .keys = l.keys(),
-        .values = l.values(),
+        .keys = engine_ ? cache_rows(c.k, l) : one_page(l.keys()),
+        .values = c.v != nullptr ? cache_rows(c.v, l) : one_page(l.values()),
         .queries = l.queries(),
         .query_pos = l.query_pos(),
         .tokens = book_.tokens(),
@@ -226,9 +266,11 @@ class session {
                     "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
                     "every entry must belong to the session's sequence ", opt_.seq, " only");
     const std::int64_t n = batch.n_tokens;
+    const observe_set what = observing(n);
     if (opt_.capture)
-      for (auto& l : layers_) l.begin(n, opt_.track_h2o ? n : opt_.window, llama_n_ctx(ctx_));
-    observer_.begin();
+      for (auto& l : layers_)
+        l.begin(n, what.queries ? (opt_.track_h2o ? n : opt_.window) : 0, what.keys, llama_n_ctx(ctx_));
+    observer_.begin(what);
     std::int32_t rc = 0;
     {
       const stopwatch w{stats_.decode};
@@ -238,14 +280,19 @@ class session {
     stats_.capture += observer_.seconds();
     std::string why = observer_.error();
     if (rc == 0 && why.empty() && opt_.capture)
-      for (std::int32_t l = 0; l < n_layers(); ++l) {
+      for (std::int32_t l = 0; l < n_layers() && why.empty(); ++l) {
         const auto& r = observer_.layers()[std::size_t(l)];
-        if (r.n_q != n || r.n_k != n || (opt_.values && r.n_v != n))
-          why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query and " +
-                std::to_string(r.n_k) + " key rows" +
-                (opt_.values ? " (" + std::to_string(r.n_v) + " value rows)" : std::string()) + " for " +
-                std::to_string(n) + " tokens; was the context created from attach()ed parameters?";
+        const auto want = [&](bool w) { return w ? n : 0; };
+        if (r.n_q != want(what.queries) || r.n_k != want(what.keys) || r.n_v != want(what.values))
+          why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.n_q) + " query, " +
+                std::to_string(r.n_k) + " key and " + std::to_string(r.n_v) + " value rows for " + std::to_string(n) +
+                " tokens (expected " + std::to_string(want(what.queries)) + ", " + std::to_string(want(what.keys)) +
+                ", " + std::to_string(want(what.values)) + "); was the context created from attach()ed parameters?";
+        else if (engine_ && (std::int64_t(r.cells.size()) != n || r.k_cache != caches_[std::size_t(l)].k))
+          why = "infkv: layer " + std::to_string(l) + ": cb_eval saw " + std::to_string(r.cells.size()) +
+                " cells written in the K cache the session reads for " + std::to_string(n) + " tokens";
       }
+    if (rc == 0 && why.empty() && !decided_) why = decide();
     if (rc != 0 || !why.empty()) {
       rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);
       if (!why.empty()) throw engine_error(why);
@@ -256,18 +303,25 @@ class session {
     book_.append(pos, meta.segment, meta.kind);
     if (opt_.capture) {
       const stopwatch w{stats_.append};
+      if (engine_)
+        for (const std::int64_t c : observer_.layers()[0].cells) cells_.push_back(std::int32_t(c));
       for (std::int32_t l = 0; l < n_layers(); ++l) {
-        layers_[std::size_t(l)].commit(pos, opt_.window);
+        layers_[std::size_t(l)].commit(pos);
         const auto& rows = observer_.layers()[std::size_t(l)];
         if (rows.rope.seen && !layer_rope_seen_) layer_rope_[std::size_t(l)] = node_rope_info(rows.rope);
       }
       layer_rope_seen_ = true;  // a layer's RoPE does not change between decodes
     }
     ++stats_.decodes, stats_.decoded_tokens += n;
+    stats_.observed += what.splits() ? 1 : 0;
+    fresh_ = what.queries ? fresh_ + n : 0;
+    decoded_ += n;
+    shift_pending_ = false;  // llama.cpp applied any pending shift of its keys before this decode
     if (opt_.track_h2o) {
       const stopwatch w{stats_.h2o};
       observe_h2o(pos);
     }
+    for (auto& l : layers_) l.trim(opt_.window);
     verify();
     return 0;
   }
@@ -285,6 +339,15 @@ class session {
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
     INFKV_REQUIRE(!spec.second || !book_.shares_positions(), spec.name, "two policies",
                   "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
+    if (spec.reads_queries() && opt_.evicts_above && !opt_.track_h2o)
+      INFKV_REQUIRE(fresh_ >= std::min(opt_.window, decoded_), "session_options.evicts_above", *opt_.evicts_above,
+                    "this eviction at size() = ", size(), " reads the last ", opt_.window,
+                    " queries, but only the last ", fresh_,
+                    " decoded tokens were observed: evict as soon as size() exceeds evicts_above, or leave it unset");
+    if (engine_ && shift_pending_ && spec.needs().observes())
+      infkv::fail(
+          "infkv: evict: the last eviction moved positions, and llama.cpp re-rotates the keys the policy "
+          "reads at its next decode: decode before evicting again (or use key_source::copy)");
     std::optional<stopwatch> w{std::in_place, stats_.score};
     const cpu::backend be{opt_.executor};
     layers_in_.clear();
@@ -297,7 +360,7 @@ class session {
     const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
-    const std::span<const layer_inputs<const_tensor_view>> layers(layers_in_);
+    const std::span<const layer_inputs<const_paged_rows>> layers(layers_in_);
     if (book_.shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
       const keep_set keep = cpu::select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
@@ -344,8 +407,8 @@ class session {
       qpos.push_back(p0 + i);
     }
     batch.n_tokens = std::int32_t(n);
-    for (auto& l : layers_) l.begin(n, n, llama_n_ctx(ctx_));
-    observer_.begin();
+    for (auto& l : layers_) l.begin(n, n, false, llama_n_ctx(ctx_));
+    observer_.begin({.queries = true, .keys = false});
     const std::int32_t rc = llama_decode(ctx_, batch);
     observer_.end();
     route().clear_scratch();
@@ -402,7 +465,7 @@ class session {
     infkv::archive& store = archive_->store();
     cpu::recaller rc(store, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
     const cpu::recall_result res =
-        rc.recall(store, std::span<const layer_inputs<const_tensor_view>>(layers_in_), queries, qpos, opt_.scale);
+        rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(layers_in_), queries, qpos, opt_.scale);
     recall_report rep;
     if (res.recalled.empty()) return rep;
     const std::int64_t m = res.tokens;
@@ -518,6 +581,77 @@ class session {
   }
 
  private:
+  /// What a decode of `n` tokens observes: queries when the next eviction can read them (all
+  /// while H2O observes, or without evicts_above), K (V) rows while the session keeps copies
+  /// (and at the first decode, which decides), the cells where it reads llama.cpp's cache.
+  observe_set observing(std::int64_t n) const {
+    if (!opt_.capture) return {.queries = false, .keys = false};
+    const bool queries = opt_.track_h2o || !opt_.evicts_above || size() + n > *opt_.evicts_above - opt_.window;
+    return {.queries = queries, .keys = !engine_, .values = opt_.values && !engine_, .cells = engine_ || !decided_};
+  }
+
+  static dtype dtype_of(ggml_type t) {
+    return t == GGML_TYPE_F32 ? dtype::f32 : t == GGML_TYPE_BF16 ? dtype::bf16 : dtype::f16;
+  }
+
+  /// After the first decode: the policies read llama.cpp's own cache when every layer's K (and V)
+  /// rows lie in host memory as [cell][kv_head][head_dim] rows of one cache shared by all layers;
+  /// the copies are freed then. An error for key_source::engine where they cannot; empty otherwise.
+  std::string decide() {
+    decided_ = true;
+    std::string why;
+    const auto& first = observer_.layers()[0].cells;
+    const auto rows_ok = [&](const ggml_tensor* t, const layer_cache& l) {
+      return t != nullptr && t->data != nullptr && (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) &&
+             (t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_BF16) &&
+             t->ne[0] == std::int64_t(l.n_head_kv()) * l.head_dim() && t->nb[0] == ggml_type_size(t->type) &&
+             t->nb[1] == t->ne[0] * t->nb[0] && t->ne[1] * t->ne[2] <= std::numeric_limits<std::int32_t>::max();
+    };
+    for (std::int32_t l = 0; l < n_layers() && why.empty(); ++l) {
+      const auto& r = observer_.layers()[std::size_t(l)];
+      const auto& lc = layers_[std::size_t(l)];
+      const std::string at = "layer " + std::to_string(l);
+      if (r.k_cache == nullptr || r.cells.size() != first.size())
+        why = at + " writes no K cache the session saw";
+      else if (r.cells != first)
+        why = at + " writes its K rows to other cells than layer 0 (several caches)";
+      else if (!rows_ok(r.k_cache, lc))
+        why = at + "'s K cache is not host memory of f16, f32 or bf16 rows";
+      else if (opt_.values && (!r.v_rows || !rows_ok(r.v_cache, lc)))
+        why = at + "'s V cache holds no rows (flash attention off stores V transposed) or not in host memory";
+    }
+    if (why.empty()) {
+      engine_ = true;
+      caches_.assign(layers_.size(), {});
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        caches_[l] = {observer_.layers()[l].k_cache, opt_.values ? observer_.layers()[l].v_cache : nullptr};
+        layers_[l].release_rows();
+      }
+      cells_.reserve(std::size_t(llama_n_ctx(ctx_)));
+      return {};
+    }
+    return opt_.keys == key_source::engine ? "infkv: session_options.keys = engine: " + why + "; use key_source::copy"
+                                           : std::string();
+  }
+
+  /// Rows of llama.cpp's cache tensor `t` for the cached slots: one cell per page.
+  const_paged_rows cache_rows(const ggml_tensor* t, const layer_cache& l) const {
+    return {const_page_storage{t->data, std::int64_t(t->nb[1] / ggml_type_size(t->type)), 0, l.head_dim()},
+            cells_.data(),
+            dtype_of(t->type),
+            size(),
+            l.n_head_kv(),
+            l.head_dim(),
+            1};
+  }
+  /// A copy's rows as one page.
+  static const_paged_rows one_page(const_tensor_view t) {
+    static constexpr std::int32_t page0 = 0;
+    return {
+        const_page_storage{t.data, 0, t.slot_stride, t.head_stride}, &page0, t.type, t.n_slots, t.n_heads, t.head_dim,
+        std::int32_t(std::max<std::int64_t>(t.n_slots, 1))};
+  }
+
   static std::int32_t checked_layers(const llama_model* model) {
     if (model == nullptr) infkv::fail("infkv: model = null: a llama_model is required");
     return llama_model_n_layer(model);
@@ -564,6 +698,11 @@ class session {
     const stopwatch w{stats_.host_evict};
     for (auto& l : layers_) l.evict(keep, tokens());
     for (auto& s : h2o_) s.evict(keep);
+    if (engine_) {  // the cells follow the slots (the unit is in ascending order)
+      std::size_t k = 0;
+      for (const std::int64_t s : keep.unit(0)) cells_[k++] = cells_[std::size_t(s)];
+      cells_.resize(k);
+    }
     book_.keep(keep);
     std::vector<std::pair<std::int64_t, std::int64_t>> same;
     for (const auto& t : tokens()) same.push_back({t.pos, 0});
@@ -591,6 +730,7 @@ class session {
       i = j;
     }
     if (!moved) return false;
+    shift_pending_ = engine_;        // llama.cpp turns its keys at the next decode
     if (!opt_.capture) return true;  // no host copies to turn
     const stopwatch w{stats_.rerotate};
     std::vector<std::pair<std::int64_t, std::int64_t>> map;
@@ -598,7 +738,7 @@ class session {
     std::sort(map.begin(), map.end());
     for (std::size_t l = 0; l < layers_.size(); ++l) {  // each layer with its own RoPE
       const cpu::rope* r = layer_rope_[l].has_rope ? &layer_rope_[l].params : nullptr;
-      if (r) layers_[l].rerotate_keys(delta, *r, opt_.executor);
+      if (r && !engine_) layers_[l].rerotate_keys(delta, *r, opt_.executor);
       layers_[l].remap_queries(map, r, opt_.executor);
     }
     for (auto& s : h2o_) s.shift(tokens());
@@ -623,9 +763,16 @@ class session {
   detail::position_book book_;  // the cached tokens in slot order, where the stream goes on
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
-  std::vector<layer_inputs<const_tensor_view>> layers_in_;  // the pipeline's inputs, reused across evictions
-  std::optional<cpu::workspace> workspace_;                 // grown on demand, reused across evictions
-  std::optional<detail::archive_link> archive_;             // session_options::archive
+  std::vector<layer_inputs<const_paged_rows>> layers_in_;  // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;                // grown on demand, reused across evictions
+  std::optional<detail::archive_link> archive_;            // session_options::archive
+  bool decided_ = false;               // where the keys come from is settled (bind, or the first decode)
+  bool engine_ = false;                // the policies read llama.cpp's cache (cells_, caches_)
+  bool shift_pending_ = false;         // positions moved since the last decode: llama.cpp's K not yet turned
+  std::vector<std::int32_t> cells_;    // each cached slot's cell (engine_)
+  std::vector<cache_tensors> caches_;  // each layer's K and V cache tensors (engine_)
+  std::int64_t fresh_ = 0;             // newest decoded tokens whose queries were observed
+  std::int64_t decoded_ = 0;           // tokens decoded since bind
 };
 
 }  // namespace infkv::llama_cpp

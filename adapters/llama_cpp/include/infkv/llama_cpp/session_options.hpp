@@ -22,6 +22,16 @@ enum class position_mode : std::uint8_t {
   keep,     ///< original positions, holes left (M-RoPE models, or by choice)
 };
 
+/// Where the keys (and values) a policy scores come from.
+enum class key_source : std::uint8_t {
+  /// llama.cpp's cache where the session can read it (decided at the first decode: one cache of
+  /// f32, f16 or bf16 rows in host memory, V in rows where values are read, no sliding-window
+  /// layers, no archive, no H2O), a copy otherwise.
+  automatic,
+  copy,    ///< a host copy of every cached token's K (V) rows, taken from the graph at every decode
+  engine,  ///< llama.cpp's cache, read where it lies when a policy scores (raises where it cannot)
+};
+
 /// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
 /// that wraps its memory passes its own; tests pass failing ones to check that the session's
 /// bookkeeping still follows the memory when the engine refuses.
@@ -47,8 +57,18 @@ struct session_options {
   llama_seq_id seq = 0;      ///< the sequence the session owns
   std::int64_t window = 32;  ///< recent queries kept per layer
   /// Type of the host copy of the keys (and values): f32 or f16. Unset: the cache's own (f16 for
-  /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones).
+  /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones). Set to
+  /// another type than the cache's, it asks for the copy (key_source::automatic takes it).
   std::optional<dtype> key_type{};
+  /// Where the scored keys come from: llama.cpp's own cache needs no copy (the session then holds
+  /// the window queries and each cached token's cell, and asks for no key node of the graph).
+  key_source keys = key_source::automatic;
+  /// The caller evicts as soon as size() exceeds this (a block stream's budget + block - 1, or
+  /// capacity + slack): the session then observes queries only on the decodes whose tokens can
+  /// fall in that eviction's window (the last `window` before it), and every other decode runs
+  /// llama.cpp's graph unsplit. An eviction that reads window queries the session did not observe
+  /// raises. Unset: queries are observed at every decode. Ignored while H2O observes every decode.
+  std::optional<std::int64_t> evicts_above{};
   bool values = false;  ///< also copy the values (value-norm policies)
   /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
   /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
@@ -100,7 +120,7 @@ struct session_stats {
   double capture = 0;     ///< inside cb_eval: copying Q / K (V) rows out of the graph (part of decode)
   double append = 0;      ///< after each decode: rows into the host copies (f16 conversion, query windows)
   double h2o = 0;         ///< H2O's attention of every decoded query (track_h2o)
-  double score = 0;       ///< the policy's pipeline: scores and selection
+  double score = 0;       ///< the policy's pipeline: scores and selection (from llama.cpp's cache or the copies)
   double seq_rm = 0;      ///< llama_memory_seq_rm
   double seq_add = 0;     ///< llama_memory_seq_add (llama.cpp rotates its K at the next decode)
   double host_evict = 0;  ///< compacting the host copies, query windows and H2O states
@@ -108,6 +128,7 @@ struct session_stats {
   double archive = 0;     ///< reading new rows out of llama.cpp's cache and quantizing them (archive)
   double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
+  std::int64_t observed = 0;  ///< decodes whose graph was split to copy rows out (the others ran unsplit)
   /// The session's own work outside llama_decode.
   double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive; }
 };
@@ -120,7 +141,7 @@ struct session_memory {
   std::int64_t queries = 0;    ///< window queries, and the queries kept of the last decode
   std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
   std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
-  std::int64_t tokens = 0;     ///< the position bookkeeping
+  std::int64_t tokens = 0;     ///< the position bookkeeping (and each cached token's cell, key_source::engine)
   std::int64_t archive = 0;    ///< the archive (session_options::archive), allocated at bind
   /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
   /// types (computed; 0 before the first decode shows the heads).

@@ -1,10 +1,12 @@
-// infkv llama.cpp adapter: the host-side copy one layer keeps so that any policy can score:
+// infkv llama.cpp adapter: what one layer keeps on the host so that any policy can score: the
+// last `window` post-RoPE queries (f32, as the graph computes them) with their positions, and,
+// where the session does not read llama.cpp's cache itself (key_source::copy), a copy of the
 // post-RoPE keys of the cached tokens (in the session's key type: the cache's own f16 by default,
-// in the session's slot order), their values when the policy reads them, and the last `window`
-// post-RoPE queries (f32, as the graph computes them) with their positions. Rows are copied
-// straight from the graph's nodes during llama_decode into their place after the cached slots,
-// and join the cache only when the decode succeeds; of each batch only the queries that can still
-// be in the window are kept (all of them while H2O observes the batch).
+// in the session's slot order) and of their values when the policy reads them. Rows are copied
+// straight from the graph's nodes during llama_decode into their place after the cached slots
+// (queries after the window's), and join only when the decode succeeds; of each batch only the
+// queries that can still be in the window are kept (all of them while H2O observes the batch),
+// each held once.
 #pragma once
 
 #include <algorithm>
@@ -46,15 +48,26 @@ class layer_cache {
     return queries_.empty() ? tensor_view{} : nhd(queries_.data(), dtype::f32, n_queries(), n_head_, head_dim_);
   }
   /// The queries kept of the last decode [kept][n_head][head_dim], f32 (all of the batch when
-  /// begin() was asked for them).
-  const_tensor_view batch_queries() const { return nhd(staged_.data(), dtype::f32, keep_q_, n_head_, head_dim_); }
+  /// begin() was asked for them), until trim() (or the next begin()).
+  const_tensor_view batch_queries() const {
+    return nhd(queries_.data() + landing_ * q_row(), dtype::f32, keep_q_, n_head_, head_dim_);
+  }
 
-  /// Before a decode of `n` tokens: their rows will land after the cached slots, and the last
-  /// `keep_queries` of their queries are kept. `cells`: the most slots the cache can hold (the
-  /// context's cells): key and value storage is allocated once for them.
-  void begin(std::int64_t n, std::int64_t keep_queries, std::int64_t cells) {
-    batch_ = n, keep_q_ = std::min(keep_queries, n), cells_ = cells;
+  /// Before a decode of `n` tokens: their key (value) rows land after the cached slots when
+  /// `rows` (the copies are kept), and the last `keep_queries` of their queries after the
+  /// window's. `cells`: the most slots the cache can hold (the context's cells): key and value
+  /// storage is allocated once for them.
+  void begin(std::int64_t n, std::int64_t keep_queries, bool rows, std::int64_t cells) {
+    batch_ = n, keep_q_ = std::min(keep_queries, n), cells_ = cells, rows_ = rows;
     seen_q_ = seen_k_ = seen_v_ = 0;
+    landing_ = query_pos_.size();
+  }
+
+  /// Frees the key and value copies (the session reads llama.cpp's cache instead).
+  void release_rows() {
+    std::vector<unsigned char>().swap(keys_);  // `= {}` would keep the capacity
+    std::vector<unsigned char>().swap(values_);
+    n_slots_ = 0, rows_ = false;
   }
 
   /// One node's rows of the current decode (from inside llama_decode), each converted once into
@@ -68,15 +81,19 @@ class layer_cache {
     tmp_.resize(std::size_t(head_dim_));
     if (r.kind == node_kind::query) {
       if (n_head_ == 0) n_head_ = std::int32_t(r.heads);
-      const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
-      staged_.resize(std::size_t(keep_q_) * q_row);
+      const std::size_t first = landing_;  // the landing rows follow the window's
+      const std::size_t need = (first + std::size_t(keep_q_)) * q_row();
+      if (queries_.capacity() < need) queries_.reserve(need);  // exactly: the window + one batch's kept rows
+      queries_.resize(need);
       for (std::int64_t i = 0; i < r.n_tokens; ++i) {
         const std::int64_t at = seen + i - (batch_ - keep_q_);  // the row among the kept ones
         if (at < 0) continue;
         for (std::int64_t h = 0; h < n_head_; ++h)
-          r.row_to(i, h, dtype::f32, staged_.data() + std::size_t(at) * q_row + std::size_t(h * head_dim_), nullptr);
+          r.row_to(i, h, dtype::f32, queries_.data() + (first + std::size_t(at)) * q_row() + std::size_t(h * head_dim_),
+                   nullptr);
       }
     } else {
+      INFKV_REQUIRE(rows_, "node rows", r.n_tokens, "of a key or value node arrived for a decode that keeps no copies");
       if (n_head_kv_ == 0) n_head_kv_ = std::int32_t(r.heads);
       INFKV_REQUIRE(r.heads == n_head_kv_, "heads", r.heads, "of a ", r.kind == node_kind::key ? "key" : "value",
                     " node differ from the layer's ", n_head_kv_, " KV heads");
@@ -92,18 +109,17 @@ class layer_cache {
   }
 
   /// After a successful decode: its keys (and values) join the cached slots, its kept queries at
-  /// `pos` (one per token of the batch) the window, whose oldest beyond `window` leave.
-  void commit(std::span<const std::int64_t> pos, std::int64_t window) {
-    n_slots_ += batch_;
-    const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
-    const std::int64_t take = std::min(keep_q_, window);
-    const std::int64_t drop = std::max<std::int64_t>(0, n_queries() + take - window);  // first: no growth past window
-    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row));
+  /// `pos` (one per token of the batch) the window (batch_queries() until trim()).
+  void commit(std::span<const std::int64_t> pos) {
+    if (rows_) n_slots_ += batch_;
+    query_pos_.insert(query_pos_.end(), pos.end() - keep_q_, pos.end());
+  }
+  /// The oldest queries beyond `window` leave.
+  void trim(std::int64_t window) {
+    const std::int64_t drop = std::max<std::int64_t>(0, n_queries() - window);
+    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row()));
     query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
-    queries_.reserve(std::size_t(window) * q_row);
-    const auto from = staged_.begin() + std::ptrdiff_t(std::size_t(keep_q_ - take) * q_row);
-    queries_.insert(queries_.end(), from, from + std::ptrdiff_t(std::size_t(take) * q_row));
-    query_pos_.insert(query_pos_.end(), pos.end() - take, pos.end());
+    queries_.resize(query_pos_.size() * q_row());
   }
 
   /// Appends `m` slots whose keys (and values, when they are kept) are `k`, `v` ([m][n_head_kv]
@@ -137,7 +153,7 @@ class layer_cache {
   /// (sorted by old position), as produced by a position compaction.
   void remap_queries(std::span<const std::pair<std::int64_t, std::int64_t>> moved, const cpu::rope* r,
                      const cpu::executor& ex) {
-    const std::size_t q_row = std::size_t(n_head_) * std::size_t(head_dim_);
+    const std::size_t q_row = this->q_row();
     std::vector<std::int64_t> pos, delta;
     std::size_t kept = 0;
     for (std::size_t i = 0; i < query_pos_.size(); ++i) {
@@ -159,15 +175,16 @@ class layer_cache {
     if (n_slots_ > 0) cpu::rerotate(keys(), delta, r, ex);
   }
 
-  /// Bytes this layer holds: key and value storage, window queries, the last batch's kept queries.
+  /// Bytes this layer holds: key and value storage, window queries (with a batch's landing rows),
+  /// the conversion row.
   std::int64_t key_bytes() const { return std::int64_t(keys_.capacity()); }
   std::int64_t value_bytes() const { return std::int64_t(values_.capacity()); }
-  std::int64_t query_bytes() const { return std::int64_t(queries_.capacity() * sizeof(float)); }
-  std::int64_t staged_bytes() const {
-    return std::int64_t(staged_.capacity() * sizeof(float) + tmp_.capacity() * sizeof(float));
+  std::int64_t query_bytes() const {
+    return std::int64_t(queries_.capacity() * sizeof(float) + tmp_.capacity() * sizeof(float));
   }
 
  private:
+  std::size_t q_row() const { return std::size_t(n_head_) * std::size_t(head_dim_); }
   std::size_t head_bytes() const { return std::size_t(head_dim_) * size_of(type_); }
   std::size_t row_bytes() const { return std::size_t(n_head_kv_) * head_bytes(); }
   tensor_view rows_view(std::vector<unsigned char>& rows) {
@@ -189,7 +206,9 @@ class layer_cache {
   std::vector<float> queries_;
   std::vector<std::int64_t> query_pos_;
   std::int64_t batch_ = 0, keep_q_ = 0, seen_q_ = 0, seen_k_ = 0, seen_v_ = 0, cells_ = 0;
-  std::vector<float> staged_, tmp_;
+  bool rows_ = true;         // this decode's key and value rows go into the copies
+  std::size_t landing_ = 0;  // the first of this decode's kept query rows
+  std::vector<float> tmp_;
 };
 
 }  // namespace infkv::llama_cpp
