@@ -40,6 +40,8 @@ struct settings : infkv_tools::policy_knobs {
   std::int64_t ask_room = 0;    ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
   std::optional<infkv::dtype> key_type{};            ///< the session's key copies (unset: the cache's own)
+  /// Where the policies read the keys: llama.cpp's cache where it can (automatic), or copies.
+  infkv::llama_cpp::key_source keys = infkv::llama_cpp::key_source::automatic;
   std::int32_t archive_bits = 0;        ///< archive what evictions remove at this many bits (0: no archive)
   std::int64_t archive_mib = 256;       ///< the archive's capacity
   std::int32_t archive_page = 16;       ///< slots per archive page (16 answered more needles than 8 or 32 at 2K)
@@ -165,6 +167,7 @@ class runner {
 inline infkv::llama_cpp::session_options session_options_for(kind k, const settings& s) {
   const infkv::llama_cpp::session_options base{
       .key_type = s.key_type,
+      .keys = s.keys,
       .reduce = s.reduce,
       .positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact,
       .executor = {s.threads}};

@@ -22,7 +22,8 @@ inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
           {"recall", t.recall},
           {"decodes", t.decodes},
           {"decoded_tokens", t.decoded_tokens},
-          {"evictions", t.evictions}};
+          {"evictions", t.evictions},
+          {"observed", t.observed}};
 }
 
 }  // namespace stream

@@ -51,7 +51,8 @@ struct options {
   bool retrieval() const { return !passkey.empty() || !needle.empty(); }
   std::string mode() const { return !passkey.empty() ? "--passkey" : "--needle"; }
   std::uint64_t seed = 1;
-  std::string key_type;  ///< --key-type (empty: the cache's own)
+  std::string key_type;       ///< --key-type (empty: the cache's own)
+  std::string keys = "auto";  ///< --keys
   bool list = false;
 };
 
@@ -82,6 +83,10 @@ void add_options(CLI::App& app, options& o) {
       ->check(infkv_tools::writable_file());
   app.add_option("--key-type", o.key_type, "type of the session's host key copies (default: the cache's own, f16)")
       ->check(CLI::IsMember({"f32", "f16"}));
+  app.add_option("--keys", o.keys,
+                 "where the policies read the keys: auto (llama.cpp's cache where the session can read it), "
+                 "copy (host copies taken at every decode), engine (llama.cpp's cache or an error)")
+      ->check(CLI::IsMember({"auto", "copy", "engine"}));
   app.add_flag("--list-policies", o.list, "list the policies and exit");
   app.add_option("--passkey", o.passkey,
                  "passkey retrieval instead of perplexity: the question DISTANCE tokens of "
@@ -224,6 +229,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"prefetch_tokens", o.s.prefetch_tokens},
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
+            {"keys", o.keys},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
@@ -397,6 +403,9 @@ int main(int argc, char** argv) {
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
   if (!o.key_type.empty()) o.s.key_type = o.key_type == "f32" ? infkv::dtype::f32 : infkv::dtype::f16;
+  o.s.keys = o.keys == "copy"     ? infkv::llama_cpp::key_source::copy
+             : o.keys == "engine" ? infkv::llama_cpp::key_source::engine
+                                  : infkv::llama_cpp::key_source::automatic;
   if (o.s.archive_bits > 0) o.s.keep_positions = true;  // recalled rows go back at their own positions
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
