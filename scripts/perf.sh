@@ -6,6 +6,9 @@
 #   stream.json        infkv-stream over TOKENS (default 30000) tokens: llama.cpp's context shift,
 #                      streaming_llm (no capture), inf_mllm_bias, h2o: perplexity, tok/s, time split
 #   stream_768.json    streaming_llm with budget 768 (the context shift's mean occupancy)
+#   observe_{1,2,3}.json  the price of observing: infkv-stream over TOKENS tokens, streaming_llm,
+#                      inf_mllm_bias, snapkv, keydiff and h2o, three runs (the order turned each time)
+#   memory_2k.json, memory_64k.json   the session's bytes against the KV at 2K and 64K tokens
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
 #                      tokens of history, against bounded caches
 #   prefill_*.json     one prefill per process: plain at 2K, 4K, 8K and 16K, budgeted block-wise
@@ -46,6 +49,20 @@ stream() {
   step stream_768 "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 768 --block 128 \
     --policy streaming_llm --threads "$threads" --progress 50 --json "$out/stream_768.json.tmp"
 }
+observe() {  # alone on the machine: the overheads are ratios of seconds within each run
+  local orders=(streaming_llm,inf_mllm_bias,snapkv,keydiff,h2o h2o,keydiff,snapkv,inf_mllm_bias,streaming_llm
+                snapkv,streaming_llm,h2o,keydiff,inf_mllm_bias)
+  for i in 1 2 3; do
+    step "observe_$i" "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
+      --policy "${orders[$((i - 1))]}" --threads "$threads" --progress 50 --json "$out/observe_$i.json.tmp"
+  done
+}
+memory() {  # bytes only (timings beside other work are not read)
+  for n in 2048 65536; do
+    step "memory_$((n / 1024))k" "$bin/infkv-stream" --model "$model" --text "$text" --tokens $n --budget 1024 --block 128 \
+      --policy inf_mllm_bias,snapkv,keydiff,tova --threads "$threads" --progress 100 --json "$out/memory_$((n / 1024))k.json.tmp"
+  done
+}
 engine() {
   local hist=2048 list=
   while (( hist <= history )); do list=${list:+$list,}$hist; hist=$((hist * 2)); done
@@ -62,12 +79,15 @@ engine() {
   step prefill_budgeted_b128_2048 "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens 2048 \
     --mode budgeted --policy snapkv --block 128 --threads "$threads" --json "$out/prefill_budgeted_b128_2048.json.tmp"
 }
+observe
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!
+  memory & pid2=$!
   engine
-  wait $pid
+  wait $pid $pid2
 else
   stream
+  memory
   engine
 fi
 filter='BM_peak|BM_memcpy|BM_window_attention|BM_keydiff|BM_compact|BM_rerotate'

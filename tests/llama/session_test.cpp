@@ -271,7 +271,7 @@ TEST_CASE("llama session: captured values follow eviction and position compactio
 TEST_CASE("llama session: invalid use is reported with the argument's name") {
   auto model = tiny_model(1);
   CHECK_THROWS_WITH_AS(lc::session(nullptr), doctest::Contains("model = null"), infkv::error);
-  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.window = 0}), doctest::Contains("session_options.window = 0"),
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.window = -1}), doctest::Contains("session_options.window = -1"),
                        infkv::error);
   CHECK_THROWS_WITH_AS(lc::session(model.get(), {.key_type = infkv::dtype::bf16}),
                        doctest::Contains("session_options.key_type = bf16"), infkv::error);

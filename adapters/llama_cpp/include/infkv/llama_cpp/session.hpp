@@ -51,7 +51,7 @@ class session {
       : model_(model), opt_(opt), observer_(checked_layers(model), opt.values, [this](const node_rows& r) {
           layers_[std::size_t(r.layer)].take(r);
         }) {
-    INFKV_REQUIRE(opt_.window >= 1, "session_options.window", opt_.window, "must be >= 1");
+    INFKV_REQUIRE(opt_.window >= 0, "session_options.window", opt_.window, "must be >= 0");
     INFKV_REQUIRE(!opt_.key_type || *opt_.key_type != dtype::bf16, "session_options.key_type", "bf16",
                   "must be f32 or f16 (keys are re-rotated in place: bf16 would lose precision at every shift)");
     INFKV_REQUIRE(opt_.seq >= 0, "session_options.seq", opt_.seq, "must be >= 0");
@@ -586,7 +586,8 @@ class session {
   /// (and at the first decode, which decides), the cells where it reads llama.cpp's cache.
   observe_set observing(std::int64_t n) const {
     if (!opt_.capture) return {.queries = false, .keys = false};
-    const bool queries = opt_.track_h2o || !opt_.evicts_above || size() + n > *opt_.evicts_above - opt_.window;
+    const bool queries =
+        opt_.track_h2o || (opt_.window > 0 && (!opt_.evicts_above || size() + n > *opt_.evicts_above - opt_.window));
     return {.queries = queries, .keys = !engine_, .values = opt_.values && !engine_, .cells = engine_ || !decided_};
   }
 

@@ -55,7 +55,7 @@ struct memory_calls {
 /// Session configuration.
 struct session_options {
   llama_seq_id seq = 0;      ///< the sequence the session owns
-  std::int64_t window = 32;  ///< recent queries kept per layer
+  std::int64_t window = 32;  ///< recent queries kept per layer (0: none, for policies that read none)
   /// Type of the host copy of the keys (and values): f32 or f16. Unset: the cache's own (f16 for
   /// an f16 cache, the default; f32 for f32 and bf16 caches; f16 for quantized ones). Set to
   /// another type than the cache's, it asks for the copy (key_source::automatic takes it).
@@ -98,7 +98,7 @@ struct session_options {
   template <policy P>
   static session_options for_policy(const P& policy, session_options base = {}) {
     const capture_needs needs = capture_needs_of(policy);
-    base.window = std::max<std::int64_t>(1, needs.queries);
+    base.window = needs.queries;
     base.values = needs.values;
     base.capture = needs.observes();
     base.track_h2o.reset();
