@@ -18,6 +18,7 @@
 # command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
+#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, memory, stream, engine, kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/perf}
@@ -27,12 +28,6 @@ history=${4:-16384}
 mkdir -p "$out"
 source scripts/llama_env.sh
 cmake --build --preset release --target infkv_stream infkv_engine_bench >&2
-for o in 2 3; do  # the kernels as a user compiling at -O2 or -O3 gets them
-  cmake -S . -B "build/bench-o$o" -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O$o -DNDEBUG" \
-    -DINFKV_ARCH_FLAGS=-march=x86-64-v3 -DINFKV_BUILD_TESTS=OFF -DINFKV_BUILD_EXAMPLES=OFF -DINFKV_BUILD_TOOLS=OFF -DINFKV_BUILD_BENCH=ON \
-    -DINFKV_WITH_LLAMA_CPP=OFF -DINFKV_WITH_CUDA=OFF >/dev/null
-  cmake --build "build/bench-o$o" --target infkv_bench >&2
-done
 bin=build/release/tools
 step() {  # step NAME COMMAND...: runs COMMAND (which writes NAME.json.tmp) unless OUT_DIR/NAME.json exists
   local name=$1; shift
@@ -79,6 +74,25 @@ engine() {
   step prefill_budgeted_b128_2048 "$bin/infkv-engine-bench" prefill --model "$model" --text "$text" --tokens 2048 \
     --mode budgeted --policy snapkv --block 128 --threads "$threads" --json "$out/prefill_budgeted_b128_2048.json.tmp"
 }
+kernels() {
+  for o in 2 3; do  # the kernels as a user compiling at -O2 or -O3 gets them
+    cmake -S . -B "build/bench-o$o" -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O$o -DNDEBUG" \
+      -DINFKV_ARCH_FLAGS=-march=x86-64-v3 -DINFKV_BUILD_TESTS=OFF -DINFKV_BUILD_EXAMPLES=OFF -DINFKV_BUILD_TOOLS=OFF \
+      -DINFKV_BUILD_BENCH=ON -DINFKV_WITH_LLAMA_CPP=OFF -DINFKV_WITH_CUDA=OFF >/dev/null
+    cmake --build "build/bench-o$o" --target infkv_bench >&2
+  done
+  local filter='BM_peak|BM_memcpy|BM_window_attention|BM_keydiff|BM_compact|BM_rerotate'
+  for o in 3 2; do  # alone on the machine: the kernels are measured against ceilings of the same run
+    step "kernels_o$o" "build/bench-o$o/bench/infkv_bench" "--benchmark_filter=$filter" --benchmark_min_time=0.2 \
+      --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+      "--benchmark_out=$out/kernels_o$o.json.tmp" --benchmark_out_format=json
+  done
+}
+if [[ -n "${ONLY:-}" ]]; then
+  for f in $ONLY; do "$f"; done
+  python3 scripts/perf_report.py "$out" docs/performance.md
+  exit 0
+fi
 observe
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!
@@ -90,10 +104,5 @@ else
   memory
   engine
 fi
-filter='BM_peak|BM_memcpy|BM_window_attention|BM_keydiff|BM_compact|BM_rerotate'
-for o in 3 2; do  # alone on the machine: the kernels are measured against ceilings of the same run
-  step "kernels_o$o" "build/bench-o$o/bench/infkv_bench" "--benchmark_filter=$filter" --benchmark_min_time=0.2 \
-    --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
-    "--benchmark_out=$out/kernels_o$o.json.tmp" --benchmark_out_format=json
-done
+kernels
 python3 scripts/perf_report.py "$out" docs/performance.md
