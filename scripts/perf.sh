@@ -8,7 +8,10 @@
 #   stream_768.json    streaming_llm with budget 768 (the context shift's mean occupancy)
 #   observe_{1,2,3}.json  the price of observing: infkv-stream over TOKENS tokens, streaming_llm,
 #                      inf_mllm_bias, snapkv, keydiff and h2o, three runs (the order turned each time)
-#   memory_2k.json, memory_64k.json   the session's bytes against the KV at 2K and 64K tokens
+#   keys_copy.json, keys_auto.json   6000 tokens with the session's key copies, then with llama.cpp's cache
+#   loop_{1,2,3}.json  the decode loop: single-token decodes evicting when full, 4 policies, three runs
+#   memory_2k.json     the session's bytes against the KV at 2K tokens, every window policy (at 30K:
+#                      observe_*.json; at 64K: prefill_budgeted_65536.json)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
 #                      tokens of history, against bounded caches
 #   prefill_*.json     one prefill per process: plain at 2K, 4K, 8K and 16K, budgeted block-wise
@@ -18,7 +21,7 @@
 # command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
-#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, memory, stream, engine, kernels)
+#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, keys, loop, memory, stream, engine, kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/perf}
@@ -52,11 +55,21 @@ observe() {  # alone on the machine: the overheads are ratios of seconds within 
       --policy "${orders[$((i - 1))]}" --threads "$threads" --progress 50 --json "$out/observe_$i.json.tmp"
   done
 }
-memory() {  # bytes only (timings beside other work are not read)
-  for n in 2048 65536; do
-    step "memory_$((n / 1024))k" "$bin/infkv-stream" --model "$model" --text "$text" --tokens $n --budget 1024 --block 128 \
-      --policy inf_mllm_bias,snapkv,keydiff,tova --threads "$threads" --progress 100 --json "$out/memory_$((n / 1024))k.json.tmp"
+keys() {  # where the keys come from, side by side (alone on the machine)
+  for k in copy auto; do
+    step "keys_$k" "$bin/infkv-stream" --model "$model" --text "$text" --tokens 6000 --budget 1024 --block 128 \
+      --policy inf_mllm_bias,snapkv,keydiff --keys $k --threads "$threads" --json "$out/keys_$k.json.tmp"
   done
+}
+loop() {  # the decode loop: single-token decodes, evicting when the cache is full (alone on the machine)
+  for i in 1 2 3; do
+    step "loop_$i" "$bin/infkv-engine-bench" decode --model "$model" --text "$text" --history 256 --gen 8 --warm 2048 \
+      --bounded-gen 512 --policy streaming_llm,inf_mllm_bias,snapkv,keydiff --threads "$threads" --json "$out/loop_$i.json.tmp"
+  done
+}
+memory() {  # bytes only (timings beside other work are not read)
+  step memory_2k "$bin/infkv-stream" --model "$model" --text "$text" --tokens 2048 --budget 1024 --block 128 \
+    --policy inf_mllm_bias,snapkv,keydiff,tova,expected_attention --threads "$threads" --json "$out/memory_2k.json.tmp"
 }
 engine() {
   local hist=2048 list=
@@ -94,6 +107,8 @@ if [[ -n "${ONLY:-}" ]]; then
   exit 0
 fi
 observe
+keys
+loop
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!
   memory & pid2=$!

@@ -106,6 +106,119 @@ def stream_section(d, md):
     return runs
 
 
+def observe_section(files, memory, keyruns, loops, md):
+    """The price of observing: each policy's overhead against streaming_llm's decode time in the
+    same run, over several runs (median and range), and the session's bytes against the KV."""
+    per = {}  # policy -> list of (run time dict, overhead %, decode +%, own %, session bytes / KV)
+    order = []
+    for d in files:
+        runs = {r["policy"]: r for r in d["runs"]}
+        ref = runs["streaming_llm"]["time"]["decode"]
+        for name, r in runs.items():
+            t = r["time"]
+            if name not in per:
+                order.append(name)
+            kv = max(b["kv_alloc_bytes"] for b in r["blocks"])
+            per.setdefault(name, []).append((t, (t["decode"] - ref + own(t)) / ref * 100, (t["decode"] - ref) / ref * 100,
+                                             own(t) / ref * 100, max(b["host_bytes"] for b in r["blocks"]) / kv))
+    d0 = files[0]
+    loads = ", ".join(f"{fmt(d['load_average_start'], 2)} -> {fmt(d['load_average_end'], 2)}" for d in files)
+    md.append(f"Runs: {len(files)} x `infkv-stream` over {d0['tokens']} KJV tokens, budget {d0['settings']['budget']}, "
+              f"block {d0['settings']['block']}, {d0['settings']['threads']} thread(s), keys `{d0['settings'].get('keys', 'copy')}`, "
+              f"the policies' order turned between runs; load average {loads}. {os.path.basename(d0['model'])} "
+              f"(llama.cpp: {d0['model_desc']}){commits(*files)}.\n")
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    def spread(xs, digits=1):
+        return f"{fmt(med(xs), digits)} [{fmt(min(xs), digits)}, {fmt(max(xs), digits)}]"
+
+    rows = []
+    for name in ["streaming_llm"] + [n for n in order if n != "streaming_llm"]:
+        v = per[name]
+        ts = [x[0] for x in v]
+        ev = med([t["evictions"] for t in ts])
+        rows.append([name, fmt(med([t["decode"] for t in ts])), fmt(med([t["capture"] for t in ts]), 2),
+                     f"{med([t.get('observed', t['decodes']) for t in ts]):.0f} of {med([t['decodes'] for t in ts]):.0f}",
+                     fmt(med([t["append"] + t["host_evict"] + t["rerotate"] for t in ts]), 2),
+                     fmt(med([t["h2o"] for t in ts]), 2), fmt(med([t["score"] for t in ts]), 2),
+                     fmt(med([t["score"] / max(1, t["evictions"]) * 1000 for t in ts]), 1),
+                     fmt(med([t["seq_rm"] + t["seq_add"] for t in ts]), 3),
+                     "(reference)" if name == "streaming_llm" else spread([x[2] for x in v]),
+                     "-" if name == "streaming_llm" else spread([x[3] for x in v], 2),
+                     "(reference)" if name == "streaming_llm" else spread([x[1] for x in v]),
+                     fmt(med([x[4] for x in v]), 2)])
+    md.append(table(["run", "decode s", "capture s", "observed decodes", "append + host evict + rerotate s", "h2o s",
+                     "score s", "score ms / eviction", "seq_rm+add s", "decode +% [range]", "own % [range]",
+                     "overhead % [range]", "session / KV"], rows))
+    md.append("\nMedians over the runs, [min, max] in brackets. `decode` is llama_decode (the capture callbacks "
+              "and llama.cpp's K-shift run inside it); `capture` the part of it spent copying rows out of the graph; "
+              "`observed decodes` the decodes whose graph was split for that (the others ran unsplit); the next "
+              "columns are the session's own work outside llama_decode. **overhead %** = (the run's decode time - "
+              "streaming_llm's decode time in the same process + its own work) / streaming_llm's decode time "
+              "(streaming_llm's session installs no callback and copies nothing); `decode +%` and `own %` are its "
+              "two parts. `session / KV`: the most the session held beside llama.cpp's cache over the run "
+              "(`session::memory()`) over llama.cpp's K and V bytes.\n")
+    keys = [d for d in keyruns if d]
+    if keys:
+        rows = []
+        for d in keys:
+            for r in d["runs"]:
+                t = r["time"]
+                kv = max(b["kv_alloc_bytes"] for b in r["blocks"])
+                rows.append([r["policy"], d["settings"].get("keys", "copy"), fmt(t["decode"]), fmt(t["capture"], 3),
+                             fmt(t["append"], 3), fmt(t["host_evict"] + t["rerotate"], 3), fmt(t["score"], 3),
+                             fmt(t["score"] / max(1, t["evictions"]) * 1000, 1),
+                             fmt(own(t) / max(1, t["evictions"]) * 1000, 1),
+                             fmt(max(b["host_bytes"] for b in r["blocks"]) / kv, 3)])
+        md.append(f"\nWhere the keys come from, side by side ({keys[0]['tokens']} tokens, the same settings, one run "
+                  f"each; load average {', '.join(fmt(d['load_average_start'], 2) for d in keys)}{commits(*keys)}):\n")
+        md.append(table(["policy", "keys", "decode s", "capture s", "append s", "host evict + rerotate s", "score s",
+                         "score ms / eviction", "own ms / eviction", "session / KV"], rows))
+        md.append("\n`copy`: the f16 key copy taken from the graph at every decode, compacted and re-rotated by the "
+                  "session after every eviction; `auto`: llama.cpp's own cache read where it lies (the key source "
+                  "`automatic` chooses for these policies).\n")
+    if loops:
+        per, order = {}, []
+        for d in loops:
+            ref = next(b for b in d["bounded"] if b["policy"] == "streaming_llm")["time"]["decode"]
+            for b in d["bounded"]:
+                t = b["time"]
+                if b["policy"] not in per:
+                    order.append(b["policy"])
+                per.setdefault(b["policy"], []).append(
+                    (b["tok_per_s"], t, (t["decode"] - ref + own(t)) / ref * 100, (t["decode"] - ref) / ref * 100))
+        rows = []
+        for name in order:
+            v = per[name]
+            ts = [x[1] for x in v]
+            rows.append([name, spread([x[0] for x in v]), fmt(med([t["decode"] for t in ts]), 2),
+                         f"{med([t.get('observed', t['decodes']) for t in ts]):.0f} of {med([t['decodes'] for t in ts]):.0f}",
+                         fmt(med([t["capture"] for t in ts]), 3), fmt(med([t["score"] for t in ts]), 2),
+                         "(reference)" if name == "streaming_llm" else spread([x[3] for x in v]),
+                         "(reference)" if name == "streaming_llm" else spread([x[2] for x in v])])
+        d0 = loops[0]
+        md.append(f"\nThe decode loop (`infkv-engine-bench decode`): {len(loops)} runs of {d0['bounded_gen']} "
+                  f"single-token decodes after {d0['warm']} streamed tokens, evicting when the cache is full "
+                  f"(the session told so: `evicts_above` = budget + block - 1); load average "
+                  f"{', '.join(fmt(d['load_average_start'], 2) for d in loops)}{commits(*loops)}:\n")
+        md.append(table(["policy", "tok/s [range]", "decode s", "observed decodes", "capture s", "score s",
+                         "decode +% [range]", "overhead % [range]"], rows))
+    if memory:
+        rows = []
+        for d in memory:
+            for r in d["runs"]:
+                kv = max(b["kv_alloc_bytes"] for b in r["blocks"])
+                held = max(b["host_bytes"] for b in r["blocks"])
+                rows.append([r["policy"], d["tokens"], fmt(kv / MIB), fmt(held / MIB, 2), fmt(held / kv, 3),
+                             fmt(r["summary"]["peak_rss_bytes"] / MIB)])
+        md.append(table(["policy", "tokens", "KV MiB", "session MiB (most held)", "session / KV", "peak RSS MiB"], rows))
+        md.append(f"\nThe session's bytes (`session::memory()`: window queries, cells, workspace, bookkeeping) over "
+                  f"a stream of 2K and 64K tokens{commits(*memory)}.\n")
+
+
 def mean_cached(run):
     """Mean tokens cached while a block decodes: (the previous block's slots + this block's peak) / 2."""
     prev, tot = 0, 0.0
@@ -356,9 +469,20 @@ def main():
         if title in notes:
             md.append("\n" + notes[title].strip() + "\n")
 
+    observed = [load(os.path.join(engine, f"observe_{i}.json")) for i in range(1, 10)
+                if os.path.exists(os.path.join(engine, f"observe_{i}.json"))]
+    memory = [load(os.path.join(engine, f)) for f in ("memory_2k.json", "memory_64k.json")
+              if os.path.exists(os.path.join(engine, f))]
+    keyruns = [load(os.path.join(engine, f)) for f in ("keys_copy.json", "keys_auto.json")
+               if os.path.exists(os.path.join(engine, f))]
+    loops = [load(os.path.join(engine, f"loop_{i}.json")) for i in range(1, 10)
+             if os.path.exists(os.path.join(engine, f"loop_{i}.json"))]
+    if observed:
+        section("1. The price of observing", observe_section, observed, memory, keyruns, loops, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
-        section("1. The price of observing", stream_section, stream, md)
+        if not observed:
+            section("1. The price of observing", stream_section, stream, md)
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
         section("2. The peer users would pick instead: llama.cpp's context shift", peer_section, stream, extra, md)
     if os.path.exists(os.path.join(engine, "decode.json")):

@@ -169,6 +169,9 @@ TEST_CASE("llama session: where llama.cpp's cache cannot be read, the copies ser
                          infkv::engine_error);
     CHECK(e.size() == 0);
     check_memory_matches(e);
+    CHECK_THROWS_WITH_AS(e.decode(random_tokens(4, 3)), doctest::Contains("V cache holds no rows"),
+                         infkv::engine_error);  // refused again, never copies in its place
+    CHECK(e.size() == 0);
   }
   SUBCASE("a sliding-window model: copies") {
     auto gemma = tiny_gemma3();

@@ -182,6 +182,7 @@ int run_decode(const options& o, const llama_model* m) {
                         {&t.rerotate, before.rerotate}})
       *a -= b;
     t.decodes -= before.decodes, t.decoded_tokens -= before.decoded_tokens, t.evictions -= before.evictions;
+    t.observed -= before.observed;
     bounded.push_back({{"policy", name},
                        {"tok_per_s", double(o.bounded_gen) / secs},
                        {"seconds", secs},

@@ -599,7 +599,6 @@ class session {
   /// rows lie in host memory as [cell][kv_head][head_dim] rows of one cache shared by all layers;
   /// the copies are freed then. An error for key_source::engine where they cannot; empty otherwise.
   std::string decide() {
-    decided_ = true;
     std::string why;
     const auto& first = observer_.layers()[0].cells;
     const auto rows_ok = [&](const ggml_tensor* t, const layer_cache& l) {
@@ -621,6 +620,7 @@ class session {
       else if (opt_.values && (!r.v_rows || !rows_ok(r.v_cache, lc)))
         why = at + "'s V cache holds no rows (flash attention off stores V transposed) or not in host memory";
     }
+    decided_ = why.empty() || opt_.keys != key_source::engine;  // engine: asked again (and refused) next time
     if (why.empty()) {
       engine_ = true;
       caches_.assign(layers_.size(), {});

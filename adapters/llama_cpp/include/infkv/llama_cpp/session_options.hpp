@@ -69,10 +69,10 @@ struct session_options {
   /// llama.cpp's graph unsplit. An eviction that reads window queries the session did not observe
   /// raises. Unset: queries are observed at every decode. Ignored while H2O observes every decode.
   std::optional<std::int64_t> evicts_above{};
-  bool values = false;  ///< also copy the values (value-norm policies)
-  /// Copy Q and K (and V) out of the graph at every decode. false: no cb_eval at all, no host
-  /// copies, nothing to re-rotate; for policies that read neither (streaming_llm, window), which
-  /// then cost the decode nothing. Evicting with a policy that reads them raises.
+  bool values = false;  ///< also read the values (value-norm policies)
+  /// Observe the graph (queries, and the keys' cells or copies). false: no cb_eval at all, no
+  /// host copies, nothing to re-rotate; for policies that read neither (streaming_llm, window),
+  /// which then cost the decode nothing. Evicting with a policy that reads them raises.
   bool capture = true;
   reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
