@@ -216,7 +216,7 @@ def observe_section(files, memory, keyruns, loops, md):
                              fmt(r["summary"]["peak_rss_bytes"] / MIB)])
         md.append(table(["policy", "tokens", "KV MiB", "session MiB (most held)", "session / KV", "peak RSS MiB"], rows))
         md.append(f"\nThe session's bytes (`session::memory()`: window queries, cells, workspace, bookkeeping) over "
-                  f"a stream of 2K and 64K tokens{commits(*memory)}.\n")
+                  f"a stream of {' and '.join(str(d['tokens']) for d in memory)} tokens{commits(*memory)}.\n")
 
 
 def mean_cached(run):
