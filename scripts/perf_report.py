@@ -72,40 +72,6 @@ def own(t):
     return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
 
 
-def stream_section(d, md):
-    runs = {r["policy"]: r for r in d["runs"]}
-    ref = runs.get("streaming_llm")
-    md.append(f"Run: `infkv-stream` over {d['tokens']} KJV tokens, budget {d['settings']['budget']}, block "
-              f"{d['settings']['block']}, {d['settings']['threads']} thread(s); load average "
-              f"{fmt(d['load_average_start'], 2)} at start, {fmt(d['load_average_end'], 2)} at end. "
-              f"{os.path.basename(d['model'])} (llama.cpp: {d['model_desc']}){commits(d)}.\n")
-    rows = []
-    for name, r in runs.items():
-        t, s = r["time"], r["summary"]
-        extra = (t["decode"] - ref["time"]["decode"]) if ref else float("nan")
-        over = (extra + own(t)) / ref["time"]["decode"] * 100 if ref else float("nan")
-        session = max(b["host_bytes"] for b in r["blocks"]) / MIB
-        kv = max(b["kv_alloc_bytes"] for b in r["blocks"]) / MIB
-        rows.append([name, fmt(s["tok_per_s"]), fmt(s["ppl"], 3), fmt(s["late_ppl"], 3), fmt(kv), fmt(session),
-                     fmt(r["seconds"]),
-                     fmt(t["decode"]), fmt(t["capture"], 2), fmt(t["append"], 2), fmt(t["h2o"], 2),
-                     fmt(t["score"], 2), fmt(t["seq_rm"] + t["seq_add"], 3), fmt(t["host_evict"] + t["rerotate"], 2),
-                     "(reference)" if name == "streaming_llm" else fmt(over, 1) if name != "context_shift" else
-                     f"({fmt(over, 1)}: no session)"])
-    md.append(table(["run", "tok/s", "ppl", "ppl late", "KV MiB", "session MiB", "total s", "decode s", "capture s",
-                     "append s", "h2o s", "score s", "seq_rm+add s", "host evict+rerotate s", "overhead %"], rows))
-    md.append("\nColumns: `decode` is llama_decode (the capture callbacks and llama.cpp's K-shift run inside it); "
-              "`capture` is the part of it spent copying Q / K rows out of the graph; the next columns are the "
-              "session's own work outside llama_decode. **overhead %** = (this run's decode time - streaming_llm's "
-              "decode time + its own work) / streaming_llm's decode time: streaming_llm's session installs no "
-              "callback and copies nothing, so its decode is plain llama.cpp's at the same cache size. `total` also "
-              "holds the perplexity bookkeeping of the program (a log-softmax over the vocabulary per token), "
-              "the same for every run. `KV MiB`: llama.cpp's K and V (computed from the context's cells); "
-              "`session MiB`: the most the session held beside it over the run (`session::memory()`: key copies, "
-              "window queries, H2O state, workspace).\n")
-    return runs
-
-
 def observe_section(files, memory, keyruns, loops, md):
     """The price of observing: each policy's overhead against streaming_llm's decode time in the
     same run, over several runs (median and range), and the session's bytes against the KV."""
@@ -481,8 +447,6 @@ def main():
         section("1. The price of observing", observe_section, observed, memory, keyruns, loops, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
-        if not observed:
-            section("1. The price of observing", stream_section, stream, md)
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
         section("2. The peer users would pick instead: llama.cpp's context shift", peer_section, stream, extra, md)
     if os.path.exists(os.path.join(engine, "decode.json")):

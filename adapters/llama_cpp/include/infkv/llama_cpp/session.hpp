@@ -124,7 +124,6 @@ class session {
         opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) && (rope_.supported || !rope_.has_rope);
     // llama.cpp's cache can be read by the policies unless something needs the copies (decided
     // for good at the first decode, which also shows where the rows lie).
-    const auto readable = [](ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_F32 || t == GGML_TYPE_BF16; };
     const char* why_not = opt_.keys == key_source::copy ? "copy"
                           : opt_.archive                ? "the archive recalls rows into the copies"
                           : opt_.track_h2o              ? "H2O scores every decode against the copies"
@@ -591,6 +590,8 @@ class session {
     return {.queries = queries, .keys = !engine_, .values = opt_.values && !engine_, .cells = engine_ || !decided_};
   }
 
+  /// Cache types whose rows the policies read as they are (row_source types).
+  static bool readable(ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_F32 || t == GGML_TYPE_BF16; }
   static dtype dtype_of(ggml_type t) {
     return t == GGML_TYPE_F32 ? dtype::f32 : t == GGML_TYPE_BF16 ? dtype::bf16 : dtype::f16;
   }
@@ -603,9 +604,9 @@ class session {
     const auto& first = observer_.layers()[0].cells;
     const auto rows_ok = [&](const ggml_tensor* t, const layer_cache& l) {
       return t != nullptr && t->data != nullptr && (t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) &&
-             (t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_BF16) &&
-             t->ne[0] == std::int64_t(l.n_head_kv()) * l.head_dim() && t->nb[0] == ggml_type_size(t->type) &&
-             t->nb[1] == t->ne[0] * t->nb[0] && t->ne[1] * t->ne[2] <= std::numeric_limits<std::int32_t>::max();
+             readable(t->type) && t->ne[0] == std::int64_t(l.n_head_kv()) * l.head_dim() &&
+             t->nb[0] == ggml_type_size(t->type) && t->nb[1] == t->ne[0] * t->nb[0] &&
+             t->ne[1] * t->ne[2] <= std::numeric_limits<std::int32_t>::max();
     };
     for (std::int32_t l = 0; l < n_layers() && why.empty(); ++l) {
       const auto& r = observer_.layers()[std::size_t(l)];
