@@ -67,10 +67,18 @@ struct block_report {
 
 /// Settings of one prefill besides the policy and the schedule.
 struct prefill_options {
-  std::int64_t sinks = 0;                               ///< first positions every eviction keeps
-  std::int64_t recent = 0;                              ///< last positions every eviction keeps
-  bool logits_last = true;                              ///< logits for the last input token
-  bool evict_after_last = true;                         ///< evict after the last block too
+  std::int64_t sinks = 0;        ///< first positions every eviction keeps
+  std::int64_t recent = 0;       ///< last positions every eviction keeps
+  bool logits_last = true;       ///< logits for the last input token
+  bool evict_after_last = true;  ///< evict after the last block too
+  /// The question, when it is known before the prompt is prefilled (single turn): every eviction
+  /// then scores against its queries (proxy queries, computed as `proxy` says; session::evict
+  /// with a question) instead of each block's own last queries, which know nothing of it. The
+  /// policy must read window queries; the session needs session_options::scratch_seq and the
+  /// context room for the question beside budget + block. The question's own tokens are not
+  /// decoded here: put them in the last chunk (or decode them after), as without it.
+  std::span<const llama_token> question{};
+  proxy_mode proxy = proxy_mode::after_cache;           ///< how the question's queries are computed
   std::function<void(const block_report&)> on_block{};  ///< called after every block
 };
 
@@ -160,7 +168,9 @@ struct causal_scope {
 /// schedule.block tokens, so the cache never exceeds budget + block slots. All arguments are
 /// checked before anything is decoded. Cost: the decodes plus one eviction per block. With `h2o`
 /// the session accumulates H2O's scores at every decode (session_options::for_policy(h2o{})),
-/// non-causal chunks included as if causal.
+/// non-causal chunks included as if causal. With opt.question every eviction scores against the
+/// question's queries (the query-aware mode; one decode of the question aside per eviction with
+/// proxy_mode::after_cache, one in all with alone).
 template <policy P>
 prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, const block_prefill& schedule,
                        const prefill_options& opt = {}) {
@@ -178,9 +188,15 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
                 "cannot hold the protected tokens of ", spec.name, ": sinks (", pb.sinks, ") + recent (", pb.recent,
                 ")");
   s.require_captures(spec);
+  const auto n_question = std::int64_t(opt.question.size());
+  if (n_question > 0)
+    INFKV_REQUIRE(spec.reads_queries() && !spec.accumulates(), "prefill_options.question.size()", n_question, spec.name,
+                  " reads no window queries, so a question cannot steer it: prefill without one");
   const std::int64_t n_ctx = llama_n_ctx(ctx);
-  INFKV_REQUIRE(n_ctx >= schedule.peak(), "llama_n_ctx(ctx)", n_ctx, "the context cannot hold block_prefill.budget (",
-                schedule.budget, ") + block (", schedule.block, ") slots: create it with n_ctx >= ", schedule.peak());
+  INFKV_REQUIRE(n_ctx >= schedule.peak() + n_question, "llama_n_ctx(ctx)", n_ctx,
+                "the context cannot hold block_prefill.budget (", schedule.budget, ") + block (", schedule.block,
+                ") slots", n_question > 0 ? " + the question's tokens" : "",
+                ": create it with n_ctx >= ", schedule.peak() + n_question);
   for (std::size_t i = 0; i < chunks.size(); ++i) detail::validate_chunk(chunks[i], i, m, s.mode());
 
   prefill_result res;
@@ -206,7 +222,8 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
                   ") and one micro-batch (llama_n_ubatch = ", n_ubatch, ")");
   }
 
-  if (s.size() > schedule.budget) res.evicted += s.evict(p, b).evicted;
+  const auto evict = [&] { return n_question > 0 ? s.evict(p, b, opt.question, opt.proxy) : s.evict(p, b); };
+  if (s.size() > schedule.budget) res.evicted += evict().evicted;
   res.peak = s.size();
   const std::int64_t per = pos_per_embd(m);
   const std::int64_t n_embd = llama_model_n_embd_inp(m);
@@ -277,7 +294,7 @@ prefill_result prefill(session& s, std::span<const chunk> chunks, const P& p, co
     res.peak = std::max(res.peak, s.size());
     const bool last = k + 1 == res.blocks.size();
     if (schedule.due(s.size()) && (!last || opt.evict_after_last)) {
-      rep.eviction = s.evict(p, b);
+      rep.eviction = evict();
       res.evicted += rep.eviction.evicted;
     }
     res.blocks_done = std::int64_t(k) + 1;

@@ -336,9 +336,52 @@ class session {
     const policy_spec spec = p.spec();
     require_captures(spec);
     if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    return evict_scored(p, b, false);
+  }
+
+  /// Evicts down to `b` as evict(p, b) does, but the policy scores against the queries of
+  /// `question` (the token ids of a question known in advance: proxy queries, computed as `mode`
+  /// says, at the positions right after the cache) in place of the window's: the query-aware mode
+  /// of block-wise prefill. The policy must read window queries (SnapKV, the Inf-MLLM-style
+  /// policies, TOVA, Expected Attention: its last `window` of the question's queries). Needs
+  /// session_options::scratch_seq, and room in the context for the question's tokens beside the
+  /// cache. Cost: one llama_decode of the question per eviction (after_cache), or one in all
+  /// (alone) and a rotation of its queries per eviction; session_stats::proxy.
+  template <policy P>
+  eviction_result evict(const P& p, const budget& b, std::span<const llama_token> question,
+                        proxy_mode mode = proxy_mode::after_cache) {
+    p.validate();
+    const policy_spec spec = p.spec();
+    INFKV_REQUIRE(!question.empty(), "question.size()", 0, "an eviction against a question needs its tokens");
+    INFKV_REQUIRE(spec.reads_queries() && !spec.accumulates(), "policy", spec.name,
+                  "reads no window queries, so a question cannot steer it: evict(p, b) without one");
+    require_captures(spec);
+    if (spec.protect(b).keep_count(size()) >= size()) return {0, size(), {}, false};
+    proxy(question, mode);
+    return evict_scored(p, b, true);
+  }
+
+  /// Each layer's queries of `question` (proxy queries) at the positions right after the cache
+  /// (proxy_positions()), computed as `mode` says: what evict(p, b, question, mode) scores
+  /// against. Valid until the next decode, eviction or proxy call.
+  std::span<const const_tensor_view> proxy(std::span<const llama_token> question,
+                                           proxy_mode mode = proxy_mode::after_cache) {
+    INFKV_REQUIRE(!question.empty(), "question.size()", 0, "proxy queries need the question's tokens");
+    const stopwatch w{stats_.proxy};
+    proxy_queries(question, mode);
+    return proxy_views_;
+  }
+  /// The positions of the last proxy() queries.
+  std::span<const std::int64_t> proxy_positions() const { return proxy_pos_; }
+
+ private:
+  /// evict's scoring and removal, with the window queries, or (`proxy`) with proxy_queries().
+  template <policy P>
+  eviction_result evict_scored(const P& p, const budget& b, bool proxy) {
+    const policy_spec spec = p.spec();
     INFKV_REQUIRE(!spec.second || !book_.shares_positions(), spec.name, "two policies",
                   "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
-    if (spec.reads_queries() && opt_.evicts_above && !opt_.track_h2o)
+    if (!proxy && spec.reads_queries() && opt_.evicts_above && !opt_.track_h2o)
       INFKV_REQUIRE(fresh_ >= std::min(opt_.window, decoded_), "session_options.evicts_above", *opt_.evicts_above,
                     "this eviction at size() = ", size(), " reads the last ", opt_.window,
                     " queries, but only the last ", fresh_,
@@ -352,6 +395,7 @@ class session {
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) {
       layers_in_.push_back(inputs(l));
+      if (proxy) layers_in_.back().queries = proxy_views_[std::size_t(l)], layers_in_.back().query_pos = proxy_pos_;
       if (spec.reads_queries())
         INFKV_REQUIRE(layers_in_.back().queries.n_slots > 0, "layer " + std::to_string(l) + " queries", 0,
                       "decode at least one token after the last eviction before scoring with ", spec.name);
@@ -374,36 +418,35 @@ class session {
     return apply(keep_set::from_view(out));
   }
 
-  /// Brings back from the archive what `question` needs before it is asked: its post-RoPE queries
-  /// come from decoding it after the cache on the scratch sequence (sharing the session's cells;
-  /// removed again, the session's sequence is untouched), then recall as below with them.
-  template <policy P>
-  recall_report recall(const P& p, const budget& b, const cpu::recall_options& o,
-                       std::span<const llama_token> question) {
-    INFKV_REQUIRE(archive_.has_value(), "session_options.archive", "unset",
-                  "recall needs a session created with an archive");
-    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before recalling");
-    INFKV_REQUIRE(!question.empty(), "question.size()", 0, "recall needs the question's tokens");
-    INFKV_REQUIRE(opt_.capture, "session_options.capture", "false", "recall reads queries: capture must be on");
+  /// Decodes `question` on the scratch sequence at positions p0, p0 + 1, ..., after the
+  /// session's cells (`share`: they are shared into it first) or alone, and leaves each layer's
+  /// queries of it in layer_cache::batch_queries(); the scratch sequence is emptied again.
+  /// Returns why it failed (empty on success). `what` names the caller.
+  std::string decode_aside(std::span<const llama_token> question, std::int64_t p0, bool share, const char* what) {
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before ", what);
+    INFKV_REQUIRE(opt_.capture, "session_options.capture", "false", what, " reads queries: capture must be on");
     INFKV_REQUIRE(std::uint32_t(question.size()) <= llama_n_batch(ctx_), "question.size()", question.size(),
                   "exceeds the context's n_batch = ", llama_n_batch(ctx_));
-    const stopwatch w{stats_.recall};
     const llama_seq_id sc = opt_.scratch_seq;
-    opt_.memory.seq_cp(mem_, opt_.seq, sc, -1, -1);
-    llama_batch batch = llama_batch_init(std::int32_t(question.size()), 0, 1);
+    INFKV_REQUIRE(sc >= 0 && sc != opt_.seq && sc < std::int64_t(llama_n_seq_max(ctx_)), "session_options.scratch_seq",
+                  sc, what,
+                  " decodes the question on a second sequence of the context: one nobody else uses, not seq (",
+                  opt_.seq, "), below n_seq_max (", llama_n_seq_max(ctx_), ")");
+    INFKV_REQUIRE(llama_memory_seq_pos_max(mem_, sc) < 0, "session_options.scratch_seq", sc,
+                  "must be an empty sequence (", what, " decodes the question on it)");
+    if (share) opt_.memory.seq_cp(mem_, opt_.seq, sc, -1, -1);
+    const auto n = std::int64_t(question.size());
+    llama_batch batch = llama_batch_init(std::int32_t(n), 0, 1);
     struct guard {
       llama_batch& b;
       ~guard() { llama_batch_free(b); }
     } g{batch};
-    const std::int64_t p0 = next_pos(), n = std::int64_t(question.size());
-    std::vector<std::int64_t> qpos;
     for (std::int64_t i = 0; i < n; ++i) {
       batch.token[i] = question[std::size_t(i)];
       batch.pos[i] = llama_pos(p0 + i);
       batch.n_seq_id[i] = 1;
       batch.seq_id[i][0] = sc;
       batch.logits[i] = i + 1 == n;
-      qpos.push_back(p0 + i);
     }
     batch.n_tokens = std::int32_t(n);
     for (auto& l : layers_) l.begin(n, n, false, llama_n_ctx(ctx_));
@@ -416,7 +459,70 @@ class session {
       if (observer_.layers()[std::size_t(l)].n_q != n)
         why = "cb_eval saw " + std::to_string(observer_.layers()[std::size_t(l)].n_q) + " query rows of layer " +
               std::to_string(l) + " for " + std::to_string(n) + " question tokens";
-    if (!why.empty()) infkv::raise<engine_error>("infkv: recall: ", why, "; nothing was recalled");
+    if (rc == 0) shift_pending_ = false;  // llama.cpp turned any pending shift of its keys in this decode
+    return why;
+  }
+
+  /// proxy_views_ and proxy_pos_: each layer's queries of `question` at the positions after the
+  /// cache, computed as `mode` says.
+  void proxy_queries(std::span<const llama_token> question, proxy_mode mode) {
+    const auto n = std::int64_t(question.size());
+    const std::int64_t p0 = next_pos();
+    proxy_pos_.resize(std::size_t(n));
+    for (std::int64_t i = 0; i < n; ++i) proxy_pos_[std::size_t(i)] = p0 + i;
+    proxy_views_.clear();
+    if (mode == proxy_mode::after_cache) {
+      if (const std::string why = decode_aside(question, p0, true, "proxy queries"); !why.empty())
+        infkv::raise<engine_error>("infkv: proxy queries: ", why, "; nothing was evicted");
+      for (const auto& l : layers_) proxy_views_.push_back(l.batch_queries());
+      return;
+    }
+    if (!std::ranges::equal(alone_tokens_, question)) {  // the first pass, once per question
+      for (std::int32_t l = 0; l < n_layers(); ++l) {
+        const rope_info& r = layer_rope_[std::size_t(l)];
+        INFKV_REQUIRE(!r.has_rope || r.supported, "proxy_mode", "alone", "layer ", l, "'s RoPE (", r.kind,
+                      ") is not one infkv can turn to other positions: use proxy_mode::after_cache");
+      }
+      alone_tokens_.clear();
+      if (const std::string why = decode_aside(question, p0, false, "proxy queries"); !why.empty())
+        infkv::raise<engine_error>("infkv: proxy queries: ", why, "; nothing was evicted");
+      alone_.assign(layers_.size(), {});
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        const const_tensor_view q = layers_[l].batch_queries();
+        const auto* f = static_cast<const float*>(q.data);
+        alone_[l].assign(f, f + q.n_slots * q.n_heads * q.head_dim);
+      }
+      alone_tokens_.assign(question.begin(), question.end());
+      alone_pos_ = p0;
+    }
+    turned_.resize(layers_.size());
+    const std::vector<std::int64_t> delta(std::size_t(n), p0 - alone_pos_);
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      turned_[l] = alone_[l];
+      const auto& lc = layers_[l];
+      const tensor_view v = nhd(turned_[l].data(), dtype::f32, n, lc.n_head(), lc.head_dim());
+      const rope_info& r = layer_rope_[l];
+      if (r.has_rope && delta[0] != 0) cpu::rerotate(v, delta, r.params, opt_.executor);
+      proxy_views_.push_back(v);
+    }
+  }
+
+ public:
+  /// Brings back from the archive what `question` needs before it is asked: its post-RoPE queries
+  /// come from decoding it after the cache on the scratch sequence (sharing the session's cells;
+  /// removed again, the session's sequence is untouched), then recall as below with them.
+  template <policy P>
+  recall_report recall(const P& p, const budget& b, const cpu::recall_options& o,
+                       std::span<const llama_token> question) {
+    INFKV_REQUIRE(archive_.has_value(), "session_options.archive", "unset",
+                  "recall needs a session created with an archive");
+    INFKV_REQUIRE(!question.empty(), "question.size()", 0, "recall needs the question's tokens");
+    const stopwatch w{stats_.recall};
+    const std::int64_t p0 = next_pos();
+    if (const std::string why = decode_aside(question, p0, true, "recall"); !why.empty())
+      infkv::raise<engine_error>("infkv: recall: ", why, "; nothing was recalled");
+    std::vector<std::int64_t> qpos;
+    for (std::int64_t i = 0; i < std::int64_t(question.size()); ++i) qpos.push_back(p0 + i);
     std::vector<const_tensor_view> queries;
     for (auto& l : layers_) queries.push_back(l.batch_queries());
     return recall_with(p, b, o, queries, qpos);
@@ -768,13 +874,19 @@ class session {
   std::vector<layer_inputs<const_paged_rows>> layers_in_;  // the pipeline's inputs, reused across evictions
   std::optional<cpu::workspace> workspace_;                // grown on demand, reused across evictions
   std::optional<detail::archive_link> archive_;            // session_options::archive
-  bool decided_ = false;               // where the keys come from is settled (bind, or the first decode)
-  bool engine_ = false;                // the policies read llama.cpp's cache (cells_, caches_)
-  bool shift_pending_ = false;         // positions moved since the last decode: llama.cpp's K not yet turned
-  std::vector<std::int32_t> cells_;    // each cached slot's cell (engine_)
-  std::vector<cache_tensors> caches_;  // each layer's K and V cache tensors (engine_)
-  std::int64_t fresh_ = 0;             // newest decoded tokens whose queries were observed
-  std::int64_t decoded_ = 0;           // tokens decoded since bind
+  bool decided_ = false;                        // where the keys come from is settled (bind, or the first decode)
+  bool engine_ = false;                         // the policies read llama.cpp's cache (cells_, caches_)
+  bool shift_pending_ = false;                  // positions moved since the last decode: llama.cpp's K not yet turned
+  std::vector<std::int32_t> cells_;             // each cached slot's cell (engine_)
+  std::vector<cache_tensors> caches_;           // each layer's K and V cache tensors (engine_)
+  std::int64_t fresh_ = 0;                      // newest decoded tokens whose queries were observed
+  std::int64_t decoded_ = 0;                    // tokens decoded since bind
+  std::vector<const_tensor_view> proxy_views_;  // each layer's proxy queries for the eviction under way
+  std::vector<std::int64_t> proxy_pos_;         // ... at these positions
+  std::vector<llama_token> alone_tokens_;       // proxy_mode::alone: the question of the first pass
+  std::vector<std::vector<float>> alone_;       // ... its queries per layer, at positions from alone_pos_
+  std::vector<std::vector<float>> turned_;      // ... turned to the eviction's positions
+  std::int64_t alone_pos_ = 0;
 };
 
 }  // namespace infkv::llama_cpp

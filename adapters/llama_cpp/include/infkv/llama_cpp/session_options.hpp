@@ -32,6 +32,19 @@ enum class key_source : std::uint8_t {
   engine,  ///< llama.cpp's cache, read where it lies when a policy scores (raises where it cannot)
 };
 
+/// How the queries of a question known in advance (proxy queries: `session::evict(p, b, question,
+/// mode)`) are computed. Both decode the question on the scratch sequence (session_options::
+/// scratch_seq) and leave it empty again; the session's own sequence is untouched.
+enum class proxy_mode : std::uint8_t {
+  /// At every eviction the question is decoded after the cache, sharing the session's cells: its
+  /// queries have attended to what the cache holds then. One decode of the question per eviction.
+  after_cache,
+  /// The question is decoded once, alone (it attends to itself only), at the first eviction that
+  /// asks; at every eviction its queries are turned to the positions after the cache. One decode
+  /// in all; needs a RoPE infkv can turn (normal or NeoX), or none.
+  alone,
+};
+
 /// The llama.cpp memory calls a session makes to change the cache: llama.h's by default. An engine
 /// that wraps its memory passes its own; tests pass failing ones to check that the session's
 /// bookkeeping still follows the memory when the engine refuses.
@@ -89,7 +102,8 @@ struct session_options {
   /// and `scratch_seq`.
   std::optional<archive_options> archive{};
   /// A sequence of the context nobody else uses: the archive reads and writes the cache's rows
-  /// through it (llama_state_seq_*), and leaves it empty after every call.
+  /// through it (llama_state_seq_*), recall and proxy queries decode their question on it; each
+  /// leaves it empty after every call.
   llama_seq_id scratch_seq = -1;
 
   /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
@@ -127,10 +141,11 @@ struct session_stats {
   double rerotate = 0;    ///< re-rotating the host keys and queries after a position compaction
   double archive = 0;     ///< reading new rows out of llama.cpp's cache and quantizing them (archive)
   double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
+  double proxy = 0;  ///< proxy queries: decoding a known question aside and turning its queries (evict with a question)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
   std::int64_t observed = 0;  ///< decodes whose graph was split to copy rows out (the others ran unsplit)
   /// The session's own work outside llama_decode.
-  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive; }
+  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive + proxy; }
 };
 
 /// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
