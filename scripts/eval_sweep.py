@@ -15,7 +15,8 @@ common: [--models smollm2,gemma3] [--policies full,streaming_llm,...] [--budget 
 
 A policy may carry settings of its own, for a tuning grid in one sweep:
 `saddle_union:recent-share=0.5:union-share=0.25` runs `--policy saddle_union --recent-share 0.5
---union-share 0.25` and is named so in OUT.csv's policy column and in the record.
+--union-share 0.25` and is named so in OUT.csv's policy column and in the record; a bare setting
+is a flag (`snapkv:question-known` runs `--policy snapkv --question-known`).
 
 Each run (model, seed or slice, policy) is one infkv-stream process with one thread; --jobs run at
 once. Runs already in the work folder (--work, default ~/.cache/infkv/eval/NAME) are not repeated,
@@ -92,14 +93,16 @@ def answer_rows(model, lead, j, name=None):
 
 
 def policy_args(spec):
-    """`name:flag=value:...` -> (name, [--flag, value, ...]); refuses a malformed setting."""
+    """`name:flag=value:flag:...` -> (name, [--flag, value, --flag, ...]); refuses a malformed
+    setting."""
     name, *settings = spec.split(":")
     out = []
     for kv in settings:
         flag, eq, value = kv.partition("=")
-        if not eq or not flag or not value:
-            sys.exit(f"eval_sweep: --policies: {spec!r}: settings are flag=value (e.g. recent-share=0.5)")
-        out += [f"--{flag}", value]
+        if not flag or (eq and not value):
+            sys.exit(f"eval_sweep: --policies: {spec!r}: settings are flag=value or a bare flag "
+                     "(e.g. recent-share=0.5, question-known)")
+        out += [f"--{flag}", value] if eq else [f"--{flag}"]
     return name, out
 
 

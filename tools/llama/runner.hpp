@@ -50,6 +50,10 @@ struct settings : infkv_tools::policy_knobs {
   std::int32_t recall_neighbours = 1;   ///< a recalled page brings this many adjoining pages on each side
   std::int64_t prefetch_tokens = 0;  ///< after each eviction, recall at most this many slots for the window (0: none)
   bool recall_bias = true;           ///< recall scores with the policy's recency bias (inf_mllm_bias)
+  /// Single turn: each question's prompt is prefilled with the question known, every eviction
+  /// scoring against its queries (proxy queries, computed as `proxy` says).
+  bool question_known = false;
+  infkv::llama_cpp::proxy_mode proxy = infkv::llama_cpp::proxy_mode::after_cache;
 };
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
@@ -91,8 +95,10 @@ class runner {
   /// Decodes `toks`, the next tokens of the stream (`extend`: append to the current cache even
   /// where the runner would otherwise rebuild it, as generation does).
   virtual void feed(std::span<const llama_token> toks, bool extend = false) = 0;
-  /// Evicts down to the budget; returns the slots removed.
-  virtual std::int64_t evict() = 0;
+  /// Evicts down to the budget; returns the slots removed. With `question` (a question known in
+  /// advance) a session scores against its queries (settings::proxy); the others ignore it.
+  virtual std::int64_t evict(std::span<const llama_token> question) = 0;
+  std::int64_t evict() { return evict({}); }
   /// From now on the caller evicts as soon as slots() exceeds `above` (a session then observes
   /// queries only on the decodes the next eviction reads: session::evicts_above).
   virtual void evicts_above(std::int64_t above) { (void)above; }
@@ -181,6 +187,7 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
     o.archive = a;
     o.scratch_seq = 1;
   }
+  if (s.question_known) o.scratch_seq = 1;  // proxy queries decode the question there, as questions are asked
   return o;
 }
 
@@ -218,12 +225,14 @@ class session_runner final : public runner {
                   ": the cache is not bounded");
   }
 
-  std::int64_t evict() override {
+  std::int64_t evict(std::span<const llama_token> question) override {
     if (session_.size() <= set_.budget) return 0;
     std::vector<std::int64_t> before;  // positions in stream order, aligned with cached_
     for (const auto& t : session_.tokens()) before.push_back(t.pos);
     std::sort(before.begin(), before.end());
-    const auto r = infkv_tools::with_policy(kind_, set_, [&](const auto& p) { return session_.evict(p, budget_); });
+    const auto r = infkv_tools::with_policy(kind_, set_, [&](const auto& p) {
+      return question.empty() ? session_.evict(p, budget_) : session_.evict(p, budget_, question, set_.proxy);
+    });
     INFKV_REQUIRE(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
                   "exceed --budget = ", set_.budget);
     std::size_t out = 0;
@@ -300,7 +309,7 @@ class full_runner final : public runner {
     n_ += std::int64_t(toks.size());
     note_fed(toks.size());
   }
-  std::int64_t evict() override { return 0; }
+  std::int64_t evict(std::span<const llama_token>) override { return 0; }
   std::int64_t slots() const override { return n_; }
   std::int64_t next_pos() const override { return n_; }
 
@@ -328,7 +337,7 @@ class recompute_runner final : public runner {
     history_.insert(history_.end(), toks.begin(), toks.end());
     note_fed(toks.size());
   }
-  std::int64_t evict() override {
+  std::int64_t evict(std::span<const llama_token>) override {
     const std::int64_t gone = std::max<std::int64_t>(0, n_ - budget_);
     n_ = std::min(n_, budget_);
     cached_.erase(cached_.begin(), cached_.begin() + gone);
@@ -402,7 +411,7 @@ class shift_runner final : public runner {
     n_ += n;
     note_fed(toks.size());
   }
-  std::int64_t evict() override { return std::exchange(pending_, 0); }
+  std::int64_t evict(std::span<const llama_token>) override { return std::exchange(pending_, 0); }
   std::int64_t slots() const override { return n_; }
   std::int64_t next_pos() const override { return n_; }
 

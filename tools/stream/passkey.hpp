@@ -250,16 +250,61 @@ inline std::int64_t ask_room(const retrieval_stream& s, std::int64_t gen) {
   return std::int64_t(q) + gen;
 }
 
+/// Asks `pr` of runner `r` where the stream stands (after its first pr.at tokens) and grades the
+/// answer: forced choice among the candidates and up to `gen` greedy tokens.
+inline passkey_trial ask_and_grade(runner& r, const probe& pr, std::int64_t gen) {
+  const auto t0 = std::chrono::steady_clock::now();
+  passkey_trial t;
+  t.p = pr;
+  t.best_other = t.p.truth;
+  t.key_kept = r.cached_in(t.p.key_at, t.p.key_end);
+  const auto before = r.stats();
+  const auto a = r.ask(t.p.question, t.p.choices, gen);
+  t.key_recalled = r.cached_in(t.p.key_at, t.p.key_end);
+  t.recall_seconds = r.stats().recall - before.recall;
+  t.decode_seconds = before.decode;
+  t.archive_bytes = r.archive_bytes();
+  t.cache_bytes = r.shape().kv_bytes(r.slots());
+  t.full_bytes = r.shape().kv_bytes(t.p.at);
+  t.answer = a.text, t.logprobs = a.logprobs;
+  t.needle_logprob = t.logprobs[t.p.truth];
+  t.rank = forced_rank(t.logprobs, t.p.truth);
+  for (std::size_t c = 0; c < t.logprobs.size(); ++c)
+    if (c != t.p.truth && (t.best_other == t.p.truth || t.logprobs[c] > t.logprobs[t.best_other])) t.best_other = c;
+  t.forced_success = t.p.forced() && t.rank == 1;
+  t.success = answer_matches(t.answer, t.p.needle);
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return t;
+}
+
 /// Streams `rs` through a fresh runner of policy `k` in blocks of s.block (a block is cut where a
 /// question is asked), evicting after each; asks each question where it belongs and decodes up
-/// to `gen` answer tokens. `done(trial)` is called after each question.
+/// to `gen` answer tokens. `done(trial)` is called after each question. With
+/// s.question_known (single turn) every question gets a prompt of its own instead: a fresh runner
+/// prefills the stream's first `at` tokens in blocks of s.block, each eviction scoring against
+/// the question's queries, then asks it.
 inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, settings s, const retrieval_stream& rs,
                                                 std::int64_t gen,
                                                 const std::function<void(const passkey_trial&)>& done) {
   s.ask_room = ask_room(rs, gen);
+  std::vector<passkey_trial> out;
+  if (s.question_known) {
+    for (const auto& pr : rs.probes) {
+      auto r = make_runner(m, k, s, pr.at, s.block);
+      r->stream_logits = false;
+      for (std::int64_t at = 0; at < pr.at;) {
+        const std::int64_t end = std::min(pr.at, at + s.block);
+        r->feed(std::span(rs.tokens).subspan(std::size_t(at), std::size_t(end - at)));
+        r->evict(pr.question);
+        at = end;
+      }
+      out.push_back(ask_and_grade(*r, pr, gen));
+      if (done) done(out.back());
+    }
+    return out;
+  }
   auto r = make_runner(m, k, s, std::int64_t(rs.tokens.size()), s.block);
   r->stream_logits = false;  // no perplexity here: the questions decode their own logits
-  std::vector<passkey_trial> out;
   const auto n = std::int64_t(rs.tokens.size());
   std::size_t next = 0;
   for (std::int64_t at = 0; at < n;) {
@@ -269,28 +314,7 @@ inline std::vector<passkey_trial> run_retrieval(const llama_model* m, kind k, se
     r->evict();
     at = end;
     for (; next < rs.probes.size() && rs.probes[next].at == at; ++next) {
-      const auto t0 = std::chrono::steady_clock::now();
-      passkey_trial t;
-      t.p = rs.probes[next];
-      t.best_other = t.p.truth;
-      t.key_kept = r->cached_in(t.p.key_at, t.p.key_end);
-      const auto before = r->stats();
-      const auto a = r->ask(t.p.question, t.p.choices, gen);
-      t.key_recalled = r->cached_in(t.p.key_at, t.p.key_end);
-      t.recall_seconds = r->stats().recall - before.recall;
-      t.decode_seconds = before.decode;
-      t.archive_bytes = r->archive_bytes();
-      t.cache_bytes = r->shape().kv_bytes(r->slots());
-      t.full_bytes = r->shape().kv_bytes(t.p.at);
-      t.answer = a.text, t.logprobs = a.logprobs;
-      t.needle_logprob = t.logprobs[t.p.truth];
-      t.rank = forced_rank(t.logprobs, t.p.truth);
-      for (std::size_t c = 0; c < t.logprobs.size(); ++c)
-        if (c != t.p.truth && (t.best_other == t.p.truth || t.logprobs[c] > t.logprobs[t.best_other])) t.best_other = c;
-      t.forced_success = t.p.forced() && t.rank == 1;
-      t.success = answer_matches(t.answer, t.p.needle);
-      t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      out.push_back(t);
+      out.push_back(ask_and_grade(*r, rs.probes[next], gen));
       if (done) done(out.back());
     }
   }

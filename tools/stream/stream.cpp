@@ -51,8 +51,9 @@ struct options {
   bool retrieval() const { return !passkey.empty() || !needle.empty(); }
   std::string mode() const { return !passkey.empty() ? "--passkey" : "--needle"; }
   std::uint64_t seed = 1;
-  std::string key_type;       ///< --key-type (empty: the cache's own)
-  std::string keys = "auto";  ///< --keys
+  std::string key_type;               ///< --key-type (empty: the cache's own)
+  std::string keys = "auto";          ///< --keys
+  std::string proxy = "after_cache";  ///< --proxy
   bool list = false;
 };
 
@@ -119,6 +120,14 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--trials", o.trials, "retrieval keys per policy, each asked at every distance (seeded)")->check(pos);
   app.add_option("--gen", o.gen, "retrieval answer tokens decoded greedily")->check(at_least(1, true, 256));
   app.add_option("--seed", o.seed, "retrieval seed");
+  app.add_flag("--question-known", o.s.question_known,
+               "single turn: every question gets a prompt of its own (the stream up to it), prefilled in blocks with "
+               "each eviction scoring against the question's queries (policies that read window queries; the full "
+               "cache answers as in the stream)");
+  app.add_option("--proxy", o.proxy,
+                 "how --question-known computes the question's queries: after_cache (decoded after the cache at "
+                 "every eviction) or alone (decoded once by itself, turned to the positions after the cache)")
+      ->check(CLI::IsMember({"after_cache", "alone"}));
 }
 
 /// Checks what CLI11 cannot: the combination of flags. Exits with status 2 naming the flag.
@@ -156,6 +165,19 @@ std::vector<stream::policy_info> check(const options& o) {
     usage_error(fmt::format("--recall = {}: needs --archive BITS", o.s.recall_tokens));
   if (o.s.prefetch_tokens > 0 && o.s.archive_bits == 0)
     usage_error(fmt::format("--prefetch = {}: needs --archive BITS", o.s.prefetch_tokens));
+  if (o.s.question_known && !retrieval) usage_error("--question-known: only with --needle or --passkey DISTANCE");
+  for (const auto& p : chosen) {
+    if (!o.s.question_known || p.k == stream::kind::full) break;
+    const bool steers = !infkv_tools::engine_only(p.k) && infkv_tools::with_policy(p.k, o.s, [](const auto& x) {
+      const auto sp = x.spec();
+      return sp.reads_queries() && !sp.accumulates();
+    });
+    if (!steers)
+      usage_error(
+          fmt::format("--policy = {}: --question-known steers policies that read window queries; {} reads "
+                      "none (its single-turn answers are its streaming ones: run it without the flag)",
+                      p.name, p.name));
+  }
   if (o.s.recall_tokens > 0 && !retrieval)
     usage_error(fmt::format("--recall = {}: recall runs before questions (--needle or --passkey)", o.s.recall_tokens));
   for (const auto& p : chosen) {
@@ -230,6 +252,8 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"keys", o.keys},
+            {"question_known", o.s.question_known},
+            {"proxy", o.proxy},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};
 }
@@ -357,7 +381,9 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
       if (rs.probes.size() < whole.probes.size())
         run.note = fmt::format("questions beyond the trained context ({} tokens) not asked", sh.n_ctx_train);
       if (rs.probes.empty()) continue;
-      auto got = stream::run_retrieval(m, p.k, o.s, rs, o.gen, [&](const stream::passkey_trial& t) {
+      auto ps = o.s;
+      if (p.k == stream::kind::full) ps.question_known = false;  // no eviction: the stream's answers are the same
+      auto got = stream::run_retrieval(m, p.k, ps, rs, o.gen, [&](const stream::passkey_trial& t) {
         if (o.progress > 0)
           fmt::print(stderr,
                      "[{}] key {}: {} {}{}{} at token {}, asked at {} (distance {}), {}/{} key tokens cached, "
@@ -406,6 +432,7 @@ int main(int argc, char** argv) {
   o.s.keys = o.keys == "copy"     ? infkv::llama_cpp::key_source::copy
              : o.keys == "engine" ? infkv::llama_cpp::key_source::engine
                                   : infkv::llama_cpp::key_source::automatic;
+  o.s.proxy = o.proxy == "alone" ? infkv::llama_cpp::proxy_mode::alone : infkv::llama_cpp::proxy_mode::after_cache;
   if (o.s.archive_bits > 0) o.s.keep_positions = true;  // recalled rows go back at their own positions
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
