@@ -10,7 +10,8 @@ turned with the model's RoPE at the slots' own positions, which the press tracks
 `prefill_blockwise(model, input_ids, policy, capacity, ...)` prefills in blocks (aligned with the
 caller's segments when given) and evicts every layer to `capacity` right after each block's
 attention, so peak KV memory stays at capacity + one block in one layer; kvpress's presses
-compress only after a whole prefill.
+compress only after a whole prefill. With `question_ids` (a question known in advance) every
+eviction scores against the question's queries (proxy queries) instead of the block's own.
 
 CPU tensors only: the module runs infkv's CPU backend (a CUDA tensor raises ValueError).
 """
@@ -86,6 +87,9 @@ class InfkvPress(ScorerPress):
     granularity: Optional[infkv.granularity] = None
     threads: int = 1
     archive: Any = None  # an infkv.Archive (per_layer) that keeps the stream, written through
+    # layer -> hidden states (1, q, hidden) of a question known in advance: evictions then score
+    # against its queries (proxy queries) at the positions right after the cache, not the window's
+    question: Optional[dict] = field(default=None, repr=False)
     positions: dict = field(default_factory=dict, repr=False)  # layer -> (positions [heads, slots], next)
     archived_to: dict = field(default_factory=dict, repr=False)  # layer -> first position not archived
 
@@ -127,8 +131,14 @@ class InfkvPress(ScorerPress):
         `hidden_states` are the newest tokens, and give the window queries)."""
         b, h, n, d = keys.shape
         bud = infkv.budget(capacity=capacity, sinks=self.sinks, recent=self.recent)
-        w = min(self.needs.queries, hidden_states.shape[1], n)
-        qpos = torch.arange(end - w, end, dtype=torch.int64)
+        if self.question is not None:  # proxy queries: the question's, right after the cache
+            hidden_states = self.question[module.layer_idx]
+            q = hidden_states.shape[1]
+            w = min(self.needs.queries, q)
+            qpos = torch.arange(end + q - w, end + q, dtype=torch.int64)
+        else:
+            w = min(self.needs.queries, hidden_states.shape[1], n)
+            qpos = torch.arange(end - w, end, dtype=torch.int64)
         queries = _queries(module, hidden_states, qpos) if w else None
         g = self.granularity
         if g == infkv.granularity.per_token:
@@ -258,18 +268,56 @@ def block_bounds(n: int, block: int, segments: Optional[Iterable[int]] = None) -
     return bounds
 
 
+def _question_hidden(model, question_ids: torch.Tensor, cache=None, start: int = 0) -> dict:
+    """Each layer's attention input (1, q, hidden) for `question_ids` decoded at positions start,
+    start + 1, ... after `cache` (None: alone, in a cache of its own); the question's rows leave
+    `cache` again."""
+    before = None if cache is None else [layer.keys.shape[2] for layer in cache.layers]
+    hidden = {}
+
+    def hook(module, args, kwargs, output):
+        hidden[module.layer_idx] = kwargs["hidden_states"].detach()
+        return output
+
+    q = question_ids.shape[1]
+    with _hooks(model, hook):
+        model.model(input_ids=question_ids.to(model.device), past_key_values=DynamicCache() if cache is None else cache,
+                    position_ids=torch.arange(start, start + q, device=model.device).unsqueeze(0), use_cache=True)
+    if cache is not None:
+        for layer, n in zip(cache.layers, before):
+            layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+    return hidden
+
+
 @torch.no_grad()
 def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, block: int = 512, *, sinks: int = 0,
-                      recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None, archive=None):
+                      recent: int = 0, segments=None, cache=None, threads: int = 1, granularity=None, archive=None,
+                      question_ids: Optional[torch.Tensor] = None, proxy: str = "alone"):
     """Prefills `input_ids` (1 x n) block by block into `cache` (a new DynamicCache by default),
     evicting every layer to `capacity` slots right after each block's attention with infkv's
     `policy`. Positions stay the tokens' own (keep mode: position_ids passed, keys not re-rotated).
     With `archive` (an infkv.Archive of per_layer pages) the stream is archived, written through.
+
+    With `question_ids` (1 x q, a question known in advance; its tokens are not prefilled here)
+    every eviction scores against the question's queries at the positions right after the cache
+    (proxy queries; the policy must read window queries): `proxy="alone"` computes them once from a
+    pass over the question by itself, and evicts inside each block's forward as without a question
+    (peak: capacity + one block in one layer); `proxy="after_cache"` passes the question over the
+    cache after every block and then evicts every layer (peak: capacity + one block + the question
+    in every layer).
     Returns (cache, press, stats): the press holds the kept positions per layer, for decoding on."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"infkv: input_ids.shape = {tuple(input_ids.shape)}: must be (1, n)")
     if capacity < 1:
         raise ValueError(f"infkv: capacity = {capacity}: must be >= 1")
+    if proxy not in ("alone", "after_cache"):
+        raise ValueError(f"infkv: proxy = {proxy!r}: must be 'alone' or 'after_cache'")
+    if question_ids is not None:
+        if question_ids.dim() != 2 or question_ids.shape[0] != 1 or question_ids.shape[1] < 1:
+            raise ValueError(f"infkv: question_ids.shape = {tuple(question_ids.shape)}: must be (1, q), q >= 1")
+        if infkv.capture_needs_of(policy).queries == 0:
+            raise ValueError(f"infkv: question_ids: {type(policy).__name__} reads no window queries, so a question "
+                             "cannot steer it: prefill without one")
     n = input_ids.shape[1]
     bounds = block_bounds(n, block, segments)
     press = InfkvPress(policy=policy, sinks=sinks, recent=recent, threads=threads, granularity=granularity,
@@ -278,20 +326,31 @@ def prefill_blockwise(model, input_ids: torch.Tensor, policy, capacity: int, blo
     infkv.protect(policy, infkv.budget(capacity=capacity, sinks=sinks, recent=recent)).validate()
     cache = DynamicCache() if cache is None else cache
     stats = PrefillStats()
+    after_cache = question_ids is not None and proxy == "after_cache"
+    if question_ids is not None and not after_cache:
+        press.question = _question_hidden(model, question_ids)
 
     def hook(module, args, kwargs, output):
         layer = cache.layers[module.layer_idx]
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache_bytes(cache))
-        keys, values = extract_keys_and_values(cache, module.layer_idx)
-        layer.keys, layer.values = press.evict(module, kwargs["hidden_states"], keys, values, kwargs, capacity)
+        if not after_cache:
+            keys, values = extract_keys_and_values(cache, module.layer_idx)
+            layer.keys, layer.values = press.evict(module, kwargs["hidden_states"], keys, values, kwargs, capacity)
         return output
 
+    lm = _language_model(model)
     with _hooks(model, hook):
         for s, e in bounds:
             model.model(input_ids=input_ids[:, s:e].to(model.device), past_key_values=cache,
                         position_ids=torch.arange(s, e, device=model.device).unsqueeze(0), use_cache=True)
             stats.blocks += 1
             stats.tokens += e - s
+            if after_cache:
+                press.question = _question_hidden(model, question_ids, cache, e)  # the hook counts its rows
+                for i, layer in enumerate(cache.layers):
+                    keys, values = extract_keys_and_values(cache, i)
+                    layer.keys, layer.values = press.evict(lm.layers[i].self_attn, None, keys, values, {}, capacity)
+    press.question = None
     stats.final_kv_bytes = cache_bytes(cache)
     stats.kept = [layer.keys.shape[2] for layer in cache.layers]
     return cache, press, stats

@@ -1,5 +1,6 @@
 """Budgeted block-wise prefill in transformers and InfkvPress inside kvpress's DecodingPress, on
 SmolLM2-135M and the King James text."""
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +103,86 @@ def test_decoding_press_keeps_the_cache_bounded(smollm2, ids):
     assert max(sizes[8:]) <= 96 + 8 and sizes[-1] in range(96, 105)
     pos, nxt = press.base_press.positions[0]
     assert nxt == 240 and torch.all(pos[..., -1] == 239) and torch.all(pos[..., 1:] > pos[..., :-1])
+
+
+@pytest.fixture(scope="module")
+def question(smollm2):
+    _, tok = smollm2
+    return tok("\nQuestion: What did Moses say unto the people?\nMoses said", return_tensors="pt",
+               add_special_tokens=False).input_ids
+
+
+def test_proxy_queries_are_the_question_after_the_context(smollm2, ids, question):
+    """after_cache, one block: every layer and head keeps what infkv.select keeps for the question's queries as
+    one forward over the context and the question computes them (transformers' own q_proj and
+    rotary, at the positions after the context), which differs from what the context's own window
+    keeps."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, _ = smollm2
+    n, cap, policy = 600, 256, infkv.snapkv(window=16)
+    q = question.shape[1]
+    lm = model.model
+    hidden = {}
+
+    def grab(module, args, kwargs, output):
+        hidden[module.layer_idx] = kwargs["hidden_states"]
+        return output
+
+    handles = [layer.self_attn.register_forward_hook(grab, with_kwargs=True) for layer in lm.layers]
+    try:
+        with torch.no_grad():
+            full = DynamicCache()
+            lm(input_ids=torch.cat([ids[:, :n], question], dim=1), past_key_values=full)
+    finally:
+        for h in handles:
+            h.remove()
+    cache, press, _ = prefill_blockwise(model, ids[:, :n], policy, capacity=cap, block=n, question_ids=question,
+                                        proxy="after_cache")
+    _, plain, _ = prefill_blockwise(model, ids[:, :n], policy, capacity=cap, block=n)
+    bud = infkv.budget(capacity=cap)
+    differs = 0
+    for layer, block in enumerate(lm.layers):
+        attn = block.self_attn
+        d = attn.head_dim
+        qs = attn.q_proj(hidden[layer][:, n:]).view(1, q, -1, d).transpose(1, 2)
+        cos, sin = lm.rotary_emb(qs, torch.arange(n, n + q).unsqueeze(0))
+        qs, _ = apply_rotary_pos_emb(qs, qs, cos, sin)
+        w = min(16, q)
+        keys = full.layers[layer].keys[0, :, :n]
+        want = infkv.select(policy, bud, infkv.Layer(
+            infkv.tokens(torch.arange(n)), keys=keys.detach(), queries=qs[0, :, -w:].detach().contiguous(),
+            query_pos=np.arange(n + q - w, n + q), scale=float(attn.scaling), layout="hnd"))
+        got = press.positions[layer][0][0]  # (KV heads, kept): SnapKV keeps per head
+        for h in range(got.shape[0]):
+            assert sorted(got[h].tolist()) == sorted(want.unit(h).tolist()), f"layer {layer}, head {h}"
+        differs += not torch.equal(got, plain.positions[layer][0][0])
+    assert differs > 0
+
+
+@pytest.mark.parametrize("proxy", ["alone", "after_cache"])
+def test_prefill_with_a_question_stays_bounded(smollm2, ids, question, proxy):
+    model, _ = smollm2
+    cap, block, layers = 256, 128, model.config.num_hidden_layers
+    policy = infkv.inf_mllm(window=32, bias=infkv.attention_bias(beta=1.0))
+    cache, press, stats = prefill_blockwise(model, ids, policy, capacity=cap, block=block, sinks=4,
+                                            question_ids=question, proxy=proxy)
+    _, plain, _ = prefill_blockwise(model, ids, policy, capacity=cap, block=block, sinks=4)
+    assert stats.kept == [cap] * layers and press.question is None
+    extra = block / layers if proxy == "alone" else block + question.shape[1]
+    assert stats.peak_kv_bytes <= (cap + extra) * slot_bytes(model)
+    assert any(not torch.equal(press.positions[i][0], plain.positions[i][0]) for i in range(layers))
+    with torch.no_grad():  # the question then decodes from the bounded cache
+        out = model(question, past_key_values=cache,
+                    position_ids=torch.arange(ids.shape[1], ids.shape[1] + question.shape[1]).unsqueeze(0)).logits
+    assert torch.isfinite(out).all()
+
+
+def test_prefill_refuses_a_question_it_cannot_use(smollm2, ids, question):
+    model, _ = smollm2
+    with pytest.raises(ValueError, match="reads no window queries"):
+        prefill_blockwise(model, ids, infkv.keydiff(), capacity=256, block=128, question_ids=question)
+    with pytest.raises(ValueError, match="proxy = 'later'"):
+        prefill_blockwise(model, ids, infkv.snapkv(), capacity=256, block=128, question_ids=question, proxy="later")
+    with pytest.raises(ValueError, match=r"question_ids.shape = \(1, 0\)"):
+        prefill_blockwise(model, ids, infkv.snapkv(), capacity=256, block=128, question_ids=ids[:, :0])

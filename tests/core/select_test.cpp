@@ -319,3 +319,132 @@ TEST_CASE("select_whole_positions skips an image that does not fit and fills wit
   CHECK_THROWS_WITH_AS(cpu::select_whole_positions(std::vector<float>(3, 0.f), t, 9, 0, 4),
                        doctest::Contains("score.size() = 3"), infkv::error);
 }
+
+namespace {
+
+/// The brute-force reference of select_whole_segments: protected slots by rank in time order
+/// (position, then slot), then repeatedly the unprotected segment of highest mean (long double;
+/// newer segment on a tie) among those whose remaining slots still fit, then the best single
+/// slots (higher score, newer position, lower slot) until `cap`.
+std::vector<std::int64_t> naive_segments(const std::vector<float>& score, const std::vector<token>& t, std::int64_t cap,
+                                         std::int64_t sinks, std::int64_t recent) {
+  const auto n = std::int64_t(t.size());
+  std::vector<std::int64_t> by_time(static_cast<std::size_t>(n));
+  std::iota(by_time.begin(), by_time.end(), std::int64_t{0});
+  std::sort(by_time.begin(), by_time.end(), [&](std::int64_t a, std::int64_t b) {
+    return t[std::size_t(a)].pos != t[std::size_t(b)].pos ? t[std::size_t(a)].pos < t[std::size_t(b)].pos : a < b;
+  });
+  std::vector<bool> keep(static_cast<std::size_t>(n), cap >= n), guarded(static_cast<std::size_t>(n), false);
+  std::int64_t held = cap >= n ? n : 0;
+  for (std::int64_t r = 0; r < n && cap < n; ++r)
+    if (r < sinks || r >= n - recent)
+      keep[std::size_t(by_time[std::size_t(r)])] = guarded[std::size_t(by_time[std::size_t(r)])] = true, ++held;
+  std::set<std::int32_t> segments;
+  for (const auto& x : t) segments.insert(x.segment);
+  std::set<std::int32_t> done;
+  while (cap < n) {
+    std::optional<std::int32_t> best;
+    long double best_mean = 0;
+    std::int64_t best_newest = 0;
+    for (const auto seg : segments) {
+      if (done.contains(seg)) continue;
+      long double sum = 0;
+      std::int64_t size = 0, newest = -1;
+      for (std::int64_t s = 0; s < n; ++s)
+        if (t[std::size_t(s)].segment == seg && !guarded[std::size_t(s)])
+          sum += score[std::size_t(s)], ++size, newest = std::max(newest, t[std::size_t(s)].pos);
+      if (size == 0 || held + size > cap) continue;
+      const long double mean = sum / (long double)size;
+      if (!best || mean > best_mean || (mean == best_mean && newest > best_newest))
+        best = seg, best_mean = mean, best_newest = newest;
+    }
+    if (!best) break;
+    done.insert(*best);
+    for (std::int64_t s = 0; s < n; ++s)
+      if (t[std::size_t(s)].segment == *best && !guarded[std::size_t(s)]) keep[std::size_t(s)] = true, ++held;
+  }
+  while (held < std::min(cap, n)) {
+    std::int64_t best = -1;
+    for (std::int64_t s = 0; s < n; ++s) {
+      if (keep[std::size_t(s)]) continue;
+      if (best < 0 || score[std::size_t(s)] > score[std::size_t(best)] ||
+          (score[std::size_t(s)] == score[std::size_t(best)] && t[std::size_t(s)].pos > t[std::size_t(best)].pos))
+        best = s;
+    }
+    keep[std::size_t(best)] = true, ++held;
+  }
+  std::vector<std::int64_t> kept;
+  for (std::int64_t s = 0; s < n; ++s)
+    if (keep[std::size_t(s)]) kept.push_back(s);
+  return kept;
+}
+
+}  // namespace
+
+TEST_CASE("select_whole_segments keeps whole segments first, then single slots, as a brute-force reference does") {
+  std::mt19937_64 rng(31);
+  for (int trial = 0; trial < 400; ++trial) {
+    // Segments of 1-12 slots in time order (positions distinct, some with holes), slots shuffled.
+    std::vector<token> t;
+    std::int64_t pos = 0;
+    for (std::int32_t seg = 0; std::int64_t(t.size()) < 15 + std::int64_t(rng() % 60); ++seg) {
+      const std::int64_t run = 1 + std::int64_t(rng() % 12);
+      for (std::int64_t i = 0; i < run; ++i, pos += 1 + std::int64_t(rng() % 2))
+        t.push_back({pos, seg, modality::text});
+    }
+    std::shuffle(t.begin(), t.end(), rng);
+    const auto n = std::int64_t(t.size());
+    std::vector<float> score(t.size());
+    for (auto& s : score) s = float(int(rng() % 7)) * 0.5f;  // many equal scores and means
+    const std::int64_t sinks = std::int64_t(rng() % 4), recent = std::int64_t(rng() % 4);
+    const std::int64_t cap = std::int64_t(rng() % std::uint64_t(n + 4));
+    CAPTURE(trial);
+    CAPTURE(cap);
+    if (cap < n && cap < sinks + recent) {
+      CHECK_THROWS_WITH_AS(cpu::select_whole_segments(score, t, cap, sinks, recent),
+                           doctest::Contains(("cap = " + std::to_string(cap)).c_str()), infkv::error);
+      continue;
+    }
+    const auto got = unit(cpu::select_whole_segments(score, t, cap, sinks, recent));
+    CHECK(got == naive_segments(score, t, cap, sinks, recent));
+    CHECK(std::int64_t(got.size()) == std::min(cap, n));
+  }
+}
+
+TEST_CASE("select_whole_segments equals select_top when every segment is one slot") {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::int64_t n = 1 + std::int64_t(rng() % 50);
+    std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+    std::iota(p.begin(), p.end(), std::int64_t{3});
+    std::shuffle(p.begin(), p.end(), rng);
+    auto t = tokens_at(p);
+    for (auto& x : t) x.segment = std::int32_t(x.pos);
+    std::vector<float> score(t.size());
+    for (auto& s : score) s = rng() % 3 == 0 ? -0.f : float(int(rng() % 5)) - 2.f;  // ties, and -0 against +0
+    const std::int64_t sinks = std::int64_t(rng() % 3), recent = std::int64_t(rng() % 3);
+    const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 1));
+    const std::vector<std::int64_t> caps{cap};
+    CAPTURE(trial);
+    CHECK(unit(cpu::select_whole_segments(score, t, cap, sinks, recent)) ==
+          unit(cpu::select_top(row_of(score), t, caps, sinks, recent)));
+  }
+}
+
+TEST_CASE("select_whole_segments keeps a sentence whole where single slots would keep pieces") {
+  // Segments: 0 = slots 0-3, 1 = slots 4-8 (the statement: one high score, the rest middling),
+  // 2 = slots 9-11. Budget 7 with 1 sink and 1 recent.
+  std::vector<token> t = tokens_at({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
+  for (std::size_t i = 0; i < t.size(); ++i) t[i].segment = i < 4 ? 0 : i < 9 ? 1 : 2;
+  const std::vector<float> s{0, 3, 3, 3, 9, 2, 2, 2, 2, 3, 3, 0};
+  // By single slots: 4 and the newest 3s, pieces of every segment; whole segments: all of
+  // segment 1 (mean 3.4 against 3 and 3).
+  CHECK(unit(cpu::select_top(row_of(s), t, std::vector<std::int64_t>{7}, 1, 1)) ==
+        std::vector<std::int64_t>{0, 2, 3, 4, 9, 10, 11});
+  CHECK(unit(cpu::select_whole_segments(s, t, 7, 1, 1)) == std::vector<std::int64_t>{0, 4, 5, 6, 7, 8, 11});
+  // With room for 3: segment 1 does not fit, segment 2 (mean 3 like segment 0, but newer) does,
+  // segment 0 then does not, and the last slot goes to the best single score, in segment 1.
+  CHECK(unit(cpu::select_whole_segments(s, t, 5, 1, 1)) == std::vector<std::int64_t>{0, 4, 9, 10, 11});
+  CHECK_THROWS_WITH_AS(cpu::select_whole_segments(s, t, 1, 1, 1), doctest::Contains("cap = 1"), infkv::error);
+  CHECK(unit(cpu::select_whole_segments(s, t, 20, 1, 1)).size() == 12);
+}

@@ -220,3 +220,55 @@ TEST_CASE("llama session: h2o accumulates the attention of every decode") {
   CHECK(s.h2o_scores(0).n_slots() == 6);
   check_memory_matches(s);
 }
+
+TEST_CASE("llama session: whole_segments keeps what select_whole_segments keeps of the decision scores") {
+  auto model = tiny_model(2);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 30, .sinks = 2};
+  auto opt = lc::session_options::for_policy(policy);
+  opt.whole_segments = true;
+  lc::session s(model.get(), opt);
+  auto ctx = bound_context(model.get(), s);
+  const auto toks = random_tokens(64, 17);
+  std::vector<std::int32_t> seg(toks.size());
+  for (std::size_t i = 0; i < seg.size(); ++i) seg[i] = std::int32_t(i / 7 + (i > 30 ? 1 : 0));  // "sentences"
+  for (std::size_t i = 0; i < toks.size(); i += 16)
+    REQUIRE(s.decode(std::span(toks).subspan(i, 16), {.segments = std::span(seg).subspan(i, 16)}) == 0);
+  for (std::size_t i = 0; i < seg.size(); ++i) CHECK(s.tokens()[i].segment == seg[i]);
+
+  // The session's own route: the plan's per-token scores, then whole segments first.
+  std::vector<infkv::layer_inputs<infkv::const_paged_rows>> in;
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) in.push_back(s.inputs(l));
+  const infkv::cpu::backend be{};
+  const auto pl = infkv::make_plan(be, policy.spec(), b, infkv::shape_of(in.front()),
+                                   {.g = infkv::granularity::per_token, .r = opt.reduce, .n_layers = s.n_layers()});
+  infkv::cpu::workspace ws(pl.workspace_bytes);
+  const auto sc =
+      infkv::run_decision_scores(pl, be, std::span<const infkv::layer_inputs<infkv::const_paged_rows>>(in), ws.span());
+  const auto want = infkv::cpu::select_whole_segments({sc.data, std::size_t(sc.cols)}, s.tokens(), pl.keep_per_unit,
+                                                      pl.effective.sinks, pl.effective.recent);
+  std::set<std::int64_t> want_pos;
+  for (const auto k : want.unit(0)) want_pos.insert(s.tokens()[std::size_t(k)].pos);
+  infkv::score_matrix row(1, sc.cols);
+  std::copy(sc.data, sc.data + sc.cols, row.data.begin());
+  const auto top = infkv::cpu::select_top(row, s.tokens(), std::vector<std::int64_t>{pl.keep_per_unit},
+                                          pl.effective.sinks, pl.effective.recent);
+  CHECK(want.unit(0).size() == top.unit(0).size());
+  CHECK(!std::ranges::equal(want.unit(0), top.unit(0)));  // segments change the choice here
+
+  const auto before = positions(s);
+  const auto r = s.evict(policy, b);
+  std::set<std::int64_t> kept;
+  for (const auto p : before)
+    if (std::none_of(r.removed.begin(), r.removed.end(),
+                     [&](const auto& run) { return p >= run.begin && p < run.end; }))
+      kept.insert(p);
+  CHECK(kept == want_pos);
+  check_memory_matches(s);
+
+  CHECK_THROWS_WITH_AS(s.decode(toks, {.segments = std::span(seg).first(3)}),
+                       doctest::Contains("meta.segments.size() = 3"), infkv::invalid_argument);
+  using u = infkv::union_of<infkv::snapkv, infkv::keydiff>;
+  CHECK_THROWS_WITH_AS(s.evict(u{policy, {}, 0.5}, {.capacity = 10}), doctest::Contains("whole_segments"),
+                       infkv::invalid_argument);
+}

@@ -139,6 +139,32 @@ inline std::string piece(const llama_model* m, llama_token t) {
   return n > 0 ? std::string(buf, std::size_t(n)) : std::string();
 }
 
+/// True when a token whose text is `p` ends a sentence or a line of text (a newline in it, or
+/// `.`, `!` or `?` last, spaces aside).
+inline bool ends_sentence(std::string_view p) {
+  if (p.find('\n') != std::string_view::npos) return true;
+  while (!p.empty() && p.back() == ' ') p.remove_suffix(1);
+  return !p.empty() && (p.back() == '.' || p.back() == '!' || p.back() == '?');
+}
+
+/// Numbers a text's sentences and lines as it streams by (infkv-stream's --whole-segments): a
+/// token after a sentence's or line's end starts the next segment, unless it begins with a
+/// newline, which stays with the sentence it ends (a needle statement's line is one segment).
+class sentence_counter {
+ public:
+  /// The segment of token `t` of `m`.
+  std::int32_t next(const llama_model* m, llama_token t) {
+    const std::string p = piece(m, t);
+    if (ended_ && (p.empty() || p.front() != '\n')) ++segment_;
+    ended_ = ends_sentence(p);
+    return segment_;
+  }
+
+ private:
+  std::int32_t segment_ = 0;
+  bool ended_ = false;
+};
+
 /// Negative log-likelihood of `target` under one row of logits (log-softmax, in double).
 inline double token_nll(std::span<const float> logits, llama_token target) {
   const float mx = *std::max_element(logits.begin(), logits.end());

@@ -53,6 +53,9 @@ struct settings : infkv_tools::policy_knobs {
   /// Single turn: each question's prompt is prefilled with the question known, every eviction
   /// scoring against its queries (proxy queries, computed as `proxy` says).
   bool question_known = false;
+  /// Keep whole segments first (session_options::whole_segments), a segment being a sentence or
+  /// line of the stream's text (sentence_counter).
+  bool whole_segments = false;
   infkv::llama_cpp::proxy_mode proxy = infkv::llama_cpp::proxy_mode::after_cache;
 };
 
@@ -187,7 +190,8 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
     o.archive = a;
     o.scratch_seq = 1;
   }
-  if (s.question_known) o.scratch_seq = 1;  // proxy queries decode the question there, as questions are asked
+  if (s.question_known) o.scratch_seq = 1;
+  o.whole_segments = s.whole_segments;  // proxy queries decode the question there, as questions are asked
   return o;
 }
 
@@ -217,7 +221,10 @@ class session_runner final : public runner {
   }
 
   void feed(std::span<const llama_token> toks, bool) override {
-    const std::int32_t rc = session_.decode(toks, {}, true);
+    segments_.assign(toks.size(), 0);
+    if (set_.whole_segments)  // sentences and lines
+      for (std::size_t i = 0; i < toks.size(); ++i) segments_[i] = sentences_.next(model_, toks[i]);
+    const std::int32_t rc = session_.decode(toks, {.segments = segments_}, true);
     if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = 0;
     note_fed(toks.size());
@@ -294,6 +301,8 @@ class session_runner final : public runner {
   infkv::budget budget_;
   std::int64_t cap_;
   infkv::llama_cpp::session session_;
+  std::vector<std::int32_t> segments_;  // the segment of each token of a feed
+  sentence_counter sentences_;          // ... with whole_segments
 };
 
 /// No eviction: a context large enough for the whole stream.

@@ -124,6 +124,9 @@ void add_options(CLI::App& app, options& o) {
                "single turn: every question gets a prompt of its own (the stream up to it), prefilled in blocks with "
                "each eviction scoring against the question's queries (policies that read window queries; the full "
                "cache answers as in the stream)");
+  app.add_flag("--whole-segments", o.s.whole_segments,
+               "keep whole sentences and lines of the text first (by their mean score), the rest of the budget "
+               "token by token (evicting policies)");
   app.add_option("--proxy", o.proxy,
                  "how --question-known computes the question's queries: after_cache (decoded after the cache at "
                  "every eviction) or alone (decoded once by itself, turned to the positions after the cache)")
@@ -178,6 +181,10 @@ std::vector<stream::policy_info> check(const options& o) {
                       "none (its single-turn answers are its streaming ones: run it without the flag)",
                       p.name, p.name));
   }
+  for (const auto& p : chosen)
+    if (o.s.whole_segments && p.k != stream::kind::full && !infkv_tools::engine_only(p.k) &&
+        infkv_tools::with_policy(p.k, o.s, [](const auto& x) { return x.spec().parts() > 1; }))
+      usage_error(fmt::format("--policy = {}: --whole-segments selects by one score; {} unites two", p.name, p.name));
   if (o.s.recall_tokens > 0 && !retrieval)
     usage_error(fmt::format("--recall = {}: recall runs before questions (--needle or --passkey)", o.s.recall_tokens));
   for (const auto& p : chosen) {
@@ -253,6 +260,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"keys", o.keys},
             {"question_known", o.s.question_known},
+            {"whole_segments", o.s.whole_segments},
             {"proxy", o.proxy},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};

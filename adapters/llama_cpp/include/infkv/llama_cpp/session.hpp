@@ -265,6 +265,8 @@ class session {
                     "batch.seq_id[" + std::to_string(i) + "][0]", batch.seq_id[i][0],
                     "every entry must belong to the session's sequence ", opt_.seq, " only");
     const std::int64_t n = batch.n_tokens;
+    INFKV_REQUIRE(meta.segments.empty() || std::int64_t(meta.segments.size()) == n, "meta.segments.size()",
+                  meta.segments.size(), "must be batch.n_tokens (", n, ") or 0");
     const observe_set what = observing(n);
     if (opt_.capture)
       for (auto& l : layers_)
@@ -299,7 +301,7 @@ class session {
     }
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
-    book_.append(pos, meta.segment, meta.kind);
+    book_.append(pos, meta.segment, meta.kind, meta.segments);
     if (opt_.capture) {
       const stopwatch w{stats_.append};
       if (engine_)
@@ -381,6 +383,8 @@ class session {
     const policy_spec spec = p.spec();
     INFKV_REQUIRE(!spec.second || !book_.shares_positions(), spec.name, "two policies",
                   "cannot evict whole positions (cached slots share a position, e.g. M-RoPE images): use one policy");
+    INFKV_REQUIRE(!spec.second || !opt_.whole_segments, spec.name, "two policies",
+                  "cannot keep whole segments (session_options.whole_segments): use one policy");
     if (!proxy && spec.reads_queries() && opt_.evicts_above && !opt_.track_h2o)
       INFKV_REQUIRE(fresh_ >= std::min(opt_.window, decoded_), "session_options.evicts_above", *opt_.evicts_above,
                     "this eviction at size() = ", size(), " reads the last ", opt_.window,
@@ -404,10 +408,14 @@ class session {
                               {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
     const std::span<const layer_inputs<const_paged_rows>> layers(layers_in_);
-    if (book_.shares_positions()) {  // M-RoPE images: whole positions only (seq_rm removes by position)
+    if (book_.shares_positions() || opt_.whole_segments) {
+      // M-RoPE images: whole positions only (seq_rm removes by position); or whole segments first
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
-      const keep_set keep = cpu::select_whole_positions({s.data, std::size_t(s.cols)}, tokens(), pl.keep_per_unit,
-                                                        pl.effective.sinks, pl.effective.recent);
+      const std::span<const float> row{s.data, std::size_t(s.cols)};
+      const keep_set keep =
+          book_.shares_positions()
+              ? cpu::select_whole_positions(row, tokens(), pl.keep_per_unit, pl.effective.sinks, pl.effective.recent)
+              : cpu::select_whole_segments(row, tokens(), pl.keep_per_unit, pl.effective.sinks, pl.effective.recent);
       w.reset();
       return apply(keep);
     }

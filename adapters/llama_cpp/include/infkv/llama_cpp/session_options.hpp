@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include <llama.h>
@@ -87,7 +88,11 @@ struct session_options {
   /// host copies, nothing to re-rotate; for policies that read neither (streaming_llm, window),
   /// which then cost the decode nothing. Evicting with a policy that reads them raises.
   bool capture = true;
-  reduction reduce = reduction::mean;                ///< heads and layers -> one score per token
+  reduction reduce = reduction::mean;  ///< heads and layers -> one score per token
+  /// Keep whole segments first (cpu::select_whole_segments over the per-token scores): a
+  /// sentence, a line, an image tile or frame group stays whole or leaves whole while the room
+  /// allows, the rest is filled token by token. Segments come from token_meta.
+  bool whole_segments = false;
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
   /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
@@ -126,6 +131,9 @@ struct session_options {
 struct token_meta {
   std::int32_t segment = 0;
   modality kind = modality::text;
+  /// One segment per token of the batch (e.g. a text's sentences and lines), in place of
+  /// `segment`; empty: every token gets `segment`.
+  std::span<const std::int32_t> segments{};
 };
 
 /// Where a session's time went, in seconds, accumulated since bind (or reset_stats()).

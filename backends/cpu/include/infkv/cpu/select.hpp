@@ -1,5 +1,6 @@
 // infkv CPU backend: host conveniences over score matrices that own their results: the top-k
-// of every row (select_top), selection by whole positions (select_whole_positions), the
+// of every row (select_top), selection by whole positions (select_whole_positions) and by
+// whole segments first (select_whole_segments), the
 // attention bias and AdaKV's allocation of a score matrix. They allocate; callers that must not
 // use make_plan / run with cpu::backend.
 #pragma once
@@ -22,6 +23,60 @@
 
 namespace infkv::cpu {
 
+namespace detail {
+
+/// Checks one row's scores against its tokens and the budget's counts (select_whole_*).
+inline void check_row(std::span<const float> score, std::span<const token> tokens, std::int64_t cap, std::int64_t sinks,
+                      std::int64_t recent) {
+  const auto n = std::int64_t(tokens.size());
+  validate_tokens(tokens, n);
+  INFKV_REQUIRE(std::int64_t(score.size()) == n, "score.size()", score.size(), "must equal tokens.size() (", n, ")");
+  INFKV_REQUIRE(cap >= 0 && sinks >= 0 && recent >= 0, "cap", cap, "cap, sinks (", sinks, ") and recent (", recent,
+                ") must be >= 0");
+  for (std::int64_t i = 0; i < n; ++i)
+    if (std::isnan(score[std::size_t(i)])) [[unlikely]]
+      infkv::fail("infkv: score[", i, "] = nan: scores must not be NaN");
+}
+
+/// A group of slots kept or dropped together: its members, their mean score, its newest position.
+struct slot_group {
+  std::vector<std::int64_t> slots;
+  double mean = 0;
+  std::int64_t newest = 0;
+};
+
+/// Takes whole groups of `groups` in order of their mean score (equal means: the newer group
+/// first, then the earlier in `groups`), each when it fits the room left to `cap` and skipped
+/// otherwise; marks them in `keep` and counts them in `kept`.
+inline void take_whole_groups(const std::vector<slot_group>& groups, std::int64_t cap, std::vector<bool>& keep,
+                              std::int64_t& kept) {
+  std::vector<std::size_t> order(groups.size());
+  for (std::size_t g = 0; g < order.size(); ++g) order[g] = g;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    if (groups[a].mean != groups[b].mean) return groups[a].mean > groups[b].mean;
+    return groups[a].newest > groups[b].newest;
+  });
+  for (const auto g : order) {
+    const auto size = std::int64_t(groups[g].slots.size());
+    if (kept + size > cap) continue;
+    for (const auto s : groups[g].slots) keep[std::size_t(s)] = true;
+    kept += size;
+  }
+}
+
+/// The slots marked in `keep` as one unit of a keep set over n slots.
+inline keep_set one_unit(const std::vector<bool>& keep, std::int64_t kept) {
+  std::vector<std::int64_t> slots;
+  slots.reserve(std::size_t(kept));
+  for (std::size_t s = 0; s < keep.size(); ++s)
+    if (keep[s]) slots.push_back(std::int64_t(s));
+  keep_set k(std::int64_t(keep.size()));
+  k.add_unit(slots);
+  return k;
+}
+
+}  // namespace detail
+
 /// Keeps at most `cap` of one row's n slots such that slots sharing a position are kept or
 /// dropped together (the tokens of one M-RoPE image share one position, and an engine removes
 /// cache cells by position): every group of equal positions holding one of the first `sinks` or
@@ -32,60 +87,92 @@ namespace infkv::cpu {
 /// the protected groups alone exceed it, and on a NaN score. O(n log n).
 inline keep_set select_whole_positions(std::span<const float> score, std::span<const token> tokens, std::int64_t cap,
                                        std::int64_t sinks, std::int64_t recent) {
+  detail::check_row(score, tokens, cap, sinks, recent);
   const auto n = std::int64_t(tokens.size());
-  validate_tokens(tokens, n);
-  INFKV_REQUIRE(std::int64_t(score.size()) == n, "score.size()", score.size(), "must equal tokens.size() (", n, ")");
-  INFKV_REQUIRE(cap >= 0 && sinks >= 0 && recent >= 0, "cap", cap, "cap, sinks (", sinks, ") and recent (", recent,
-                ") must be >= 0");
-  for (std::int64_t i = 0; i < n; ++i)
-    if (std::isnan(score[std::size_t(i)])) [[unlikely]]
-      infkv::fail("infkv: score[", i, "] = nan: scores must not be NaN");
-  // Groups: runs of equal positions in time order, [first, end) into `order`.
+  // Groups: runs of equal positions in time order.
   const auto order = time_order(tokens);
-  struct group {
-    std::int64_t first, end;
-    double mean;
-  };
-  std::vector<group> groups;
-  for (std::int64_t i = 0; i < n;) {
-    std::int64_t j = i;
-    double sum = 0;
-    for (; j < n && tokens[std::size_t(order[j])].pos == tokens[std::size_t(order[i])].pos; ++j)
-      sum += double(score[std::size_t(order[j])]);
-    groups.push_back({i, j, sum / double(j - i)});
-    i = j;
-  }
   std::vector<bool> keep(static_cast<std::size_t>(n), false);
   std::int64_t kept = 0;
-  std::vector<std::size_t> cand;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    const bool guarded = groups[g].first < sinks || groups[g].end > n - recent || cap >= n;
-    if (!guarded) {
-      cand.push_back(g);
-      continue;
+  std::vector<detail::slot_group> cand;
+  for (std::int64_t i = 0; i < n;) {
+    detail::slot_group g;
+    g.newest = tokens[std::size_t(order[i])].pos;
+    double sum = 0;
+    std::int64_t j = i;
+    for (; j < n && tokens[std::size_t(order[j])].pos == g.newest; ++j) {
+      g.slots.push_back(order[j]);
+      sum += double(score[std::size_t(order[j])]);
     }
-    for (std::int64_t i = groups[g].first; i < groups[g].end; ++i) keep[std::size_t(order[i])] = true;
-    kept += groups[g].end - groups[g].first;
+    g.mean = sum / double(j - i);
+    if (i < sinks || j > n - recent || cap >= n) {
+      for (const auto s : g.slots) keep[std::size_t(s)] = true;
+      kept += j - i;
+    } else {
+      cand.push_back(std::move(g));
+    }
+    i = j;
   }
   INFKV_REQUIRE(kept <= cap || cap >= n, "cap", cap, "cannot hold the protected slots' whole positions: the first ",
                 sinks, " and last ", recent, " slots lie in positions held by ", kept, " slots");
-  // Later groups first on equal means: the newer position (time order is position order).
-  std::stable_sort(cand.begin(), cand.end(), [&](std::size_t a, std::size_t b) {
-    return groups[a].mean != groups[b].mean ? groups[a].mean > groups[b].mean : a > b;
-  });
-  for (const auto g : cand) {
-    const std::int64_t size = groups[g].end - groups[g].first;
-    if (kept + size > cap) continue;
-    for (std::int64_t i = groups[g].first; i < groups[g].end; ++i) keep[std::size_t(order[i])] = true;
-    kept += size;
+  detail::take_whole_groups(cand, cap, keep, kept);
+  return detail::one_unit(keep, kept);
+}
+
+/// Keeps `min(cap, n)` of one row's n slots, whole segments first (a sentence or line of text,
+/// an image tile, a frame group: token::segment): the first `sinks` and the last `recent` slots
+/// in time order, then, of the other slots grouped by segment, whole groups in order of their
+/// mean score (double; equal means go to the newer segment), each taken when it fits the room
+/// left and skipped otherwise, then the room left token by token (higher score, then newer
+/// position, then lower slot), so a segment larger than the room is kept in part. With one slot
+/// per segment this keeps exactly what select_top keeps. Raises naming `cap` when it cannot hold
+/// sinks + recent, and on a NaN score. O(n log n).
+inline keep_set select_whole_segments(std::span<const float> score, std::span<const token> tokens, std::int64_t cap,
+                                      std::int64_t sinks, std::int64_t recent) {
+  detail::check_row(score, tokens, cap, sinks, recent);
+  const auto n = std::int64_t(tokens.size());
+  INFKV_REQUIRE(cap >= sinks + recent || cap >= n, "cap", cap, "cannot hold sinks (", sinks, ") + recent (", recent,
+                ")");
+  std::vector<bool> keep(static_cast<std::size_t>(n), cap >= n);
+  if (cap >= n) return detail::one_unit(keep, n);
+  const auto order = time_order(tokens);
+  std::int64_t kept = 0;
+  std::vector<std::int64_t> rest;  // unprotected slots, by segment then time
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (i < sinks || i >= n - recent) {
+      keep[std::size_t(order[i])] = true;
+      ++kept;
+    } else {
+      rest.push_back(order[i]);
+    }
   }
-  std::vector<std::int64_t> slots;
-  slots.reserve(std::size_t(kept));
-  for (std::int64_t s = 0; s < n; ++s)
-    if (keep[std::size_t(s)]) slots.push_back(s);
-  keep_set k(n);
-  k.add_unit(slots);
-  return k;
+  std::stable_sort(rest.begin(), rest.end(), [&](std::int64_t a, std::int64_t b) {
+    return tokens[std::size_t(a)].segment < tokens[std::size_t(b)].segment;
+  });
+  std::vector<detail::slot_group> groups;
+  for (std::size_t i = 0; i < rest.size();) {
+    detail::slot_group g;
+    double sum = 0;
+    std::size_t j = i;
+    for (; j < rest.size() && tokens[std::size_t(rest[j])].segment == tokens[std::size_t(rest[i])].segment; ++j) {
+      g.slots.push_back(rest[j]);
+      sum += double(score[std::size_t(rest[j])]);
+      g.newest = std::max(g.newest, tokens[std::size_t(rest[j])].pos);
+    }
+    g.mean = sum / double(j - i);
+    groups.push_back(std::move(g));
+    i = j;
+  }
+  detail::take_whole_groups(groups, cap, keep, kept);
+  std::erase_if(rest, [&](std::int64_t s) { return keep[std::size_t(s)]; });
+  std::stable_sort(rest.begin(), rest.end(), [&](std::int64_t a, std::int64_t b) {
+    const float x = score[std::size_t(a)], y = score[std::size_t(b)];
+    if (x != y) return x > y;
+    if (tokens[std::size_t(a)].pos != tokens[std::size_t(b)].pos)
+      return tokens[std::size_t(a)].pos > tokens[std::size_t(b)].pos;
+    return a < b;
+  });
+  for (std::size_t i = 0; i < rest.size() && kept < cap; ++i, ++kept) keep[std::size_t(rest[i])] = true;
+  return detail::one_unit(keep, kept);
 }
 
 namespace detail {

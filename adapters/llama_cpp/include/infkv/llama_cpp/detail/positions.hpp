@@ -38,8 +38,10 @@ class position_book {
   void reserve(std::int64_t end) { reserved_ = std::max(reserved_, end); }
 
   /// The tokens of a successful decode at positions `pos`, appended after the cached ones.
-  void append(std::span<const std::int64_t> pos, std::int32_t segment, modality kind) {
-    for (const auto p : pos) tokens_.push_back({p, segment, kind});
+  void append(std::span<const std::int64_t> pos, std::int32_t segment, modality kind,
+              std::span<const std::int32_t> segments = {}) {
+    for (std::size_t i = 0; i < pos.size(); ++i)
+      tokens_.push_back({pos[i], segments.empty() ? segment : segments[i], kind});
     if (!pos.empty()) stream_next_ = std::max(stream_next_, *std::ranges::max_element(pos) + 1);
   }
   /// Keeps the slots of unit 0 of `keep`, in its (slot) order.
