@@ -10,7 +10,8 @@
 # at its distance, the full cache holding every key): asking leaves no trace, so the questions at
 # 300 score the same whether the answers at 100 were 8 tokens long or 1; and a --skip run whose
 # block token counts start after the skipped tokens. With --archive 4 --recall 32, SnapKV's needle
-# run completes with every question asked.
+# run completes with every question asked; so do single-turn runs (--question-known, both
+# --proxy ways) and whole segments (--whole-segments).
 # MODE bad_flag: bad values must fail with a message naming the flag. MODE too_big: a budget no
 # machine holds is refused at once, naming --budget.
 # Runs EXE with ARGN on one thread, writing its JSON to OUT; fails naming WHAT unless it exits 0;
@@ -130,6 +131,26 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "--archive 4 --recall 32: settings ${bits} / ${recall}, keep positions ${keep}, ${asked} "
                         "questions (3)")
   endif()
+  # Single turn: each question's prompt prefilled with SnapKV's evictions scoring against its
+  # queries (both ways of computing them) completes with every question asked and the settings
+  # recorded; whole segments with KeyDiff likewise.
+  foreach(proxy after_cache alone)
+    run_stream(--question-known --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+               --policy full,snapkv --question-known --proxy ${proxy})
+    string(JSON known GET "${json}" settings question_known)
+    string(JSON how GET "${json}" settings proxy)
+    string(JSON asked LENGTH "${json}" runs 1 trials)
+    if(NOT known OR NOT how STREQUAL proxy OR NOT asked EQUAL 3)
+      message(FATAL_ERROR "--question-known --proxy ${proxy}: settings ${known} / ${how}, ${asked} questions (3)")
+    endif()
+  endforeach()
+  run_stream(--whole-segments --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+             --policy keydiff --whole-segments)
+  string(JSON whole GET "${json}" settings whole_segments)
+  string(JSON asked LENGTH "${json}" runs 0 trials)
+  if(NOT whole OR NOT asked EQUAL 3)
+    message(FATAL_ERROR "--whole-segments: setting ${whole}, ${asked} questions (3)")
+  endif()
   run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
              --policy full,streaming_llm,expected_attention)
   # The JSON names the program that made it and the needle protocol (scripts/eval_sweep.py's record).
@@ -207,7 +228,9 @@ elseif(MODE STREQUAL "too_big")
   endif()
 elseif(MODE STREQUAL "bad_flag")
   foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100" "--archive;3"
-               "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100" "--prefetch;8")
+               "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100" "--prefetch;8"
+               "--question-known" "--question-known;--passkey;100" "--proxy;later"
+               "--whole-segments;--policy;saddle_union;--passkey;100")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
