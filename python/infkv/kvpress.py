@@ -383,22 +383,10 @@ def recall(model, cache, press: InfkvPress, recaller, question_ids: torch.Tensor
     layers = range(len(lm.layers))
     if any(layer not in press.positions for layer in layers):
         raise ValueError("infkv: press.positions: every layer must have been prefilled with the press")
-    before = [cache.layers[layer].keys.shape[2] for layer in layers]
     end = max(press.positions[layer][1] for layer in layers)
     q = question_ids.shape[1]
     qpos = torch.arange(end, end + q, dtype=torch.int64)
-    hidden = {}
-
-    def hook(module, args, kwargs, output):
-        hidden[module.layer_idx] = kwargs["hidden_states"]
-        return output
-
-    with _hooks(model, hook):
-        model.model(input_ids=question_ids.to(model.device), past_key_values=cache,
-                    position_ids=qpos.unsqueeze(0).to(model.device), use_cache=True)
-    for layer in layers:  # the question's rows leave the cache again
-        c = cache.layers[layer]
-        c.keys, c.values = c.keys[:, :, :before[layer]], c.values[:, :, :before[layer]]
+    hidden = _question_hidden(model, question_ids, cache, end)  # its rows leave the cache again
     queries = [_queries(lm.layers[layer].self_attn, hidden[layer], qpos)[0].transpose(0, 1).contiguous()
                for layer in layers]  # [q, q_heads, d] each
     stats = RecallStats(question_tokens=q)

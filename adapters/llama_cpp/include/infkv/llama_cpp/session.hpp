@@ -171,6 +171,8 @@ class session {
         m.kv += std::int64_t(llama_n_ctx(ctx_)) * std::int64_t(ggml_row_size(type_k_, l.n_head_kv() * l.head_dim()) +
                                                                ggml_row_size(type_v_, l.n_head_kv() * l.head_dim()));
     }
+    for (const auto* v : {&alone_, &turned_})  // proxy_mode::alone's queries of the question
+      for (const auto& q : *v) m.queries += std::int64_t(q.capacity() * sizeof(float));
     for (const auto& h : h2o_) m.h2o += h.bytes();
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
     m.tokens = book_.bytes() + std::int64_t(cells_.capacity() * sizeof(std::int32_t));

@@ -159,10 +159,10 @@ struct session_stats {
 /// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and
 /// V for comparison.
 struct session_memory {
-  std::int64_t keys = 0;       ///< host copies of the cached keys, every layer (in the key type)
-  std::int64_t values = 0;     ///< host copies of the values (policies that weight by value norms)
-  std::int64_t queries = 0;    ///< window queries, and the queries kept of the last decode
-  std::int64_t h2o = 0;        ///< H2O's accumulators (track_h2o)
+  std::int64_t keys = 0;     ///< host copies of the cached keys, every layer (in the key type)
+  std::int64_t values = 0;   ///< host copies of the values (policies that weight by value norms)
+  std::int64_t queries = 0;  ///< window queries, the queries kept of the last decode, a question's (proxy_mode::alone)
+  std::int64_t h2o = 0;      ///< H2O's accumulators (track_h2o)
   std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
   std::int64_t tokens = 0;     ///< the position bookkeeping (and each cached token's cell, key_source::engine)
   std::int64_t archive = 0;    ///< the archive (session_options::archive), allocated at bind
