@@ -284,7 +284,7 @@ TEST_CASE("select_whole_positions keeps or drops each position whole, as a brute
   }
 }
 
-TEST_CASE("select_whole_positions equals select_top when every position is distinct") {
+TEST_CASE("select_whole_positions and select_whole_segments equal select_top when every group is one slot") {
   std::mt19937_64 rng(5);
   for (int trial = 0; trial < 300; ++trial) {
     const std::int64_t n = 1 + std::int64_t(rng() % 50);
@@ -298,8 +298,11 @@ TEST_CASE("select_whole_positions equals select_top when every position is disti
     const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 1));
     const std::vector<std::int64_t> caps{cap};
     CAPTURE(trial);
-    CHECK(unit(cpu::select_whole_positions(score, t, cap, sinks, recent)) ==
-          unit(cpu::select_top(row_of(score), t, caps, sinks, recent)));
+    const auto top = unit(cpu::select_top(row_of(score), t, caps, sinks, recent));
+    CHECK(unit(cpu::select_whole_positions(score, t, cap, sinks, recent)) == top);
+    auto own = t;  // one segment per slot
+    for (auto& x : own) x.segment = std::int32_t(x.pos);
+    CHECK(unit(cpu::select_whole_segments(score, own, cap, sinks, recent)) == top);
   }
 }
 
@@ -408,26 +411,6 @@ TEST_CASE("select_whole_segments keeps whole segments first, then single slots, 
     const auto got = unit(cpu::select_whole_segments(score, t, cap, sinks, recent));
     CHECK(got == naive_segments(score, t, cap, sinks, recent));
     CHECK(std::int64_t(got.size()) == std::min(cap, n));
-  }
-}
-
-TEST_CASE("select_whole_segments equals select_top when every segment is one slot") {
-  std::mt19937_64 rng(7);
-  for (int trial = 0; trial < 300; ++trial) {
-    const std::int64_t n = 1 + std::int64_t(rng() % 50);
-    std::vector<std::int64_t> p(static_cast<std::size_t>(n));
-    std::iota(p.begin(), p.end(), std::int64_t{3});
-    std::shuffle(p.begin(), p.end(), rng);
-    auto t = tokens_at(p);
-    for (auto& x : t) x.segment = std::int32_t(x.pos);
-    std::vector<float> score(t.size());
-    for (auto& s : score) s = rng() % 3 == 0 ? -0.f : float(int(rng() % 5)) - 2.f;  // ties, and -0 against +0
-    const std::int64_t sinks = std::int64_t(rng() % 3), recent = std::int64_t(rng() % 3);
-    const std::int64_t cap = sinks + recent + std::int64_t(rng() % std::uint64_t(n + 1));
-    const std::vector<std::int64_t> caps{cap};
-    CAPTURE(trial);
-    CHECK(unit(cpu::select_whole_segments(score, t, cap, sinks, recent)) ==
-          unit(cpu::select_top(row_of(score), t, caps, sinks, recent)));
   }
 }
 

@@ -221,10 +221,14 @@ class session_runner final : public runner {
   }
 
   void feed(std::span<const llama_token> toks, bool) override {
-    segments_.assign(toks.size(), 0);
-    if (set_.whole_segments)  // sentences and lines
+    if (set_.whole_segments) {  // sentences and lines
+      segments_.resize(toks.size());
       for (std::size_t i = 0; i < toks.size(); ++i) segments_[i] = sentences_.next(model_, toks[i]);
-    const std::int32_t rc = session_.decode(toks, {.segments = segments_}, true);
+    }
+    const std::int32_t rc = session_.decode(
+        toks,
+        {.segments = set_.whole_segments ? std::span<const std::int32_t>(segments_) : std::span<const std::int32_t>()},
+        true);
     if (rc != 0) infkv_tools::engine_fail("infkv-stream: llama_decode of {} tokens returned {}", toks.size(), rc);
     first_out_ = 0;
     note_fed(toks.size());
