@@ -4,6 +4,7 @@
 
 #include "allocation.hpp"
 #include "archive.hpp"
+#include "batch.hpp"
 #include "bias.hpp"
 #include "budget.hpp"
 #include "config.hpp"

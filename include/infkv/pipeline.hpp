@@ -88,11 +88,18 @@ void check_workspace(const plan& p, const B& be, std::span<std::byte> ws) {
                 ": make the plan with the backend that runs it (the same thread count)");
 }
 
+/// The layers of one decision, by index: a span of layer_inputs, or a batch's sequence whose
+/// inputs are cut out of the batch's on the fly (batch.hpp); `layers[l]` gives a layer_inputs.
+template <class L>
+concept layer_list = requires(const L& l, std::size_t i) {
+  { l.size() } -> std::convertible_to<std::size_t>;
+  l[i].tokens;
+};
+
 /// The time order of the tokens shared by every layer (written once).
-template <class B, row_source R>
-const std::int64_t* order_of(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
-                             std::span<std::byte> ws) {
-  INFKV_REQUIRE(!layers.empty() && std::int64_t(layers.size()) == p.opt.n_layers, "layers.size()", layers.size(),
+template <class B, layer_list Layers>
+const std::int64_t* order_of(const plan& p, const B& be, const Layers& layers, std::span<std::byte> ws) {
+  INFKV_REQUIRE(layers.size() != 0 && std::int64_t(layers.size()) == p.opt.n_layers, "layers.size()", layers.size(),
                 "must equal plan_options.n_layers (", p.opt.n_layers, ")");
   for (std::size_t l = 0; l < layers.size(); ++l) {
     check_layer(p, layers[l], std::int32_t(l));
@@ -145,9 +152,9 @@ namespace detail {
 
 /// The scores the selection reads: the finished layer's for per_head, else every layer's rows
 /// reduced into the workspace's accumulator.
-template <class B, row_source R>
-score_view decision_scores(const plan& p, const B& be, std::span<const layer_inputs<R>> layers,
-                           const std::int64_t* order, std::span<std::byte> ws, std::int32_t part = 0) {
+template <class B, layer_list Layers>
+score_view decision_scores(const plan& p, const B& be, const Layers& layers, const std::int64_t* order,
+                           std::span<std::byte> ws, std::int32_t part = 0) {
   const std::int64_t n = p.shape.n_slots;
   score_view final_scores;
   std::int64_t folded = 0;
@@ -183,38 +190,47 @@ score_view run_decision_scores(const plan& p, const B& be, std::span<const layer
   return detail::decision_scores(p, be, layers, order, ws, part);
 }
 
+namespace detail {
+
+/// `run` over any layer_list (a span, or one sequence of a batch).
+template <class B, layer_list Layers>
+void run_layers(const plan& p, const B& be, const Layers& layers, std::span<std::byte> ws, keep_view out) {
+  check_workspace(p, be, ws);
+  INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units,
+                "the plan writes ", p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
+  const auto order = order_of(p, be, layers, ws);
+  const std::int64_t n = p.shape.n_slots;
+  const auto tokens = layers[0].tokens;
+  if (!p.evicts()) {  // everything stays: no scoring needed
+    be.keep_top(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.effective, out, scratch(p, ws));
+    return;
+  }
+  if (p.spec.second) {  // the union: the first score's share, then the budget by the second
+    const score_view a = decision_scores(p, be, layers, order, ws, 0);
+    be.keep_top(a, tokens, order, nullptr, p.first_share, p.effective, out, scratch(p, ws));
+    const score_view b = decision_scores(p, be, layers, order, ws, 1);
+    be.mark(b, out.slots, p.first_share);
+    be.keep_top(b, tokens, order, nullptr, p.keep_per_unit, p.effective, out, scratch(p, ws));
+    return;
+  }
+  const score_view final_scores = decision_scores(p, be, layers, order, ws);
+  std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
+  if (p.opt.adakv) {
+    caps = at<std::int64_t>(ws, p.caps);
+    be.allocate(*p.opt.adakv, final_scores, order, p.effective, p.keep_per_unit, caps, scratch(p, ws));
+  }
+  be.keep_top(final_scores, tokens, order, caps, p.keep_per_unit, p.effective, out, scratch(p, ws));
+}
+
+}  // namespace detail
+
 /// Runs the plan over `layers` (one, or n_layers for a per-token decision over several layers,
 /// all sharing one token list) and writes the keep set to `out` (offsets: units + 1 entries,
 /// slots: kept_total). Uses only `ws` (plan.workspace_bytes, 64-byte aligned) and allocates
 /// nothing.
 template <class B, row_source R>
 void run(const plan& p, const B& be, std::span<const layer_inputs<R>> layers, std::span<std::byte> ws, keep_view out) {
-  detail::check_workspace(p, be, ws);
-  INFKV_REQUIRE(out.n_units == p.units && out.n_slots == p.shape.n_slots, "out.n_units", out.n_units,
-                "the plan writes ", p.units, " units over ", p.shape.n_slots, " slots; out.n_slots = ", out.n_slots);
-  const auto order = detail::order_of(p, be, layers, ws);
-  const std::int64_t n = p.shape.n_slots;
-  const auto tokens = layers[0].tokens;
-  if (!p.evicts()) {  // everything stays: no scoring needed
-    be.keep_top(score_view{nullptr, p.units, n, n}, tokens, order, nullptr, n, p.effective, out,
-                detail::scratch(p, ws));
-    return;
-  }
-  if (p.spec.second) {  // the union: the first score's share, then the budget by the second
-    const score_view a = detail::decision_scores(p, be, layers, order, ws, 0);
-    be.keep_top(a, tokens, order, nullptr, p.first_share, p.effective, out, detail::scratch(p, ws));
-    const score_view b = detail::decision_scores(p, be, layers, order, ws, 1);
-    be.mark(b, out.slots, p.first_share);
-    be.keep_top(b, tokens, order, nullptr, p.keep_per_unit, p.effective, out, detail::scratch(p, ws));
-    return;
-  }
-  const score_view final_scores = detail::decision_scores(p, be, layers, order, ws);
-  std::int64_t* caps = nullptr;  // null: every unit keeps keep_per_unit
-  if (p.opt.adakv) {
-    caps = detail::at<std::int64_t>(ws, p.caps);
-    be.allocate(*p.opt.adakv, final_scores, order, p.effective, p.keep_per_unit, caps, detail::scratch(p, ws));
-  }
-  be.keep_top(final_scores, tokens, order, caps, p.keep_per_unit, p.effective, out, detail::scratch(p, ws));
+  detail::run_layers(p, be, layers, ws, out);
 }
 
 /// As above for layers the caller may still change.

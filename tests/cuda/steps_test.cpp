@@ -21,6 +21,7 @@
 #include <doctest/doctest.h>
 #include <infkv/cpu.hpp>
 
+#include "batch_cases.hpp"
 #include "cpu/reference_helpers.hpp"
 #include "cuda/host_launcher.hpp"
 #include "policy_registry.hpp"
@@ -1007,4 +1008,18 @@ TEST_CASE("cuda steps (host): archive pages quantize, dequantize and bound exact
                             doctest::Contains("page row 3, token 3, channel 7: an archived element must be finite"));
         }
       }
+}
+
+TEST_CASE("cuda steps (host): a batch plan keeps, for every sequence and policy, what the sequence's own run keeps") {
+  for (std::uint64_t seed = 200; seed < 216; ++seed) {
+    CAPTURE(seed);
+    const batch_case c = draw_batch(seed);
+    std::mt19937_64 gen(seed + 99);
+    const batch_keys keys(gen, c);
+    cuda::status_word word = cuda::status_ok;
+    const host_cuda_backend be = with_status(host_cuda_backend{}, word);
+    check_batch_equals_runs(be, c, keys.tensor_rows);
+    check_batch_equals_runs(be, c, keys.paged_rows);
+    CHECK(cuda::decode(word).ok());
+  }
 }

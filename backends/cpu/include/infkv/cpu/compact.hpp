@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 
+#include <infkv/batch.hpp>
 #include <infkv/keep_set.hpp>
 #include <infkv/kv_view.hpp>
 #include <infkv/tokens.hpp>
@@ -183,6 +184,51 @@ inline std::int64_t compact(const paged_rows& k, const paged_rows& v, std::span<
     }
   detail::compact_tokens(tokens, slots);
   return m;
+}
+
+/// Compacts a paged batch in place: sequence s keeps the slots of keep.seq(s) (one unit for all
+/// heads), which move to the front of its own pages, K and V alike (kv.v may be null); `tokens`
+/// (the batch's, ragged by keep.slot_indptr) are packed to the kept ones, sequence s's then at
+/// keep.kept_indptr[s]; the page table after compaction and the pages freed go to `out`
+/// (compact_table; it may be kv's own table). Every argument is checked before anything moves.
+/// Returns the number of pages freed.
+inline std::int64_t compact(const paged_view& kv, std::span<token> tokens, const_batch_keep_view keep,
+                            const page_table_out& out) {
+  validate(kv, "kv");
+  INFKV_REQUIRE(keep.n_seqs == kv.n_seqs, "keep.n_seqs", keep.n_seqs, "must be kv.n_seqs (", kv.n_seqs, ")");
+  const auto n = std::size_t(kv.n_seqs);
+  INFKV_REQUIRE(std::int64_t(tokens.size()) == keep.slot_indptr[n], "tokens.size()", tokens.size(),
+                "must be the batch's slots (", keep.slot_indptr[n], ")");
+  const auto rows = [&](const page_storage& st, std::int32_t s) {
+    return paged_rows{st, kv.indices + kv.indptr[s], kv.type, kv.seq_len(s), kv.n_heads, kv.head_dim, kv.page_size};
+  };
+  for (std::int32_t s = 0; s < kv.n_seqs; ++s) {
+    const const_keep_view k = keep.seq(s);
+    infkv::detail::in_sequence(s, [&] {
+      INFKV_REQUIRE(k.n_slots == kv.seq_len(s), "keep.n_slots", k.n_slots, "must be the sequence's slots in kv (",
+                    kv.seq_len(s), ")");
+      INFKV_REQUIRE(k.offsets[k.n_units] == keep.kept_indptr[s + 1] - keep.kept_indptr[s], "keep.kept_indptr",
+                    keep.kept_indptr[s + 1] - keep.kept_indptr[s], "the keep set holds ", k.offsets[k.n_units],
+                    " slots");
+      detail::check_keep(k, k.n_slots, kv.n_heads, false);
+    });
+  }
+  const auto ptr = [](std::int32_t* p, std::size_t count) { return std::span<const std::int32_t>(p, count); };
+  const page_table before{ptr(kv.indptr, n + 1), ptr(kv.indices, std::size_t(kv.indptr[n])), ptr(kv.last_page_len, n)};
+  const std::span<const std::int64_t> kept(keep.kept_indptr, n + 1);
+  // The table is checked (and written) last, but checked here too: nothing moves before it fits.
+  INFKV_REQUIRE(out.indptr.size() >= n + 1 && out.last_page_len.size() >= n &&
+                    out.indices.size() >= before.indices.size() && out.freed.size() >= before.indices.size(),
+                "out.indices.size()", out.indices.size(), "out's arrays must be as large as kv's table (",
+                before.indices.size(), " pages, ", n, " sequences), freed too");
+  for (std::int32_t s = 0; s < kv.n_seqs; ++s) {
+    const const_keep_view k = keep.seq(s);
+    const std::int64_t from = keep.slot_indptr[s], to = keep.kept_indptr[s], m = k.offsets[1];
+    const paged_rows v = kv.v.data ? rows(kv.v, s) : paged_rows{};
+    compact(rows(kv.k, s), v, tokens.subspan(std::size_t(from), std::size_t(k.n_slots)), k);
+    std::copy_n(tokens.begin() + from, m, tokens.begin() + to);  // to <= from: forward copy is safe
+  }
+  return compact_table(before, kv.page_size, kept, out);
 }
 
 }  // namespace infkv::cpu
