@@ -1,6 +1,6 @@
 // infkv's Python module: what its binding files share: the policies it takes (any_policy), the
 // array types, views of tensors without copying, the Tokens and Layer objects, and the plan and
-// run helpers. One file per topic binds them: policies.cpp, pipeline.cpp, cache.cpp, archive.cpp; module.cpp
+// run helpers. One file per topic binds them: policies.cpp, pipeline.cpp, cache.cpp, archive.cpp, batch.cpp; module.cpp
 // makes the module.
 #pragma once
 
@@ -274,5 +274,7 @@ void bind_pipeline(nb::module_& m);
 void bind_cache(nb::module_& m);
 /// Binds Archive and Recaller.
 void bind_archive(nb::module_& m);
+/// Binds PagedCache, BatchLayer, BatchPlan, make_batch_plan / run_batch and compact_paged.
+void bind_batch(nb::module_& m);
 
 }  // namespace infkv_py

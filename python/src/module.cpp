@@ -1,7 +1,7 @@
 // infkv's Python module (nanobind): the C++ API's policies, budgets, plans and CPU kernels over
 // tensors taken without copying (DLPack: NumPy arrays, torch tensors). infkv::invalid_argument
 // arrives as ValueError, infkv::engine_error as infkv.EngineError (a RuntimeError), with the
-// same messages. The bindings are by topic: policies.cpp, pipeline.cpp, cache.cpp, archive.cpp.
+// same messages. The bindings are by topic: policies.cpp, pipeline.cpp, cache.cpp, archive.cpp, batch.cpp.
 #include <infkv/version.hpp>
 
 #include "bindings.hpp"
@@ -56,4 +56,5 @@ NB_MODULE(_infkv, m) {
   infkv_py::bind_pipeline(m);
   infkv_py::bind_cache(m);
   infkv_py::bind_archive(m);
+  infkv_py::bind_batch(m);
 }
