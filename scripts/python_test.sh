@@ -11,4 +11,5 @@ export INFKV_MODEL INFKV_TEXT INFKV_REQUIRE_MODEL=1
 INFKV_MODEL=$(scripts/model.sh)
 INFKV_TEXT=$(scripts/kjv.sh)
 cd python   # outside the repository root: the installed package is tested, not python/infkv
-exec "$env/bin/pytest" -q -rs -p no:cacheprovider tests "$@"   # -rs: every skip with its reason
+# -rs: every skip with its reason; the tests that need vLLM run in its environment (scripts/vllm_test.sh)
+exec "$env/bin/pytest" -q -rs -p no:cacheprovider tests --ignore-glob='tests/test_vllm_*.py' "$@"

@@ -7,9 +7,10 @@
 # SmolLM2 included). Installs what it needs first; llama.cpp is built once into ~/.cache/infkv
 # (about 6 minutes on 2 cores) and the Python environment (torch, transformers, kvpress: about
 # 3 GB, downloaded while the C++ builds) is created once there; the model and text are fetched
-# once (SmolLM2 and Gemma 3 270M); all are reused afterwards. Every skipped test is listed with its
-# reason; under CI=true a skipped test fails the run unless it needs a GPU (CI's machines have none):
-# the scripts install everything else.
+# once (SmolLM2 and Gemma 3 270M); all are reused afterwards. vLLM's environment (about 6 GB,
+# scripts/vllm_env.sh) downloads alongside, for the tests that run infkv on vLLM's own kernels.
+# Every skipped test is listed with its reason; under CI=true a skipped test fails the run unless
+# it needs a GPU (CI's machines have none): the scripts install everything else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -17,11 +18,13 @@ scripts/format.sh --check   # every C++ file follows .clang-format
 jobs=$(nproc)
 nvcc=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
 llama_prefix=$(scripts/llama_cpp.sh | tail -n 1)
-# The Python environment downloads while the C++ builds; stopped if this script stops first.
+# The Python and vLLM environments download while the C++ builds; stopped if this script stops first.
 mkdir -p build
 setsid scripts/python_env.sh > build/python_env.log 2>&1 &
 python_env=$!   # its own process group: pip goes with it
-trap 'kill -- -$python_env 2>/dev/null || true' EXIT
+setsid scripts/vllm_env.sh > build/vllm_env.log 2>&1 &
+vllm_env=$!
+trap 'kill -- -$python_env -$vllm_env 2>/dev/null || true' EXIT
 scripts/model.sh >/dev/null   # the real model and text of the infkv-stream smoke test
 scripts/model.sh gemma3 >/dev/null   # the text model of the mtmd check (a random projector is written for it)
 scripts/kjv.sh >/dev/null
@@ -59,6 +62,13 @@ scripts/python_test.sh | tee build/pytest.log
 # pytest's -rs lines: "SKIPPED [n] file:line: reason"; only the GPU test may skip under CI=true.
 if [ "${CI:-}" = true ] && grep '^SKIPPED' build/pytest.log | grep -v 'no CUDA device'; then
   echo "infkv tests: under CI=true only GPU tests may be skipped (the scripts install everything else)" >&2
+  exit 1
+fi
+echo "== infkv with vLLM's kernels (${SECONDS} s) ==" >&2
+wait $vllm_env || { cat build/vllm_env.log >&2; exit 1; }
+scripts/vllm_test.sh | tee build/vllm_pytest.log
+if [ "${CI:-}" = true ] && grep '^SKIPPED' build/vllm_pytest.log; then
+  echo "infkv tests: under CI=true no vLLM test may be skipped (the scripts install vLLM)" >&2
   exit 1
 fi
 echo "== infkv tests: all passed (${SECONDS} s) ==" >&2
