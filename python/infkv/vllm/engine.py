@@ -1,0 +1,290 @@
+"""infkv inside vLLM's CPU engine (V1 model runner): bounded KV per request.
+
+Installed with `worker_cls="infkv.vllm.engine.InfkvCPUWorker"` and
+`scheduler_cls="infkv.vllm.engine.InfkvScheduler"` (`--worker-cls` / `--scheduler-cls` for
+`vllm serve`), prefix caching off and the engine in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+the worker hands the blocks it frees to the scheduler directly). A request opts in with
+`extra_args` (`vllm_xargs` in the OpenAI body; settings.py); the others run as in plain vLLM.
+
+What happens to an evicting request r:
+- vLLM keeps counting its tokens logically: positions, `num_computed_tokens` and the scheduler's
+  block count are plain vLLM's. infkv holds `evicted[r]` tokens fewer: its kept tokens are the
+  compact slots 0 .. n - 1 of the blocks it still holds (`req_state.block_ids`, in order).
+- Every step, after vLLM prepares its inputs, the request's block-table row lists only those
+  blocks, its new tokens' slot mapping points after its kept ones, and its sequence length is
+  kept + scheduled: vLLM's own attention kernel then attends over exactly the kept tokens and the
+  new ones (keys are cached after RoPE at their true positions: nothing is re-rotated).
+- After a prefill chunk that leaves more than its budget, or a step that leaves budget + block
+  slots, infkv decides what to keep (so it holds at most budget + one chunk; one decision
+  per token over every layer, on keys read out of vLLM's cache and, for the policies that read
+  them, the last window queries captured in attention), compacts every layer in place
+  (CpuKVLayout), keeps one spare block beyond its kept slots and frees the rest: the scheduler
+  puts the null block in their place in the request's list and returns them to vLLM's pool.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import infkv
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from . import CpuKVLayout
+from .settings import QUERY_POLICIES, Settings, parse
+
+
+class _Channel:
+    """What the worker tells the scheduler (one process), and the per-request stats it keeps."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.freed: list[tuple[str, list[int]]] = []
+        self.scheduler = False  # an InfkvScheduler exists in this process
+        self.capture: dict[str, int] = {}  # layer name -> window rows to capture (0: off)
+        self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (query, query_start_loc)
+        self.stats: dict[str, dict] = {}  # request id -> {"kept", "evicted", "evictions", "peak", ...}
+        self.stats_file = os.environ.get("INFKV_VLLM_STATS")  # also written there (JSON), for other processes
+
+    def record(self, rid: str, stats: dict) -> None:
+        """The latest stats of request `rid` (the last 4096 requests are kept)."""
+        self.stats.pop(rid, None)
+        self.stats[rid] = stats
+        while len(self.stats) > 4096:
+            self.stats.pop(next(iter(self.stats)))
+        if self.stats_file:
+            tmp = self.stats_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats, f)
+            os.replace(tmp, self.stats_file)
+
+
+channel = _Channel()
+
+
+class InfkvCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, and a copy of the last window queries of each request when infkv's
+    runner asks for them (post-RoPE, as the kernel gets them)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        name = getattr(layer, "layer_name", None)
+        if attn_metadata is not None and channel.capture.get(name, 0) > 0:
+            n = attn_metadata.num_actual_tokens
+            channel.captured[name] = (query[:n].detach().float().clone(), attn_metadata.query_start_loc.clone())
+        return out
+
+
+class InfkvCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return InfkvCPUAttentionImpl
+
+
+@dataclass
+class _Request:
+    settings: Settings
+    policy: object
+    n: int = 0  # kept slots (compact, in the blocks held)
+    evicted: int = 0  # tokens evicted so far (logical length = n + evicted)
+    positions: list = field(default_factory=list)  # logical position of each kept slot
+    queries: dict = field(default_factory=dict)  # layer -> (rows [w, hq, d], positions [w])
+    evictions: int = 0
+    peak: int = 0
+
+
+class InfkvCPUModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("infkv: enable_prefix_caching = True: infkv's vLLM plugin rewrites a request's blocks, "
+                             "which must never be offered as a cached prefix: run with prefix caching off "
+                             "(--no-enable-prefix-caching)")
+        self._infkv: dict[str, _Request] = {}
+
+    # --- vLLM's steps, adjusted for evicting requests ---
+
+    def _update_states(self, so):
+        for rid in so.finished_req_ids:
+            self._infkv.pop(rid, None)
+        for rid in so.scheduled_cached_reqs.resumed_req_ids:  # recomputed from scratch by vLLM
+            self._infkv.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self._infkv.pop(new.req_id, None)
+            s = parse(new.sampling_params.extra_args if new.sampling_params else None)
+            if s.evicts:
+                if len(new.block_ids) != 1:
+                    raise ValueError(f"infkv: the model has {len(new.block_ids)} KV cache groups; "
+                                     "infkv's vLLM plugin handles models with one")
+                self._infkv[new.req_id] = _Request(s, s.make_policy())
+        out = super()._update_states(so)
+        for rid, st in self._infkv.items():
+            index = self.input_batch.req_id_to_index.get(rid)
+            if st.evicted and index is not None:  # the row lists only the blocks the request holds
+                self.input_batch.block_table.add_row(self.requests[rid].block_ids, index)
+        self._set_capture()
+        return out
+
+    def _prepare_inputs(self, so, num_scheduled_tokens):
+        out = super()._prepare_inputs(so, num_scheduled_tokens)
+        table = self.input_batch.block_table[0]
+        size = table.block_size
+        starts = self.query_start_loc.np
+        for row, rid in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
+            st = self._infkv.get(rid)
+            if st is None or st.evicted == 0:
+                continue
+            a, b = int(starts[row]), int(starts[row + 1])
+            compact = self.positions[a:b].numpy() - st.evicted  # where the new tokens go
+            blocks = np.asarray(self.requests[rid].block_ids[0], dtype=np.int64)
+            table.slot_mapping.np[a:b] = blocks[compact // size] * size + compact % size
+            self.seq_lens[row] -= st.evicted
+            self.optimistic_seq_lens_cpu[row] -= st.evicted
+        return out
+
+    def execute_model(self, so, intermediate_tensors=None):
+        out = super().execute_model(so, intermediate_tensors)
+        if self._infkv:
+            self._after_step(so)
+        return out
+
+    # --- infkv's part ---
+
+    def _layers(self):
+        names = self.kv_cache_config.kv_cache_groups[0].layer_names
+        ctx = self.compilation_config.static_forward_context
+        return [(name, ctx[name].kv_cache) for name in names]
+
+    def _set_capture(self):
+        window = max((st.settings.window for st in self._infkv.values() if st.settings.policy in QUERY_POLICIES),
+                     default=0)
+        for name in self.kv_cache_config.kv_cache_groups[0].layer_names:
+            channel.capture[name] = window
+        channel.captured.clear()
+
+    def _after_step(self, so):
+        starts = self.query_start_loc.np
+        due = []
+        for row, rid in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
+            st = self._infkv.get(rid)
+            scheduled = so.num_scheduled_tokens.get(rid, 0)
+            if st is None or scheduled == 0:
+                continue
+            first = self.requests[rid].num_computed_tokens  # the step's first logical position
+            st.positions.extend(range(first, first + scheduled))
+            st.n += scheduled
+            st.peak = max(st.peak, st.n)
+            if st.settings.policy in QUERY_POLICIES:
+                self._keep_queries(st, row, first, scheduled, starts)
+            if st.n >= st.settings.budget + st.settings.block or (scheduled > 1 and st.n > st.settings.budget):
+                due.append(rid)  # at most budget + block slots in decode, budget + one chunk in prefill
+            self._stats(rid, st)
+        if due:
+            if not channel.scheduler:
+                raise RuntimeError("infkv: no InfkvScheduler in the worker's process: run vLLM with "
+                                   "scheduler_cls='infkv.vllm.engine.InfkvScheduler' and "
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING=0, or evicted blocks never return to the pool")
+            self._evict(due)
+
+    def _keep_queries(self, st, row, first, scheduled, starts):
+        w = st.settings.window
+        a, b = int(starts[row]), int(starts[row + 1])
+        for name, (q, loc) in channel.captured.items():
+            rows = q[max(a, b - w):b]
+            pos = torch.arange(first + scheduled - rows.shape[0], first + scheduled)
+            old = st.queries.get(name)
+            if old is not None:
+                rows, pos = torch.cat([old[0], rows])[-w:], torch.cat([old[1], pos])[-w:]
+            st.queries[name] = (rows, pos)
+
+    def _evict(self, due):
+        layers = self._layers()
+        views = [CpuKVLayout(kv) for _, kv in layers]
+        size = views[0].block_size
+        for rid in due:  # one decision per request (its own policy and budget), every layer
+            st = self._infkv[rid]
+            blocks = list(self.requests[rid].block_ids[0])
+            tokens = infkv.tokens(np.asarray(st.positions, dtype=np.int64))
+            batch = []
+            for (name, _), view in zip(layers, views):
+                keys = view.read(blocks, st.n)[0].float().numpy()
+                args = {"keys": keys}
+                if st.settings.policy in QUERY_POLICIES:
+                    q, pos = st.queries[name]
+                    args.update(queries=q.numpy(), query_pos=pos.numpy().astype(np.int64))
+                batch.append(infkv.Layer(tokens, **args))
+            plan = infkv.make_plan(st.policy, st.settings.budget_value(), batch[0],
+                                   infkv.plan_options(granularity=infkv.granularity.per_token,
+                                                      n_layers=len(batch)))
+            keep = infkv.run(plan, batch).unit(0)
+            for view in views:
+                view.compact(blocks, keep)
+            m = len(keep)
+            held = min(len(blocks), math.ceil(m / size) + 1)  # one spare block: see the module's note
+            freed = blocks[held:]
+            st.evicted += st.n - m
+            st.n = m
+            st.positions = [st.positions[i] for i in keep]
+            st.evictions += 1
+            self.requests[rid].block_ids[0][:] = blocks[:held]
+            index = self.input_batch.req_id_to_index.get(rid)
+            if index is not None:
+                self.input_batch.block_table.add_row(self.requests[rid].block_ids, index)
+            if freed:
+                with channel.lock:
+                    channel.freed.append((rid, freed))
+            self._stats(rid, st)
+
+    def _stats(self, rid, st):
+        channel.record(rid, {"kept": st.n, "evicted": st.evicted, "evictions": st.evictions, "peak": st.peak,
+                             "held_blocks": len(self.requests[rid].block_ids[0]),
+                             "budget": st.settings.budget, "block": st.settings.block})
+
+
+class InfkvCPUWorker(CPUWorker):
+    """vLLM's CPU worker with infkv's model runner."""
+
+    def init_device(self):
+        import vllm.v1.worker.cpu_worker as cpu_worker
+
+        plain = cpu_worker.CPUModelRunner
+        cpu_worker.CPUModelRunner = InfkvCPUModelRunner  # the runner this call constructs
+        try:
+            super().init_device()
+        finally:
+            cpu_worker.CPUModelRunner = plain
+
+
+class InfkvScheduler(Scheduler):
+    """vLLM's scheduler, which first takes back the blocks infkv's runner freed: the null block
+    goes in their place in the request's list, and they return to the pool."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        channel.scheduler = True
+
+    def schedule(self, *args, **kwargs):
+        with channel.lock:
+            freed, channel.freed = channel.freed, []
+        if freed:
+            manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+            pool = self.kv_cache_manager.block_pool
+            for rid, ids in freed:
+                blocks = manager.req_to_blocks.get(rid)
+                if blocks is None:  # finished meanwhile: vLLM freed every block already
+                    continue
+                wanted, out = set(ids), []
+                for i, block in enumerate(blocks):
+                    if block.block_id in wanted:
+                        out.append(block)
+                        blocks[i] = pool.null_block
+                pool.free_blocks(out)
+        return super().schedule(*args, **kwargs)
