@@ -34,12 +34,16 @@ import torch
 
 import infkv
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.sample.logits_processor import LogitsProcessor
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from . import CpuKVLayout
 from .settings import QUERY_POLICIES, Settings, parse
+
+logger = init_logger(__name__)
 
 
 class _Channel:
@@ -119,7 +123,12 @@ class InfkvCPUModelRunner(CPUModelRunner):
             self._infkv.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self._infkv.pop(new.req_id, None)
-            s = parse(new.sampling_params.extra_args if new.sampling_params else None)
+            try:
+                s = parse(new.sampling_params.extra_args if new.sampling_params else None)
+            except ValueError as e:  # InfkvSettings refuses these at admission; without it the request runs plain
+                logger.error("%s (request %s runs without eviction: add --logits-processors "
+                             "infkv.vllm.engine:InfkvSettings to refuse it)", e, new.req_id)
+                continue
             if s.evicts:
                 if len(new.block_ids) != 1:
                     raise ValueError(f"infkv: the model has {len(new.block_ids)} KV cache groups; "
@@ -247,6 +256,28 @@ class InfkvCPUModelRunner(CPUModelRunner):
         channel.record(rid, {"kept": st.n, "evicted": st.evicted, "evictions": st.evictions, "peak": st.peak,
                              "held_blocks": len(self.requests[rid].block_ids[0]),
                              "budget": st.settings.budget, "block": st.settings.block})
+
+
+class InfkvSettings(LogitsProcessor):
+    """Checks each request's infkv settings when vLLM admits it (`--logits-processors
+    infkv.vllm.engine:InfkvSettings`): a bad one is refused with the field named (an HTTP 400 from
+    the OpenAI server) instead of reaching the engine. It changes no logits."""
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        parse(sampling_params.extra_args)
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def apply(self, logits):
+        return logits
+
+    def is_argmax_invariant(self):
+        return True
+
+    def update_state(self, batch_update):
+        pass
 
 
 class InfkvCPUWorker(CPUWorker):
