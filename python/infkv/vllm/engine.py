@@ -215,42 +215,59 @@ class InfkvCPUModelRunner(CPUModelRunner):
             st.queries[name] = (rows, pos)
 
     def _evict(self, due):
+        """One batch plan per policy over the due requests (each its own budget): one decision per
+        token over every layer; then every layer compacted in each request's own blocks."""
         layers = self._layers()
         views = [CpuKVLayout(kv) for _, kv in layers]
-        size = views[0].block_size
-        for rid in due:  # one decision per request (its own policy and budget), every layer
-            st = self._infkv[rid]
-            blocks = list(self.requests[rid].block_ids[0])
-            tokens = infkv.tokens(np.asarray(st.positions, dtype=np.int64))
+        groups: dict[tuple, list[str]] = {}
+        for rid in due:
+            s = self._infkv[rid].settings
+            groups.setdefault((s.policy, s.window), []).append(rid)
+        for rids in groups.values():
+            reqs = [self._infkv[rid] for rid in rids]
+            blocks = [list(self.requests[rid].block_ids[0]) for rid in rids]
+            reads = reqs[0].settings.policy in QUERY_POLICIES
+            tokens = infkv.tokens(np.concatenate([np.asarray(st.positions, dtype=np.int64) for st in reqs]))
             batch = []
             for (name, _), view in zip(layers, views):
-                keys = view.read(blocks, st.n)[0].float().numpy()
+                keys = [view.read(b, st.n)[0].float().numpy() for b, st in zip(blocks, reqs)]
                 args = {"keys": keys}
-                if st.settings.policy in QUERY_POLICIES:
-                    q, pos = st.queries[name]
-                    args.update(queries=q.numpy(), query_pos=pos.numpy().astype(np.int64))
-                batch.append(infkv.Layer(tokens, **args))
-            plan = infkv.make_plan(st.policy, st.settings.budget_value(), batch[0],
-                                   infkv.plan_options(granularity=infkv.granularity.per_token,
-                                                      n_layers=len(batch)))
-            keep = infkv.run(plan, batch).unit(0)
-            for view in views:
-                view.compact(blocks, keep)
-            m = len(keep)
-            held = min(len(blocks), math.ceil(m / size) + 1)  # one spare block: see the module's note
-            freed = blocks[held:]
-            st.evicted += st.n - m
-            st.n = m
-            st.positions = [st.positions[i] for i in keep]
-            st.evictions += 1
-            self.requests[rid].block_ids[0][:] = blocks[:held]
-            index = self.input_batch.req_id_to_index.get(rid)
-            if index is not None:
-                self.input_batch.block_table.add_row(self.requests[rid].block_ids, index)
-            if freed:
-                with channel.lock:
-                    channel.freed.append((rid, freed))
-            self._stats(rid, st)
+                if reads:
+                    args.update(queries=torch.cat([st.queries[name][0] for st in reqs]).numpy(),
+                                query_pos=torch.cat([st.queries[name][1] for st in reqs]).numpy().astype(np.int64))
+                batch.append(infkv.BatchLayer(tokens, **args))
+            shape = keys[0].shape
+            plan = infkv.make_batch_plan(
+                reqs[0].policy, [st.settings.budget_value() for st in reqs],
+                slot_indptr=np.concatenate([[0], np.cumsum([st.n for st in reqs])]).astype(np.int64),
+                query_indptr=np.concatenate([[0], np.cumsum([st.queries[layers[0][0]][0].shape[0] for st in reqs])]
+                                            ).astype(np.int64) if reads else None,
+                kv_heads=shape[1], q_heads=reqs[0].queries[layers[0][0]][0].shape[1] if reads else 0,
+                head_dim=shape[2],
+                options=infkv.plan_options(granularity=infkv.granularity.per_token, n_layers=len(batch)))
+            for rid, st, b, keep in zip(rids, reqs, blocks, infkv.run_batch(plan, batch)):
+                self._apply(rid, st, b, keep.unit(0), views)
+
+    def _apply(self, rid, st, blocks, keep, views):
+        """Compacts every layer of request `rid` to its kept slots `keep`; frees the blocks it no
+        longer needs but one spare (see the module's note)."""
+        for view in views:
+            view.compact(blocks, keep)
+        m = len(keep)
+        held = min(len(blocks), math.ceil(m / views[0].block_size) + 1)
+        freed = blocks[held:]
+        st.evicted += st.n - m
+        st.n = m
+        st.positions = [st.positions[i] for i in keep]
+        st.evictions += 1
+        self.requests[rid].block_ids[0][:] = blocks[:held]
+        index = self.input_batch.req_id_to_index.get(rid)
+        if index is not None:
+            self.input_batch.block_table.add_row(self.requests[rid].block_ids, index)
+        if freed:
+            with channel.lock:
+                channel.freed.append((rid, freed))
+        self._stats(rid, st)
 
     def _stats(self, rid, st):
         channel.record(rid, {"kept": st.n, "evicted": st.evicted, "evictions": st.evictions, "peak": st.peak,
