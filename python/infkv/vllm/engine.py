@@ -56,6 +56,9 @@ class _Channel:
         self.capture: dict[str, int] = {}  # layer name -> window rows to capture (0: off)
         self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (query, query_start_loc)
         self.stats: dict[str, dict] = {}  # request id -> {"kept", "evicted", "evictions", "peak", ...}
+        self.engine: dict = {}  # the scheduler's last step: running, waiting, blocks used and in all
+        self.peak_running = 0  # the most requests running at once
+        self.peak_blocks = 0  # the most KV blocks in use at once
         self.stats_file = os.environ.get("INFKV_VLLM_STATS")  # also written there (JSON), for other processes
 
     def record(self, rid: str, stats: dict) -> None:
@@ -335,4 +338,11 @@ class InfkvScheduler(Scheduler):
                         out.append(block)
                         blocks[i] = pool.null_block
                 pool.free_blocks(out)
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        pool = self.kv_cache_manager.block_pool
+        channel.engine = {"running": len(self.running), "waiting": len(self.waiting),
+                          "blocks_used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+                          "blocks": pool.num_gpu_blocks - 1}
+        channel.peak_running = max(channel.peak_running, len(self.running))
+        channel.peak_blocks = max(channel.peak_blocks, channel.engine["blocks_used"])
+        return output

@@ -1,0 +1,79 @@
+"""Concurrent streams in vLLM's CPU engine with and without infkv's plugin (run by
+bench/vllm/streams.sh in vLLM's environment, on an idle machine).
+
+For each (streams, history) and each mode, in one engine process per mode:
+- decode tokens/s over all streams: `streams` requests of `history` prompt tokens (the KJV), run
+  once for 1 token and once for 1 + `gen` tokens; the difference of the two wall times is the
+  decode time of streams * gen tokens (the prefill is the same in both runs);
+- the most KV blocks in use at once and the most requests running at once (infkv's scheduler
+  records both after each step).
+Modes: "full" is the plugin's engine with no request evicting (vLLM's own cache handling with
+the plugin's synchronous scheduler), "infkv" evicts every request to `budget` (SnapKV, blocks of
+128), "plain" is vLLM without the plugin (its default scheduler; no block counts).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--mode", choices=["plain", "full", "infkv"], required=True)
+    ap.add_argument("--streams", default="1,4,16")
+    ap.add_argument("--history", default="4096")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--kv-gib", type=int, default=4)
+    ap.add_argument("--capacity", action="store_true",
+                    help="one run only: the most requests running at once and KV blocks in use (no rate)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(a.kv_gib))
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    plugin = a.mode != "plain"
+    extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker",
+                 scheduler_cls="infkv.vllm.engine.InfkvScheduler") if plugin else {}
+    histories = [int(h) for h in a.history.split(",")]
+    llm = LLM(model=a.model, dtype="float32", max_model_len=max(histories) + a.gen + 8, enforce_eager=True,
+              enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0, **extra)
+    ids = AutoTokenizer.from_pretrained(a.model)(open(a.text).read()[:2_000_000]).input_ids
+    xargs = {"infkv_policy": "snapkv", "infkv_budget": a.budget, "infkv_block": 128} if a.mode == "infkv" else {}
+    rows = []
+    for history in histories:
+        for streams in [int(s) for s in a.streams.split(",")]:
+            prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
+            times = {}
+            for n in ((1 + a.gen,) if a.capacity else (1, 1 + a.gen)):
+                if plugin:
+                    from infkv.vllm.engine import channel
+                    channel.peak_running = channel.peak_blocks = 0
+                sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, extra_args=xargs)
+                t = time.perf_counter()
+                out = llm.generate(prompts, sp, use_tqdm=False)
+                times[n] = time.perf_counter() - t
+                assert all(len(o.outputs[0].token_ids) == n for o in out)
+            row = {"history": history, "streams": streams, "mode": a.mode, "gen": a.gen,
+                   "total_s": round(times[1 + a.gen], 3)}
+            if not a.capacity:
+                row.update(prefill_s=round(times[1], 3),
+                           decode_tokens_per_s=round(streams * a.gen / (times[1 + a.gen] - times[1]), 2))
+            if plugin:
+                row.update(peak_blocks=channel.peak_blocks, peak_running=channel.peak_running,
+                           block_size=128, pool_blocks=channel.engine.get("blocks"))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    with open(a.out, "w") as f:
+        json.dump({"protocol": vars(a), "load_average_start": os.getloadavg(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Measures concurrent streams in vLLM's CPU engine with and without infkv's plugin (streams.py) and
+# writes bench/results/vllm/{streams,capacity}_{full,infkv}.json with provenance. Run on an idle
+# machine; about 40 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+env=$(scripts/vllm_env.sh)
+"$env/bin/python" -m pip install --quiet --no-build-isolation . >&2
+model=$(scripts/vllm_model.sh | tail -n 1)
+text=$(scripts/kjv.sh | tail -n 1)
+out=bench/results/vllm
+mkdir -p "$out"
+for mode in full infkv; do
+  cmd="bench/vllm/streams.py --mode $mode --streams 1,4,16 --history 4096 --gen 64 --kv-gib 4"
+  (cd /tmp && OMP_NUM_THREADS=1 "$env/bin/python" "$OLDPWD/bench/vllm/streams.py" --model "$model" --text "$text" \
+    --mode $mode --streams 1,4,16 --history 4096 --gen 64 --kv-gib 4 --out "$OLDPWD/$out/streams_$mode.json")
+  python3 scripts/provenance.py "$out/streams_$mode.json" "$cmd"
+  cmd="bench/vllm/streams.py --mode $mode --capacity --streams 16 --history 4096 --gen 16 --kv-gib 1"
+  (cd /tmp && OMP_NUM_THREADS=1 "$env/bin/python" "$OLDPWD/bench/vllm/streams.py" --model "$model" --text "$text" \
+    --mode $mode --capacity --streams 16 --history 4096 --gen 16 --kv-gib 1 --out "$OLDPWD/$out/capacity_$mode.json")
+  python3 scripts/provenance.py "$out/capacity_$mode.json" "$cmd"
+done
