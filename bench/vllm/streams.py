@@ -55,7 +55,7 @@ def main():
             for n in ((1 + a.gen,) if a.capacity else (1, 1 + a.gen)):
                 if plugin:
                     from infkv.vllm.engine import channel
-                    channel.peak_running = channel.peak_blocks = 0
+                    channel.peak_running = channel.peak_blocks = channel.preemptions = 0
                 sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, extra_args=xargs)
                 t = time.perf_counter()
                 out = llm.generate(prompts, sp, use_tqdm=False)
@@ -68,6 +68,7 @@ def main():
                            decode_tokens_per_s=round(streams * a.gen / (times[1 + a.gen] - times[1]), 2))
             if plugin:
                 row.update(peak_blocks=channel.peak_blocks, peak_running=channel.peak_running,
+                           preemptions=channel.preemptions,
                            block_size=128, pool_blocks=channel.engine.get("blocks"))
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -59,6 +59,7 @@ class _Channel:
         self.engine: dict = {}  # the scheduler's last step: running, waiting, blocks used and in all
         self.peak_running = 0  # the most requests running at once
         self.peak_blocks = 0  # the most KV blocks in use at once
+        self.preemptions = 0  # requests vLLM preempted (freed, to be recomputed) for want of blocks
         self.stats_file = os.environ.get("INFKV_VLLM_STATS")  # also written there (JSON), for other processes
 
     def record(self, rid: str, stats: dict) -> None:
@@ -343,6 +344,7 @@ class InfkvScheduler(Scheduler):
         channel.engine = {"running": len(self.running), "waiting": len(self.waiting),
                           "blocks_used": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
                           "blocks": pool.num_gpu_blocks - 1}
+        channel.preemptions += len(output.preempted_req_ids or ())
         channel.peak_running = max(channel.peak_running, len(self.running))
         channel.peak_blocks = max(channel.peak_blocks, channel.engine["blocks_used"])
         return output
