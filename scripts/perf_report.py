@@ -421,22 +421,24 @@ def vllm_section(vdir, md):
               f"{p['history']} tokens of history (the KJV); \"full\": the plugin's engine with no request evicting, "
               f"\"infkv\": every request SnapKV with a budget of {p['budget']} and blocks of 128. Decode tokens/s: "
               f"the wall time of a run for 1 + {p['gen']} tokens less that of a run for 1 token, all streams "
-              f"together{commits(*runs.values(), *caps.values())}; load average at the start "
-              + ", ".join(f"{m} {runs[m]['load_average_start'][0]:.2f}" for m in runs) + ".\n")
+              f"together{commits(*runs.values(), *caps.values())}; load average (1 min) at the end of each run: "
+              + ", ".join(f"{m} {runs[m]['load_average_end'][0]:.2f}" for m in runs) + ".\n")
     rows = []
     for a, b in zip(runs["full"]["rows"], runs["infkv"]["rows"]):
-        rows.append([str(a["streams"]), str(a["history"]), fmt(a["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
+        rows.append([str(a["streams"]), str(a["history"]), f"{a['peak_running']} / {b['peak_running']}",
+                     fmt(a["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
                      fmt(b["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2) + "x", str(a["peak_blocks"]),
                      str(b["peak_blocks"]), fmt(a["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
-    md.append(table(["streams", "history", "full tok/s", "infkv tok/s", "infkv / full", "full KV blocks (peak)",
-                     "infkv KV blocks (peak)", "blocks full / infkv"], rows) + "\n")
+    md.append(table(["streams", "history", "running at once (full / infkv)", "full tok/s", "infkv tok/s",
+                     "infkv / full", "full KV blocks (peak)", "infkv KV blocks (peak)", "blocks full / infkv"], rows)
+              + "\n")
     a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
     cp = caps["infkv"]["protocol"]
     md.append(f"Conversations in a fixed KV space: {a['streams']} requests of {a['history']} tokens of history "
               f"submitted at once to an engine with {cp['kv_gib']} GiB of KV ({a['pool_blocks']} blocks of 128 "
               f"tokens): at most **{a['peak_running']} running at once with the full cache** (vLLM queues the "
               f"rest), **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run {fmt(a['total_s'])} s "
-              f"against {fmt(b['total_s'])} s.\n")
+              f"against {fmt(b['total_s'])} s; preemptions {a['preemptions']} and {b['preemptions']}.\n")
 
 
 def main():

@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    load_start = os.getloadavg()
     import openai
 
     with socket.socket() as s:
@@ -97,7 +98,7 @@ def main():
     peaks = json.load(open(stats)) if os.path.exists(stats) else {}
     proc.terminate()
     proc.wait(timeout=60)
-    json.dump({"protocol": vars(a), "load_average_start": os.getloadavg(), "wall_s": round(wall, 1),
+    json.dump({"protocol": vars(a), "load_average_start": load_start, "load_average_end": os.getloadavg(), "wall_s": round(wall, 1),
                "requests": len(latencies), "errors": errors, "latencies": latencies, "rss_mib": rss,
                "max_prompt_tokens": max((x[3] for x in latencies), default=0),
                "max_peak_slots": max((s["peak"] for s in peaks.values()), default=0),

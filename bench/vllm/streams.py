@@ -35,6 +35,7 @@ def main():
                     help="one run only: the most requests running at once and KV blocks in use (no rate)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    load_start = os.getloadavg()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(a.kv_gib))
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -73,7 +74,8 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(a.out, "w") as f:
-        json.dump({"protocol": vars(a), "load_average_start": os.getloadavg(), "rows": rows}, f, indent=1)
+        json.dump({"protocol": vars(a), "load_average_start": load_start, "load_average_end": os.getloadavg(),
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
