@@ -1,7 +1,7 @@
 """A bounded load test of `vllm serve` with infkv's plugin (run by bench/vllm/load.sh; loopback only):
 `clients` threads, each a multi-turn chat of `turns` turns whose history grows with every answer,
 every request evicting (SnapKV, a budget of `budget`); the server's resident memory sampled every
-second, every error kept. Writes JSON: per-turn latencies, RSS over time, errors, the plugin's peak
+second (with its child processes), every error kept. Writes JSON: per-turn latencies, RSS over time, errors, the plugin's peak
 slots per request."""
 import argparse
 import json
@@ -15,11 +15,20 @@ import urllib.request
 
 
 def rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """Resident memory of process `pid` and all its descendants (the server's engine core runs in a
+    child process), MiB."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(x.split()[1]) for x in f if x.startswith("VmRSS:")), 0) / 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def main():

@@ -3,7 +3,8 @@ CPU engine: with budgets larger than the prompt, outputs equal plain vLLM's toke
 StreamingLLM (sinks + recent) they equal a reference computed outside vLLM (transformers, eager
 attention masked to exactly the slots infkv keeps, evicted at the same steps); every evicting
 request stays within budget + one chunk and holds no more blocks than its kept slots need plus
-one; bad per-request settings are refused naming the field. Needs vLLM (scripts/vllm_test.sh)."""
+one; bad per-request settings are refused naming the field; prefix caching, which the plugin cannot
+share blocks with yet, is refused by name. Needs vLLM (scripts/vllm_test.sh)."""
 import json
 import os
 import subprocess
@@ -22,9 +23,9 @@ ENGINE = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
-model, chunk, plugin, requests = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", json.loads(sys.stdin.read())
+model, chunk, plugin, requests = sys.argv[1], int(sys.argv[2]), sys.argv[3] != "0", json.loads(sys.stdin.read())
 extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker", scheduler_cls="infkv.vllm.engine.InfkvScheduler") if plugin else {}
-llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
+llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=sys.argv[3] == "2",
           max_num_batched_tokens=chunk, max_num_seqs=4, gpu_memory_utilization=0.5, seed=0, **extra)
 out = []
 for r in requests:  # one request at a time: chunks of exactly `chunk` prompt tokens
@@ -40,11 +41,17 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_engine(requests, plugin):
+def start_engine(requests, mode):
+    """Runs ENGINE in its own process: mode "0" plain vLLM, "1" with the plugin, "2" the plugin
+    with prefix caching on."""
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
-    p = subprocess.run([sys.executable, "-c", ENGINE, MODEL, str(CHUNK), "1" if plugin else "0"],
-                       input=json.dumps(requests), capture_output=True, text=True, env=env, timeout=900,
-                       cwd=os.path.dirname(MODEL))  # not python/: the installed package is the one imported
+    return subprocess.run([sys.executable, "-c", ENGINE, MODEL, str(CHUNK), mode],
+                          input=json.dumps(requests), capture_output=True, text=True, env=env, timeout=900,
+                          cwd=os.path.dirname(MODEL))  # not python/: the installed package is the one imported
+
+
+def run_engine(requests, plugin):
+    p = start_engine(requests, "1" if plugin else "0")
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stderr[-4000:]
     return json.loads(line[-1][len("RESULT "):])
@@ -121,3 +128,9 @@ def test_bad_settings_name_the_field():
         parse({"infkv_policy": "snapkv", "infkv_budget": 10, "infkv_window": 32})
     assert parse({"infkv_policy": "keydiff", "infkv_budget": "256"}).budget == 256
     assert not parse({}).evicts
+
+
+def test_prefix_caching_is_refused_by_name(prompts):
+    p = start_engine([], "2")
+    assert p.returncode != 0
+    assert "enable_prefix_caching = True" in p.stderr and "--no-enable-prefix-caching" in p.stderr

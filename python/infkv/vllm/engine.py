@@ -54,7 +54,7 @@ class _Channel:
         self.freed: list[tuple[str, list[int]]] = []
         self.scheduler = False  # an InfkvScheduler exists in this process
         self.capture: dict[str, int] = {}  # layer name -> window rows to capture (0: off)
-        self.captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (query, query_start_loc)
+        self.captured: dict[str, tuple[torch.Tensor, list]] = {}  # layer -> (last rows per request, offsets)
         self.stats: dict[str, dict] = {}  # request id -> {"kept", "evicted", "evictions", "peak", ...}
         self.engine: dict = {}  # the scheduler's last step: running, waiting, blocks used and in all
         self.peak_running = 0  # the most requests running at once
@@ -85,9 +85,15 @@ class InfkvCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         name = getattr(layer, "layer_name", None)
-        if attn_metadata is not None and channel.capture.get(name, 0) > 0:
-            n = attn_metadata.num_actual_tokens
-            channel.captured[name] = (query[:n].detach().float().clone(), attn_metadata.query_start_loc.clone())
+        w = channel.capture.get(name, 0)
+        if attn_metadata is not None and w > 0:  # each request's last w rows, and where each one's start
+            loc = attn_metadata.query_start_loc.tolist()
+            rows = [range(max(a, b - w), b) for a, b in zip(loc[:-1], loc[1:])]
+            offsets = [0]
+            for r in rows:
+                offsets.append(offsets[-1] + len(r))
+            index = torch.tensor([i for r in rows for i in r], dtype=torch.long)
+            channel.captured[name] = (query.index_select(0, index).detach().float(), offsets)
         return out
 
 
@@ -184,7 +190,6 @@ class InfkvCPUModelRunner(CPUModelRunner):
         channel.captured.clear()
 
     def _after_step(self, so):
-        starts = self.query_start_loc.np
         due = []
         for row, rid in enumerate(self.input_batch.req_ids[: self.input_batch.num_reqs]):
             st = self._infkv.get(rid)
@@ -196,7 +201,7 @@ class InfkvCPUModelRunner(CPUModelRunner):
             st.n += scheduled
             st.peak = max(st.peak, st.n)
             if st.settings.policy in QUERY_POLICIES:
-                self._keep_queries(st, row, first, scheduled, starts)
+                self._keep_queries(st, row, first, scheduled)
             if st.n >= st.settings.budget + st.settings.block or (scheduled > 1 and st.n > st.settings.budget):
                 due.append(rid)  # at most budget + block slots in decode, budget + one chunk in prefill
             self._stats(rid, st)
@@ -207,11 +212,10 @@ class InfkvCPUModelRunner(CPUModelRunner):
                                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, or evicted blocks never return to the pool")
             self._evict(due)
 
-    def _keep_queries(self, st, row, first, scheduled, starts):
+    def _keep_queries(self, st, row, first, scheduled):
         w = st.settings.window
-        a, b = int(starts[row]), int(starts[row + 1])
-        for name, (q, loc) in channel.captured.items():
-            rows = q[max(a, b - w):b]
+        for name, (q, offsets) in channel.captured.items():
+            rows = q[offsets[row]:offsets[row + 1]][-w:]
             pos = torch.arange(first + scheduled - rows.shape[0], first + scheduled)
             old = st.queries.get(name)
             if old is not None:
