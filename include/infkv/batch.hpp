@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "error.hpp"
@@ -77,7 +78,7 @@ struct basic_batch_keep_view {
     return {slots + kept_indptr[s], offsets + unit_indptr[s] + s, unit_indptr[s + 1] - unit_indptr[s],
             slot_indptr[s + 1] - slot_indptr[s]};
   }
-  operator basic_batch_keep_view<const std::int64_t>() const {
+  constexpr operator detail::read_only_view<std::is_const_v<T>, basic_batch_keep_view<const std::int64_t>>() const {
     return {slots, offsets, slot_indptr, unit_indptr, kept_indptr, n_seqs};
   }
 };
