@@ -5,10 +5,7 @@
 # at 100 turns.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-env=$(scripts/vllm_env.sh)
-"$env/bin/python" -m pip install --quiet --no-build-isolation . >&2
-model=$(scripts/vllm_model.sh | tail -n 1)
-text=$(scripts/kjv.sh | tail -n 1)
+. scripts/vllm_common.sh
 out=bench/results/vllm
 mkdir -p "$out"
 clients=${CLIENTS:-16} turns=${TURNS:-100}

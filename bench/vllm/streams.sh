@@ -4,10 +4,7 @@
 # machine; about 45 minutes on 2 cores. `streams.sh capacity` (or `streams`) runs one part only.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-env=$(scripts/vllm_env.sh)
-"$env/bin/python" -m pip install --quiet --no-build-isolation . >&2
-model=$(scripts/vllm_model.sh | tail -n 1)
-text=$(scripts/kjv.sh | tail -n 1)
+. scripts/vllm_common.sh
 out=bench/results/vllm
 mkdir -p "$out"
 part=${1:-all}

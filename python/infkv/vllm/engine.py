@@ -61,6 +61,7 @@ class _Channel:
         self.peak_blocks = 0  # the most KV blocks in use at once
         self.preemptions = 0  # requests vLLM preempted (freed, to be recomputed) for want of blocks
         self.stats_file = os.environ.get("INFKV_VLLM_STATS")  # also written there (JSON), for other processes
+        self._rows_key, self._rows = None, None  # window_rows' last answer
 
     def record(self, rid: str, stats: dict) -> None:
         """The latest stats of request `rid` (the last 4096 requests are kept)."""
@@ -68,6 +69,23 @@ class _Channel:
         self.stats[rid] = stats
         while len(self.stats) > 4096:
             self.stats.pop(next(iter(self.stats)))
+
+    def window_rows(self, query_start_loc: torch.Tensor, w: int):
+        """Each request's last w query rows of the step (an index) and where each request's start
+        (offsets); the same for every layer of a step, so computed once."""
+        key = (tuple(query_start_loc.tolist()), w)
+        if self._rows_key != key:
+            loc = key[0]
+            rows = [range(max(a, b - w), b) for a, b in zip(loc[:-1], loc[1:])]
+            offsets = [0]
+            for r in rows:
+                offsets.append(offsets[-1] + len(r))
+            self._rows = (torch.tensor([i for r in rows for i in r], dtype=torch.long), offsets)
+            self._rows_key = key
+        return self._rows
+
+    def publish(self) -> None:
+        """Writes the stats to INFKV_VLLM_STATS, when set (once per step)."""
         if self.stats_file:
             tmp = self.stats_file + ".tmp"
             with open(tmp, "w") as f:
@@ -86,13 +104,8 @@ class InfkvCPUAttentionImpl(CPUAttentionBackendImpl):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         name = getattr(layer, "layer_name", None)
         w = channel.capture.get(name, 0)
-        if attn_metadata is not None and w > 0:  # each request's last w rows, and where each one's start
-            loc = attn_metadata.query_start_loc.tolist()
-            rows = [range(max(a, b - w), b) for a, b in zip(loc[:-1], loc[1:])]
-            offsets = [0]
-            for r in rows:
-                offsets.append(offsets[-1] + len(r))
-            index = torch.tensor([i for r in rows for i in r], dtype=torch.long)
+        if attn_metadata is not None and w > 0:
+            index, offsets = channel.window_rows(attn_metadata.query_start_loc, w)
             channel.captured[name] = (query.index_select(0, index).detach().float(), offsets)
         return out
 
@@ -211,6 +224,7 @@ class InfkvCPUModelRunner(CPUModelRunner):
                                    "scheduler_cls='infkv.vllm.engine.InfkvScheduler' and "
                                    "VLLM_ENABLE_V1_MULTIPROCESSING=0, or evicted blocks never return to the pool")
             self._evict(due)
+        channel.publish()
 
     def _keep_queries(self, st, row, first, scheduled):
         w = st.settings.window
