@@ -127,7 +127,7 @@ TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory
 
 TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_eval still runs") {
   auto model = tiny_model(2);
-  lc::session s(model.get());
+  lc::session s(model.get(), {.window = 26});
   abort_after_first_ubatch user;
   auto p = context_params({.n_ubatch = 8});
   p.cb_eval = &abort_after_first_ubatch::eval;
@@ -141,11 +141,29 @@ TEST_CASE("llama session: an aborted decode is rolled back and the caller's cb_e
 
   REQUIRE(s.decode(random_tokens(4, 9)) == 0);  // one micro-batch: no abort
   CHECK(user.kcur0_seen == 1);
+  // the window queries before: 4 rows per layer
+  std::vector<std::vector<float>> window;
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+    const auto q = s.inputs(l).queries;
+    REQUIRE(q.n_slots == 4);
+    const auto* f = static_cast<const float*>(q.data);
+    window.emplace_back(f, f + q.n_slots * q.n_heads * q.head_dim);
+  }
   const int rc = s.decode(random_tokens(24, 10));  // three micro-batches: aborted in the second
   CHECK(rc != 0);
   CHECK(user.abort);
   CHECK(s.size() == 4);
   check_memory_matches(s);
+  // The aborted decode's 24 query rows had pushed the window's 2 oldest out (4 + 24 > 26): the
+  // window keeps its 2 newest rows, unchanged, at their positions, in every layer.
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+    const auto in = s.inputs(l);
+    CHECK(std::vector<std::int64_t>(in.query_pos.begin(), in.query_pos.end()) == std::vector<std::int64_t>{2, 3});
+    REQUIRE(in.queries.n_slots == 2);
+    const std::size_t row = std::size_t(in.queries.n_heads * in.queries.head_dim);
+    const auto* f = static_cast<const float*>(in.queries.data);
+    CHECK(std::equal(f, f + 2 * row, window[std::size_t(l)].begin() + std::ptrdiff_t(2 * row)));
+  }
   user.abort = false;
   user.kcur0_seen = 100;
   REQUIRE(s.decode(random_tokens(24, 10)) == 0);

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -453,6 +454,10 @@ int main(int argc, char** argv) {
     return o.retrieval() ? run_retrieval(o, chosen, model.get()) : run_text(o, chosen, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-stream: error: " << e.what() << '\n';
+    if (o.keys == "engine" &&
+        std::string_view(e.what()).find("session_options.keys = engine") != std::string_view::npos)
+      std::cerr << "infkv-stream: --keys engine: the policies cannot read llama.cpp's cache here; run with --keys auto "
+                   "(copies where the cache cannot be read) or --keys copy\n";
     return 1;
   }
 }

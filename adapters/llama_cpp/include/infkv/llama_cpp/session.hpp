@@ -272,7 +272,7 @@ class session {
     const observe_set what = observing(n);
     if (opt_.capture)
       for (auto& l : layers_)
-        l.begin(n, what.queries ? (opt_.track_h2o ? n : opt_.window) : 0, what.keys, llama_n_ctx(ctx_));
+        l.begin(n, what.queries ? (opt_.track_h2o ? n : opt_.window) : 0, what.keys, llama_n_ctx(ctx_), opt_.window);
     observer_.begin(what);
     std::int32_t rc = 0;
     {
@@ -297,6 +297,12 @@ class session {
       }
     if (rc == 0 && why.empty() && !decided_) why = decide();
     if (rc != 0 || !why.empty()) {
+      if (opt_.capture) {  // every layer keeps the newest window queries that all of them still hold
+        std::int64_t held = std::numeric_limits<std::int64_t>::max();
+        for (auto& l : layers_) l.abort(), held = std::min(held, l.n_queries());
+        for (auto& l : layers_) l.keep_newest(held);
+        fresh_ = std::min(fresh_, held);
+      }
       rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);
       if (!why.empty()) throw engine_error(why);
       return rc;

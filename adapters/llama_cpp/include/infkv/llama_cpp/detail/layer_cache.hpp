@@ -3,10 +3,12 @@
 // where the session does not read llama.cpp's cache itself (key_source::copy), a copy of the
 // post-RoPE keys of the cached tokens (in the session's key type: the cache's own f16 by default,
 // in the session's slot order) and of their values when the policy reads them. Rows are copied
-// straight from the graph's nodes during llama_decode into their place after the cached slots
-// (queries after the window's), and join only when the decode succeeds; of each batch only the
-// queries that can still be in the window are kept (all of them while H2O observes the batch),
-// each held once.
+// straight from the graph's nodes during llama_decode into their place after the cached slots,
+// and join only when the decode succeeds. Of each batch only the queries that can still be in the
+// window are kept (all of them while H2O observes the batch), each held once; a stream decode's
+// query rows take the place of the window's oldest ones (which its rows push out of the window
+// anyway) when its first query node arrives, so the layer holds `window` rows, not the window
+// plus a batch's; a decode that fails after that leaves the window's newest rows (abort()).
 #pragma once
 
 #include <algorithm>
@@ -55,11 +57,27 @@ class layer_cache {
 
   /// Before a decode of `n` tokens: their key (value) rows land after the cached slots when
   /// `rows` (the copies are kept), and the last `keep_queries` of their queries after the
-  /// window's. `cells`: the most slots the cache can hold (the context's cells): key and value
-  /// storage is allocated once for them.
-  void begin(std::int64_t n, std::int64_t keep_queries, bool rows, std::int64_t cells) {
+  /// window's newest `hold - keep_queries` rows (the older ones leave when the first query node
+  /// arrives; the default keeps the whole window: decodes aside). `cells`: the most slots the
+  /// cache can hold (the context's cells): key and value storage is allocated once for them.
+  void begin(std::int64_t n, std::int64_t keep_queries, bool rows, std::int64_t cells,
+             std::int64_t hold = std::numeric_limits<std::int64_t>::max()) {
     batch_ = n, keep_q_ = std::min(keep_queries, n), cells_ = cells, rows_ = rows;
     seen_q_ = seen_k_ = seen_v_ = 0;
+    landing_ = query_pos_.size(), hold_ = hold, pushed_ = 0;
+  }
+  /// After a decode that failed: the window keeps the rows it still holds (its newest ones, when
+  /// the decode's first query node had pushed the oldest out).
+  void abort() {
+    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + pushed_);
+    queries_.resize(query_pos_.size() * q_row());
+    landing_ = query_pos_.size(), keep_q_ = 0, pushed_ = 0;
+  }
+  /// Keeps only the newest `m` window queries (<= n_queries()).
+  void keep_newest(std::int64_t m) {
+    const std::int64_t drop = n_queries() - m;
+    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row()));
+    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
     landing_ = query_pos_.size();
   }
 
@@ -81,9 +99,17 @@ class layer_cache {
     tmp_.resize(std::size_t(head_dim_));
     if (r.kind == node_kind::query) {
       if (n_head_ == 0) n_head_ = std::int32_t(r.heads);
-      const std::size_t first = landing_;  // the landing rows follow the window's
+      if (seen == 0 && keep_q_ > 0) {  // the decode's first query rows: the oldest leave the window
+        const std::int64_t old = std::int64_t(landing_);
+        pushed_ = std::clamp<std::int64_t>(old + keep_q_ - std::max(hold_, keep_q_), 0, old);
+        if (pushed_ > 0)
+          std::copy(queries_.begin() + std::ptrdiff_t(std::size_t(pushed_) * q_row()),
+                    queries_.begin() + std::ptrdiff_t(std::size_t(old) * q_row()), queries_.begin());
+        landing_ = std::size_t(old - pushed_);
+      }
+      const std::size_t first = landing_;  // the landing rows follow what stays of the window
       const std::size_t need = (first + std::size_t(keep_q_)) * q_row();
-      if (queries_.capacity() < need) queries_.reserve(need);  // exactly: the window + one batch's kept rows
+      if (queries_.capacity() < need) queries_.reserve(need);  // exactly: max(window, one batch's kept rows)
       queries_.resize(need);
       for (std::int64_t i = 0; i < r.n_tokens; ++i) {
         const std::int64_t at = seen + i - (batch_ - keep_q_);  // the row among the kept ones
@@ -112,7 +138,9 @@ class layer_cache {
   /// `pos` (one per token of the batch) the window (batch_queries() until trim()).
   void commit(std::span<const std::int64_t> pos) {
     if (rows_) n_slots_ += batch_;
+    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + pushed_);
     query_pos_.insert(query_pos_.end(), pos.end() - keep_q_, pos.end());
+    pushed_ = 0;
   }
   /// The oldest queries beyond `window` leave.
   void trim(std::int64_t window) {
@@ -206,8 +234,10 @@ class layer_cache {
   std::vector<float> queries_;
   std::vector<std::int64_t> query_pos_;
   std::int64_t batch_ = 0, keep_q_ = 0, seen_q_ = 0, seen_k_ = 0, seen_v_ = 0, cells_ = 0;
-  bool rows_ = true;         // this decode's key and value rows go into the copies
-  std::size_t landing_ = 0;  // the first of this decode's kept query rows
+  bool rows_ = true;                                              // this decode's key and value rows go into the copies
+  std::size_t landing_ = 0;                                       // the first of this decode's kept query rows
+  std::int64_t hold_ = std::numeric_limits<std::int64_t>::max();  // window rows after this decode, at most
+  std::int64_t pushed_ = 0;  // the window's oldest rows this decode's queries pushed out
   std::vector<float> tmp_;
 };
 
