@@ -10,6 +10,7 @@
 #                      inf_mllm_bias, snapkv, keydiff and h2o, three runs (the order turned each time)
 #   keys_copy.json, keys_auto.json   6000 tokens with the session's key copies, then with llama.cpp's cache
 #   loop_{1,2,3}.json  the decode loop: single-token decodes evicting when full, 4 policies, three runs
+#   apart_{1,2,3}_POLICY.json  the same loop, one process per policy and run
 #   memory_2k.json     the session's bytes against the KV at 2K tokens, every window policy (at 30K:
 #                      observe_*.json; at 64K: prefill_budgeted_65536.json)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
@@ -21,7 +22,7 @@
 # command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
-#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, keys, loop, memory, stream, engine, kernels)
+#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, keys, loop, apart, memory, stream, engine, kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/perf}
@@ -67,6 +68,16 @@ loop() {  # the decode loop: single-token decodes, evicting when the cache is fu
       --bounded-gen 512 --policy streaming_llm,inf_mllm_bias,snapkv,keydiff --threads "$threads" --json "$out/loop_$i.json.tmp"
   done
 }
+apart() {  # the decode loop again, one process per policy and run (the order turned): no in-process order effect
+  local orders=("streaming_llm keydiff snapkv inf_mllm_bias" "inf_mllm_bias snapkv keydiff streaming_llm"
+                "keydiff streaming_llm inf_mllm_bias snapkv") p
+  for i in 1 2 3; do
+    for p in ${orders[$((i - 1))]}; do
+      step "apart_${i}_$p" "$bin/infkv-engine-bench" decode --model "$model" --text "$text" --history 256 --gen 8 \
+        --warm 2048 --bounded-gen 512 --policy "$p" --threads "$threads" --json "$out/apart_${i}_$p.json.tmp"
+    done
+  done
+}
 memory() {  # bytes only (timings beside other work are not read)
   step memory_2k "$bin/infkv-stream" --model "$model" --text "$text" --tokens 2048 --budget 1024 --block 128 \
     --policy inf_mllm_bias,snapkv,keydiff,tova,expected_attention --threads "$threads" --json "$out/memory_2k.json.tmp"
@@ -109,6 +120,7 @@ fi
 observe
 keys
 loop
+apart
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!
   memory & pid2=$!
