@@ -72,7 +72,7 @@ def own(t):
     return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
 
 
-def observe_section(files, memory, keyruns, loops, md):
+def observe_section(files, memory, keyruns, loops, apart, md):
     """The price of observing: each policy's overhead against streaming_llm's decode time in the
     same run, over several runs (median and range), and the session's bytes against the KV."""
     per = {}  # policy -> list of (run time dict, overhead %, decode +%, own %, session bytes / KV)
@@ -146,9 +146,11 @@ def observe_section(files, memory, keyruns, loops, md):
         md.append("\n`copy`: the f16 key copy taken from the graph at every decode, compacted and re-rotated by the "
                   "session after every eviction; `auto`: llama.cpp's own cache read where it lies (the key source "
                   "`automatic` chooses for these policies).\n")
-    if loops:
+    for runs, how in ((loops, "in one process"), (apart, "one process per policy and run, the order turned")):
+        if not runs:
+            continue
         per, order = {}, []
-        for d in loops:
+        for d in runs:
             ref = next(b for b in d["bounded"] if b["policy"] == "streaming_llm")["time"]["decode"]
             for b in d["bounded"]:
                 t = b["time"]
@@ -157,7 +159,7 @@ def observe_section(files, memory, keyruns, loops, md):
                 per.setdefault(b["policy"], []).append(
                     (b["tok_per_s"], t, (t["decode"] - ref + own(t)) / ref * 100, (t["decode"] - ref) / ref * 100))
         rows = []
-        for name in order:
+        for name in sorted(order, key=lambda n: n != "streaming_llm"):  # the reference first
             v = per[name]
             ts = [x[1] for x in v]
             rows.append([name, spread([x[0] for x in v]), fmt(med([t["decode"] for t in ts]), 2),
@@ -165,11 +167,12 @@ def observe_section(files, memory, keyruns, loops, md):
                          fmt(med([t["capture"] for t in ts]), 3), fmt(med([t["score"] for t in ts]), 2),
                          "(reference)" if name == "streaming_llm" else spread([x[3] for x in v]),
                          "(reference)" if name == "streaming_llm" else spread([x[2] for x in v])])
-        d0 = loops[0]
-        md.append(f"\nThe decode loop (`infkv-engine-bench decode`): {len(loops)} runs of {d0['bounded_gen']} "
+        d0 = runs[0]
+        md.append(f"\nThe decode loop (`infkv-engine-bench decode`), {how}: {len(runs)} runs of {d0['bounded_gen']} "
                   f"single-token decodes after {d0['warm']} streamed tokens, evicting when the cache is full "
                   f"(the session told so: `evicts_above` = budget + block - 1); load average "
-                  f"{', '.join(fmt(d['load_average_start'], 2) for d in loops)}{commits(*loops)}:\n")
+                  f"{', '.join(fmt(d['load_average_start'], 2) for d in runs)}"
+                  f"{commits(*[x for d in runs for x in d.get('parts', [d])])}:\n")
         md.append(table(["policy", "tok/s [range]", "decode s", "observed decodes", "capture s", "score s",
                          "decode +% [range]", "overhead % [range]"], rows))
     if memory:
@@ -180,6 +183,7 @@ def observe_section(files, memory, keyruns, loops, md):
                 held = max(b["host_bytes"] for b in r["blocks"])
                 rows.append([r["policy"], d["tokens"], fmt(kv / MIB), fmt(held / MIB, 2), fmt(held / kv, 3),
                              fmt(r["summary"]["peak_rss_bytes"] / MIB)])
+        md.append("")  # a blank line: the table above ends
         md.append(table(["policy", "tokens", "KV MiB", "session MiB (most held)", "session / KV", "peak RSS MiB"], rows))
         md.append(f"\nThe session's bytes (`session::memory()`: window queries, cells, workspace, bookkeeping) over "
                   f"a stream of {' and '.join(str(d['tokens']) for d in memory)} tokens{commits(*memory)}.\n")
@@ -474,8 +478,16 @@ def main():
                if os.path.exists(os.path.join(engine, f))]
     loops = [load(os.path.join(engine, f"loop_{i}.json")) for i in range(1, 10)
              if os.path.exists(os.path.join(engine, f"loop_{i}.json"))]
+    apart = []  # apart_<run>_<policy>.json: one process each, joined per run as one decode loop
+    for i in range(1, 10):
+        names = sorted(f for f in os.listdir(engine) if f.startswith(f"apart_{i}_") and f.endswith(".json"))
+        if names:
+            ds = [load(os.path.join(engine, f)) for f in names]
+            apart.append(dict(ds[0], bounded=[b for d in ds for b in d["bounded"]],
+                              load_average_start=max(d["load_average_start"] for d in ds),
+                              parts=ds))
     if observed:
-        section("1. The price of observing", observe_section, observed, memory, keyruns, loops, md)
+        section("1. The price of observing", observe_section, observed, memory, keyruns, loops, apart, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
