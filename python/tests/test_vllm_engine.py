@@ -3,8 +3,9 @@ CPU engine: with budgets larger than the prompt, outputs equal plain vLLM's toke
 StreamingLLM (sinks + recent) they equal a reference computed outside vLLM (transformers, eager
 attention masked to exactly the slots infkv keeps, evicted at the same steps); every evicting
 request stays within budget + one chunk and holds no more blocks than its kept slots need plus
-one; bad per-request settings are refused naming the field; prefix caching, which the plugin cannot
-share blocks with yet, is refused by name. Needs vLLM (scripts/vllm_test.sh)."""
+one; bad per-request settings are refused naming the field; with prefix caching on, an evicting
+request neither reads a cached prefix nor offers its blocks as one, while plain requests share as
+in vLLM. Needs vLLM (scripts/vllm_test.sh)."""
 import json
 import os
 import subprocess
@@ -36,7 +37,8 @@ for r in requests:  # one request at a time: chunks of exactly `chunk` prompt to
         before = set(channel.stats)
     o = llm.generate([{"prompt_token_ids": r["ids"]}], sp, use_tqdm=False)[0]
     stats = [v for k, v in channel.stats.items() if k not in before] if plugin else []
-    out.append({"ids": list(o.outputs[0].token_ids), "stats": stats[0] if stats else None})
+    out.append({"ids": list(o.outputs[0].token_ids), "stats": stats[0] if stats else None,
+                "cached": o.num_cached_tokens})
 print("RESULT " + json.dumps(out))
 """
 
@@ -130,7 +132,25 @@ def test_bad_settings_name_the_field():
     assert not parse({}).evicts
 
 
-def test_prefix_caching_is_refused_by_name(prompts):
-    p = start_engine([], "2")
-    assert p.returncode != 0
-    assert "enable_prefix_caching = True" in p.stderr and "--no-enable-prefix-caching" in p.stderr
+def test_prefix_caching_shares_no_block_with_an_evicting_request(prompts):
+    """Prefix caching on (vLLM's blocks of 128 tokens): a plain request hits the prefix an earlier
+    plain one cached; an evicting request with that same prompt reads none of it (so it never
+    writes a shared block) and still equals the reference; a plain request with the prompt an
+    evicting request just ran finds nothing cached (the evicting request's rewritten blocks are
+    never offered), and a second one hits what the first cached."""
+    stream = {"infkv_policy": "streaming_llm", "infkv_budget": 96, "infkv_sinks": 4, "infkv_block": 32}
+    a, b = prompts[0], prompts[1]
+    p = start_engine([{"ids": a, "max_tokens": 4}, {"ids": a, "max_tokens": 4},
+                      {"ids": a, "max_tokens": 24, "xargs": stream},
+                      {"ids": b, "max_tokens": 24, "xargs": stream},
+                      {"ids": b, "max_tokens": 4}, {"ids": b, "max_tokens": 4}], "2")
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, p.stderr[-4000:]
+    got = json.loads(line[-1][len("RESULT "):])
+    assert got[0]["cached"] == 0 and got[1]["cached"] == 256  # prefix caching is on: two full blocks of a
+    for g, ids in ((got[2], a), (got[3], b)):
+        assert g["cached"] == 0  # the evicting request read no cached block
+        assert g["stats"]["evictions"] >= 2
+        assert g["ids"] == streaming_reference(ids, 96, 4, 32, 24)
+    assert got[4]["cached"] == 0  # nothing of b was offered after the evicting request rewrote its blocks
+    assert got[5]["cached"] == 384 and got[5]["ids"] == got[4]["ids"]  # b's three full blocks, from got[4]

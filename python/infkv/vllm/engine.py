@@ -2,9 +2,15 @@
 
 Installed with `worker_cls="infkv.vllm.engine.InfkvCPUWorker"` and
 `scheduler_cls="infkv.vllm.engine.InfkvScheduler"` (`--worker-cls` / `--scheduler-cls` for
-`vllm serve`), prefix caching off and the engine in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
-the worker hands the blocks it frees to the scheduler directly). A request opts in with
-`extra_args` (`vllm_xargs` in the OpenAI body; settings.py); the others run as in plain vLLM.
+`vllm serve`) and the engine in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the worker hands
+the blocks it frees to the scheduler directly). A request opts in with `extra_args` (`vllm_xargs`
+in the OpenAI body; settings.py); the others run as in plain vLLM.
+
+Prefix caching: an evicting request shares no block with any other. The scheduler gives it a
+cache salt of its own when it arrives (its block hashes are recomputed with it), so it never
+reads a cached prefix (a block another request holds is never written) and no other request can
+ever match its blocks; after each eviction the blocks it rewrote or freed also leave the prefix
+cache's table. Requests that do not evict share prefixes as in plain vLLM.
 
 What happens to an evicting request r:
 - vLLM keeps counting its tokens logically: positions, `num_computed_tokens` and the scheduler's
@@ -27,6 +33,7 @@ import json
 import math
 import os
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +58,7 @@ class _Channel:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.freed: list[tuple[str, list[int]]] = []
+        self.freed: list[tuple[str, list[int], list[int]]] = []  # (request, blocks rewritten, blocks freed)
         self.scheduler = False  # an InfkvScheduler exists in this process
         self.capture: dict[str, int] = {}  # layer name -> window rows to capture (0: off)
         self.captured: dict[str, tuple[torch.Tensor, list]] = {}  # layer -> (last rows per request, offsets)
@@ -131,10 +138,6 @@ class _Request:
 class InfkvCPUModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("infkv: enable_prefix_caching = True: infkv's vLLM plugin rewrites a request's blocks, "
-                             "which must never be offered as a cached prefix: run with prefix caching off "
-                             "(--no-enable-prefix-caching)")
         self._infkv: dict[str, _Request] = {}
 
     # --- vLLM's steps, adjusted for evicting requests ---
@@ -191,9 +194,14 @@ class InfkvCPUModelRunner(CPUModelRunner):
     # --- infkv's part ---
 
     def _layers(self):
+        """(name, KV cache tensor, the kernel variant that writes it) of every attention layer."""
         names = self.kv_cache_config.kv_cache_groups[0].layer_names
         ctx = self.compilation_config.static_forward_context
-        return [(name, ctx[name].kv_cache) for name in names]
+        for name in names:
+            if not hasattr(ctx[name], "isa"):
+                raise RuntimeError(f"infkv: layer {name} has no `isa`: vLLM's CPU attention backend sets it; "
+                                   "infkv's plugin runs with that backend only")
+        return [(name, ctx[name].kv_cache, ctx[name].isa) for name in names]
 
     def _set_capture(self):
         window = max((st.settings.window for st in self._infkv.values() if st.settings.policy in QUERY_POLICIES),
@@ -240,7 +248,7 @@ class InfkvCPUModelRunner(CPUModelRunner):
         """One batch plan per policy over the due requests (each its own budget): one decision per
         token over every layer; then every layer compacted in each request's own blocks."""
         layers = self._layers()
-        views = [CpuKVLayout(kv) for _, kv in layers]
+        views = [CpuKVLayout(kv, isa) for _, kv, isa in layers]
         groups: dict[tuple, list[str]] = {}
         for rid in due:
             s = self._infkv[rid].settings
@@ -251,7 +259,7 @@ class InfkvCPUModelRunner(CPUModelRunner):
             reads = reqs[0].settings.policy in QUERY_POLICIES
             tokens = infkv.tokens(np.concatenate([np.asarray(st.positions, dtype=np.int64) for st in reqs]))
             batch = []
-            for (name, _), view in zip(layers, views):
+            for (name, _, _), view in zip(layers, views):
                 keys = [view.read(b, st.n)[0].float().numpy() for b, st in zip(blocks, reqs)]
                 args = {"keys": keys}
                 if reads:
@@ -277,7 +285,7 @@ class InfkvCPUModelRunner(CPUModelRunner):
             view.compact(blocks, keep)
         m = len(keep)
         held = min(len(blocks), math.ceil(m / views[0].block_size) + 1)
-        freed = blocks[held:]
+        freed = blocks[held:]  # and blocks[:held] rewritten: every block leaves the prefix cache's table
         st.evicted += st.n - m
         st.n = m
         st.positions = [st.positions[i] for i in keep]
@@ -286,9 +294,8 @@ class InfkvCPUModelRunner(CPUModelRunner):
         index = self.input_batch.req_id_to_index.get(rid)
         if index is not None:
             self.input_batch.block_table.add_row(self.requests[rid].block_ids, index)
-        if freed:
-            with channel.lock:
-                channel.freed.append((rid, freed))
+        with channel.lock:
+            channel.freed.append((rid, blocks[:held], freed))
         self._stats(rid, st)
 
     def _stats(self, rid, st):
@@ -341,13 +348,27 @@ class InfkvScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         channel.scheduler = True
 
+    def add_request(self, request):
+        """An evicting request gets a cache salt of its own (see the module's note): its block
+        hashes are recomputed with it before anything looks them up."""
+        try:
+            evicts = parse(request.sampling_params.extra_args if request.sampling_params else None).evicts
+        except ValueError:  # refused at admission (InfkvSettings), or run plain by the runner
+            evicts = False
+        if evicts and self.cache_config.enable_prefix_caching:
+            request.cache_salt = f"{request.cache_salt or ''}infkv:{request.request_id}:{uuid.uuid4().hex}"
+            request.block_hashes.clear()
+            request.update_block_hashes()
+        super().add_request(request)
+
     def schedule(self, *args, **kwargs):
         with channel.lock:
             freed, channel.freed = channel.freed, []
         if freed:
             manager = self.kv_cache_manager.coordinator.single_type_managers[0]
             pool = self.kv_cache_manager.block_pool
-            for rid, ids in freed:
+            for rid, rewritten, ids in freed:
+                pool.evict_blocks(set(rewritten) | set(ids))  # out of the prefix cache's table
                 blocks = manager.req_to_blocks.get(rid)
                 if blocks is None:  # finished meanwhile: vLLM freed every block already
                     continue
