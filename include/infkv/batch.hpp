@@ -183,9 +183,13 @@ batch_plan make_batch_plan(const B& be, const P& policy, std::span<const budget>
   return make_batch_plan(be, policy.spec(), budgets, shape, opt);
 }
 
-/// Sequence s of one layer of a batch as `layer_inputs` (views into the batch's arrays).
+/// Sequence s of one layer of a batch as `layer_inputs` (views into the batch's arrays). Throws
+/// naming `s` outside [0, p.n_seqs()) and the layer's tokens when they are not the batch's slots.
 template <row_source R>
 layer_inputs<R> sequence_inputs(const batch_plan& p, const batch_inputs<R>& in, std::int32_t s) {
+  INFKV_REQUIRE(s >= 0 && s < p.n_seqs(), "s", s, "must be a sequence of the batch, in [0, ", p.n_seqs(), ")");
+  INFKV_REQUIRE(std::int64_t(in.tokens.size()) == p.n_slots(), "tokens.size()", in.tokens.size(),
+                "must be the batch's slots (", p.n_slots(), ")");
   const auto at = [](const auto& v, std::int32_t i) { return v[std::size_t(i)]; };
   const std::int64_t s0 = at(p.slot_indptr, s), n = at(p.slot_indptr, s + 1) - s0;
   layer_inputs<R> one{

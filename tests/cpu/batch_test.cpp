@@ -191,6 +191,11 @@ TEST_CASE("bad batches are refused naming the argument and the sequence, and not
     wrong.kept_indptr = other.data();
     CHECK_THROWS_WITH_AS(run(bp, be, in, ws.span(), wrong), doctest::Contains("plan.keep"), invalid_argument);
     run(bp, be, in, ws.span(), bp.keep(slots.data(), offsets.data()));  // and the right one runs
+    // one sequence cut out: only sequences of the batch
+    const std::string past = "s = " + std::to_string(bp.n_seqs());
+    CHECK_THROWS_WITH_AS(sequence_inputs(bp, in, bp.n_seqs()), doctest::Contains(past.c_str()), invalid_argument);
+    CHECK_THROWS_WITH_AS(sequence_inputs(bp, in, -1), doctest::Contains("s = -1"), invalid_argument);
+    CHECK(sequence_inputs(bp, in, bp.n_seqs() - 1).tokens.size() == c.seqs.back().tokens.size());
   }
   {  // compaction: a bad keep set in the last sequence leaves every sequence, and the table, as they were
     std::uint64_t seed = 5;
