@@ -11,6 +11,8 @@
 #   keys_copy.json, keys_auto.json   6000 tokens with the session's key copies, then with llama.cpp's cache
 #   loop_{1,2,3}.json  the decode loop: single-token decodes evicting when full, 4 policies, three runs
 #   apart_{1,2,3}_POLICY.json  the same loop, one process per policy and run
+#   interleave_{1,2,3}.json  the price of observing with the policies taking turns block by block
+#                      (infkv-stream --interleave): streaming_llm, inf_mllm_bias, keydiff
 #   memory_2k.json     the session's bytes against the KV at 2K tokens, every window policy (at 30K:
 #                      observe_*.json; at 64K: prefill_budgeted_65536.json)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
@@ -22,7 +24,7 @@
 # command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
-#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, keys, loop, apart, memory, stream, engine, kernels)
+#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, interleave, keys, loop, apart, memory, stream, engine, kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/perf}
@@ -66,6 +68,13 @@ loop() {  # the decode loop: single-token decodes, evicting when the cache is fu
   for i in 1 2 3; do
     step "loop_$i" "$bin/infkv-engine-bench" decode --model "$model" --text "$text" --history 256 --gen 8 --warm 2048 \
       --bounded-gen 512 --policy streaming_llm,inf_mllm_bias,snapkv,keydiff --threads "$threads" --json "$out/loop_$i.json.tmp"
+  done
+}
+interleave() {  # the price of observing again, the policies taking turns block by block in one process (alone on the machine)
+  for i in 1 2 3; do
+    step "interleave_$i" "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 1024 --block 128 \
+      --policy streaming_llm,inf_mllm_bias,keydiff --interleave --threads "$threads" --progress 50 \
+      --json "$out/interleave_$i.json.tmp"
   done
 }
 apart() {  # the decode loop again, one process per policy and run (the order turned): no in-process order effect

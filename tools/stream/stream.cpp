@@ -11,6 +11,8 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -56,6 +58,7 @@ struct options {
   std::string keys = "auto";          ///< --keys
   std::string proxy = "after_cache";  ///< --proxy
   bool list = false;
+  bool interleave = false;  ///< --interleave
 };
 
 void add_options(CLI::App& app, options& o) {
@@ -70,6 +73,10 @@ void add_options(CLI::App& app, options& o) {
       ->delimiter(',');
   stream::add_policy_options(app, o.s);
   app.add_option("--block", o.s.block, "tokens decoded between two evictions")->check(pos);
+  app.add_flag("--interleave", o.interleave,
+               "perplexity runs: the policies take turns block by block (each on its own context, the order turned "
+               "every block) instead of one after another, so that a drifting machine or the order within the "
+               "process weighs on all of them alike (for timing comparisons)");
   app.add_option("--tokens", o.tokens, "stop after this many tokens of text (0: the whole text)")->check(nonneg);
   app.add_option("--skip", o.skip,
                  "start the stream after this many tokens of the text (e.g. to compare a slice "
@@ -260,6 +267,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"keys", o.keys},
+            {"interleave", o.interleave},
             {"question_known", o.s.question_known},
             {"whole_segments", o.s.whole_segments},
             {"proxy", o.proxy},
@@ -282,26 +290,59 @@ int run_text(const options& o, const std::vector<stream::policy_info>& chosen, c
              "infkv-stream: {} tokens of {} after {} skipped; budget {}, block {}, {} threads; load average {:.2f}\n",
              toks.size(), o.text, o.skip, o.s.budget, o.s.block, o.s.threads, load0);
   const stream::model_shape sh(m);
+  // One runner and stepper per policy: one after another, or all at once taking turns (--interleave).
+  struct one {
+    std::string name, note;
+    std::unique_ptr<stream::runner> r;
+    std::optional<stream::stream_stepper> st;
+  };
+  std::vector<one> all;
   std::vector<stream::stream_run> runs;
-  for (const auto& p : chosen) {
+  const auto start = [&](const stream::policy_info& p) {
     std::span<const llama_token> part(toks);
-    std::string note;
+    one x;
+    x.name = p.name;
     if (p.k == stream::kind::full && std::int64_t(part.size()) > sh.n_ctx_train) {
       part = part.first(std::size_t(sh.n_ctx_train));
-      note = "stopped at the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
+      x.note = "stopped at the trained context, " + std::to_string(sh.n_ctx_train) + " tokens";
     }
-    auto r = stream::make_runner(m, p.k, o.s, std::int64_t(part.size()), o.s.block);
-    const std::int64_t n_blocks = (std::int64_t(part.size()) + o.s.block - 1) / o.s.block;
-    auto progress = [&](const stream::block_record& b) {
-      if (o.progress == 0 || ((b.index + 1) % o.progress != 0 && b.index + 1 != n_blocks)) return;
-      fmt::print(
-          stderr,
-          "[{}] block {}/{} tokens {} ppl {:.3f} running {:.3f} slots {} kv {:.2f} MiB rss {:.0f} MiB {:.0f} tok/s\n",
-          p.name, b.index + 1, n_blocks, b.tokens, b.block_ppl, b.running_ppl, b.slots_peak,
-          double(b.kv_state_bytes) / 1048576.0, double(b.rss_bytes) / 1048576.0, b.tok_per_s);
-    };
-    runs.push_back(stream::run_stream(*r, std::string(p.name), part, o.skip, o.s, o.smooth, progress));
-    runs.back().note = note;
+    x.r = stream::make_runner(m, p.k, o.s, std::int64_t(part.size()), o.s.block);
+    x.st.emplace(*x.r, x.name, part, o.skip, o.s, o.smooth);
+    return x;
+  };
+  const auto step = [&](one& x) {
+    const stream::block_record& b = x.st->step();
+    const std::int64_t n_blocks = x.st->n_blocks();
+    if (o.progress == 0 || ((b.index + 1) % o.progress != 0 && b.index + 1 != n_blocks)) return;
+    fmt::print(
+        stderr,
+        "[{}] block {}/{} tokens {} ppl {:.3f} running {:.3f} slots {} kv {:.2f} MiB rss {:.0f} MiB {:.0f} tok/s\n",
+        x.name, b.index + 1, n_blocks, b.tokens, b.block_ppl, b.running_ppl, b.slots_peak,
+        double(b.kv_state_bytes) / 1048576.0, double(b.rss_bytes) / 1048576.0, b.tok_per_s);
+  };
+  const auto done = [&](one& x) {
+    runs.push_back(x.st->finish());
+    runs.back().note = x.note;
+    x.st.reset(), x.r.reset();
+  };
+  if (o.interleave) {
+    for (const auto& p : chosen) all.push_back(start(p));
+    for (std::size_t turn = 0, left = all.size(); left > 0; ++turn) {
+      left = 0;
+      for (std::size_t i = 0; i < all.size(); ++i) {  // the order turned every block
+        one& x = all[(i + turn) % all.size()];
+        if (x.st->done()) continue;
+        step(x);
+        ++left;
+      }
+    }
+    for (auto& x : all) done(x);
+  } else {
+    for (const auto& p : chosen) {
+      one x = start(p);
+      while (!x.st->done()) step(x);
+      done(x);
+    }
   }
   const double load1 = load_average();
   stream::print_stream_table(runs, o.s);

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,7 +38,7 @@ struct block_record {
 struct stream_run {
   std::string policy;
   std::vector<block_record> blocks;
-  double seconds = 0.0;
+  double seconds = 0.0;  ///< the sum of its blocks' seconds
   std::int64_t tokens = 0;
   std::int64_t skipped = 0;                ///< text tokens before the stream's first (--skip)
   std::string note;                        ///< why the run covers fewer tokens than asked, if it does
@@ -56,56 +55,74 @@ struct run_summary {
   std::int64_t max_slots = 0, kv_alloc_bytes = 0, peak_rss = 0, evictions = 0;
 };
 
-/// Streams `toks`, the text's tokens from index `skipped` on, through `r` in blocks of `s.block`;
-/// `progress(record)` is called after each.
-inline stream_run run_stream(runner& r, std::string policy, std::span<const llama_token> toks, std::int64_t skipped,
-                             const settings& s, std::int64_t smooth,
-                             const std::function<void(const block_record&)>& progress) {
-  stream_run out;
-  out.policy = std::move(policy);
-  out.skipped = skipped;
-  std::vector<float> prev;  // logits of the previous block's last token
-  double total_nll = 0.0;
-  std::int64_t total_scored = 0;
-  const auto start = std::chrono::steady_clock::now();
-  for (std::int64_t at = 0, index = 0; at < std::int64_t(toks.size()); at += s.block, ++index) {
+/// One policy's stream, a block at a time: decode a block of `toks` (the text's tokens from index
+/// `skipped` on) through `r`, score its tokens, evict. Several steppers can take turns (--interleave):
+/// a run's seconds are the sum of its own blocks', whatever ran between them.
+class stream_stepper {
+ public:
+  stream_stepper(runner& r, std::string policy, std::span<const llama_token> toks, std::int64_t skipped,
+                 const settings& s, std::int64_t smooth)
+      : r_(r), toks_(toks), s_(s), smooth_(smooth) {
+    out_.policy = std::move(policy);
+    out_.skipped = skipped;
+  }
+  bool done() const { return at_ >= std::int64_t(toks_.size()); }
+  std::int64_t n_blocks() const { return (std::int64_t(toks_.size()) + s_.block - 1) / s_.block; }
+
+  /// Streams the next block; returns its record.
+  const block_record& step() {
     const auto t0 = std::chrono::steady_clock::now();
-    const auto blk =
-        toks.subspan(std::size_t(at), std::size_t(std::min<std::int64_t>(s.block, std::int64_t(toks.size()) - at)));
-    r.feed(blk);
-    block_record rec{.index = index, .tokens = skipped + at + std::int64_t(blk.size())};
+    const auto blk = toks_.subspan(std::size_t(at_),
+                                   std::size_t(std::min<std::int64_t>(s_.block, std::int64_t(toks_.size()) - at_)));
+    r_.feed(blk);
+    block_record rec{.index = index_, .tokens = out_.skipped + at_ + std::int64_t(blk.size())};
     for (std::size_t i = 0; i < blk.size(); ++i) {
-      if (i == 0 && prev.empty()) continue;
-      rec.nll += token_nll(i == 0 ? std::span<const float>(prev) : r.logits(std::int64_t(i) - 1), blk[i]);
+      if (i == 0 && prev_.empty()) continue;
+      rec.nll += token_nll(i == 0 ? std::span<const float>(prev_) : r_.logits(std::int64_t(i) - 1), blk[i]);
       ++rec.scored;
     }
-    const auto last = r.logits(std::int64_t(blk.size()) - 1);
-    prev.assign(last.begin(), last.end());
-    rec.slots_peak = r.slots();
-    rec.evicted = r.evict();
-    rec.slots = r.slots();
+    const auto last = r_.logits(std::int64_t(blk.size()) - 1);
+    prev_.assign(last.begin(), last.end());
+    rec.slots_peak = r_.slots();
+    rec.evicted = r_.evict();
+    rec.slots = r_.slots();
     rec.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.tok_per_s = double(blk.size()) / rec.seconds;
-    total_nll += rec.nll, total_scored += rec.scored;
+    total_nll_ += rec.nll, total_scored_ += rec.scored;
     rec.block_ppl = rec.scored ? std::exp(rec.nll / double(rec.scored)) : NAN;
-    rec.running_ppl = total_scored ? std::exp(total_nll / double(total_scored)) : NAN;
+    rec.running_ppl = total_scored_ ? std::exp(total_nll_ / double(total_scored_)) : NAN;
     double wn = rec.nll;
     std::int64_t wc = rec.scored;
-    for (std::int64_t j = std::int64_t(out.blocks.size()) - 1; j >= 0 && j > index - smooth; --j)
-      wn += out.blocks[std::size_t(j)].nll, wc += out.blocks[std::size_t(j)].scored;
+    for (std::int64_t j = std::int64_t(out_.blocks.size()) - 1; j >= 0 && j > index_ - smooth_; --j)
+      wn += out_.blocks[std::size_t(j)].nll, wc += out_.blocks[std::size_t(j)].scored;
     rec.window_ppl = wc ? std::exp(wn / double(wc)) : NAN;
-    rec.kv_alloc_bytes = r.kv_alloc_bytes();
-    rec.kv_state_bytes = r.kv_state_bytes();
-    rec.host_bytes = r.host_bytes();
+    rec.kv_alloc_bytes = r_.kv_alloc_bytes();
+    rec.kv_state_bytes = r_.kv_state_bytes();
+    rec.host_bytes = r_.host_bytes();
     rec.rss_bytes = rss_bytes();
-    out.blocks.push_back(rec);
-    if (progress) progress(rec);
+    out_.seconds += rec.seconds;
+    out_.blocks.push_back(rec);
+    at_ += std::int64_t(blk.size()), ++index_;
+    return out_.blocks.back();
   }
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  out.tokens = std::int64_t(toks.size());
-  out.time = r.stats();
-  return out;
-}
+
+  /// The whole run (after the last step).
+  stream_run finish() {
+    out_.tokens = std::int64_t(toks_.size());
+    out_.time = r_.stats();
+    return std::move(out_);
+  }
+
+ private:
+  runner& r_;
+  std::span<const llama_token> toks_;
+  const settings& s_;
+  std::int64_t smooth_;
+  stream_run out_;
+  std::vector<float> prev_;  // logits of the previous block's last token
+  double total_nll_ = 0.0;
+  std::int64_t total_scored_ = 0, at_ = 0, index_ = 0;
+};
 
 /// exp of the mean NLL over `blocks`.
 inline double ppl_of(std::span<const block_record> blocks) {

@@ -2,7 +2,8 @@
 # 64 for streaming_llm and inf_mllm, one thread (robust on a loaded machine); the JSON (OUT) must
 # hold one record per block, a cache that never exceeded budget + block nor kept more than the
 # budget, and finite perplexities; its CSV must pass scripts/stream_soak_check.py (SOAK_CHECK, run
-# with PYTHON): cache, host copies and RSS flat after the warm-up.
+# with PYTHON): cache, host copies and RSS flat after the warm-up; three policies taking turns
+# (--interleave) give every block the same result as one after another.
 # MODE passkey: one passkey trial at distance 300 through a 128-slot cache: the full cache holds
 # every token of the key statement at the question, StreamingLLM none; the same for three needle
 # trials in TEXT (one of each kind; expected_attention runs them too, through the values it
@@ -82,6 +83,26 @@ if(MODE STREQUAL "smoke")
   if(NOT cap0 EQUAL 0 OR NOT cap1 GREATER 0)
     message(FATAL_ERROR "capture seconds: streaming_llm ${cap0} (must be 0), inf_mllm ${cap1} (must be > 0)")
   endif()
+  # --interleave: the policies take turns block by block, each on its own context: every block's
+  # negative log-likelihood and kept slots equal the runs one after another.
+  run_stream("sequential" --model ${MODEL} --text ${TEXT} --tokens 640 --budget ${budget} --block ${block}
+             --policy streaming_llm,snapkv,keydiff)
+  set(one_by_one "${json}")
+  run_stream("--interleave" --model ${MODEL} --text ${TEXT} --tokens 640 --budget ${budget} --block ${block}
+             --policy streaming_llm,snapkv,keydiff --interleave)
+  foreach(r RANGE 2)
+    string(JSON n LENGTH "${json}" runs ${r} blocks)
+    math(EXPR last "${n} - 1")
+    foreach(i RANGE ${last})
+      foreach(field nll slots)
+        string(JSON a GET "${one_by_one}" runs ${r} blocks ${i} ${field})
+        string(JSON b GET "${json}" runs ${r} blocks ${i} ${field})
+        if(NOT a STREQUAL b)
+          message(FATAL_ERROR "--interleave: run ${r} block ${i}: ${field} ${b}, one after another ${a}")
+        endif()
+      endforeach()
+    endforeach()
+  endforeach()
   # llama.cpp's context shift: never beyond budget + block cells; when full, half of what
   # follows the sinks goes.
   run_stream("context_shift" --model ${MODEL} --text ${TEXT} --tokens 700 --budget ${budget} --block ${block}
