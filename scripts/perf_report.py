@@ -72,9 +72,18 @@ def own(t):
     return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
 
 
-def observe_section(files, memory, keyruns, loops, apart, md):
-    """The price of observing: each policy's overhead against streaming_llm's decode time in the
-    same run, over several runs (median and range), and the session's bytes against the KV."""
+def med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def spread(xs, digits=1):
+    return f"{fmt(med(xs), digits)} [{fmt(min(xs), digits)}, {fmt(max(xs), digits)}]"
+
+
+def overhead_table(files, how, md):
+    """Each policy's overhead against streaming_llm's decode time in the same run: medians and
+    [min, max] over the runs `files` (infkv-stream JSON), their policies run as `how` says."""
     per = {}  # policy -> list of (run time dict, overhead %, decode +%, own %, session bytes / KV)
     order = []
     for d in files:
@@ -91,21 +100,12 @@ def observe_section(files, memory, keyruns, loops, apart, md):
     loads = ", ".join(f"{fmt(d['load_average_start'], 2)} -> {fmt(d['load_average_end'], 2)}" for d in files)
     md.append(f"Runs: {len(files)} x `infkv-stream` over {d0['tokens']} KJV tokens, budget {d0['settings']['budget']}, "
               f"block {d0['settings']['block']}, {d0['settings']['threads']} thread(s), keys `{d0['settings'].get('keys', 'copy')}`, "
-              f"the policies' order turned between runs; load average {loads}. {os.path.basename(d0['model'])} "
+              f"{how}; load average {loads}. {os.path.basename(d0['model'])} "
               f"(llama.cpp: {d0['model_desc']}){commits(*files)}.\n")
-
-    def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-    def spread(xs, digits=1):
-        return f"{fmt(med(xs), digits)} [{fmt(min(xs), digits)}, {fmt(max(xs), digits)}]"
-
     rows = []
     for name in ["streaming_llm"] + [n for n in order if n != "streaming_llm"]:
         v = per[name]
         ts = [x[0] for x in v]
-        ev = med([t["evictions"] for t in ts])
         rows.append([name, fmt(med([t["decode"] for t in ts])), fmt(med([t["capture"] for t in ts]), 2),
                      f"{med([t.get('observed', t['decodes']) for t in ts]):.0f} of {med([t['decodes'] for t in ts]):.0f}",
                      fmt(med([t["append"] + t["host_evict"] + t["rerotate"] for t in ts]), 2),
@@ -119,6 +119,12 @@ def observe_section(files, memory, keyruns, loops, apart, md):
     md.append(table(["run", "decode s", "capture s", "observed decodes", "append + host evict + rerotate s", "h2o s",
                      "score s", "score ms / eviction", "seq_rm+add s", "decode +% [range]", "own % [range]",
                      "overhead % [range]", "session / KV"], rows))
+
+
+def observe_section(files, interleaved, memory, keyruns, loops, apart, md):
+    """The price of observing: each policy's overhead against streaming_llm's decode time in the
+    same run, over several runs (median and range), and the session's bytes against the KV."""
+    overhead_table(files, "the policies one after another, their order turned between runs", md)
     md.append("\nMedians over the runs, [min, max] in brackets. `decode` is llama_decode (the capture callbacks "
               "and llama.cpp's K-shift run inside it); `capture` the part of it spent copying rows out of the graph; "
               "`observed decodes` the decodes whose graph was split for that (the others ran unsplit); the next "
@@ -127,6 +133,11 @@ def observe_section(files, memory, keyruns, loops, apart, md):
               "(streaming_llm's session installs no callback and copies nothing); `decode +%` and `own %` are its "
               "two parts. `session / KV`: the most the session held beside llama.cpp's cache over the run "
               "(`session::memory()`) over llama.cpp's K and V bytes.\n")
+    if interleaved:
+        md.append("The same measured with the policies taking turns block by block in one process "
+                  "(`infkv-stream --interleave`, each on its own context, the order turned every block), so that "
+                  "the machine's drift and the order within the process weigh on every policy alike:\n")
+        overhead_table(interleaved, "taking turns block by block", md)
     keys = [d for d in keyruns if d]
     if keys:
         rows = []
@@ -486,8 +497,10 @@ def main():
             apart.append(dict(ds[0], bounded=[b for d in ds for b in d["bounded"]],
                               load_average_start=max(d["load_average_start"] for d in ds),
                               parts=ds))
+    interleaved = [load(os.path.join(engine, f"interleave_{i}.json")) for i in range(1, 10)
+                   if os.path.exists(os.path.join(engine, f"interleave_{i}.json"))]
     if observed:
-        section("1. The price of observing", observe_section, observed, memory, keyruns, loops, apart, md)
+        section("1. The price of observing", observe_section, observed, interleaved, memory, keyruns, loops, apart, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
