@@ -300,7 +300,7 @@ class session {
       if (opt_.capture) {  // every layer keeps the newest window queries that all of them still hold
         std::int64_t held = std::numeric_limits<std::int64_t>::max();
         for (auto& l : layers_) l.abort(), held = std::min(held, l.n_queries());
-        for (auto& l : layers_) l.keep_newest(held);
+        for (auto& l : layers_) l.trim(held);
         fresh_ = std::min(fresh_, held);
       }
       rollback(why.empty() ? "llama_decode returned " + std::to_string(rc) : why);

@@ -73,13 +73,6 @@ class layer_cache {
     queries_.resize(query_pos_.size() * q_row());
     landing_ = query_pos_.size(), keep_q_ = 0, pushed_ = 0;
   }
-  /// Keeps only the newest `m` window queries (<= n_queries()).
-  void keep_newest(std::int64_t m) {
-    const std::int64_t drop = n_queries() - m;
-    queries_.erase(queries_.begin(), queries_.begin() + std::ptrdiff_t(std::size_t(drop) * q_row()));
-    query_pos_.erase(query_pos_.begin(), query_pos_.begin() + drop);
-    landing_ = query_pos_.size();
-  }
 
   /// Frees the key and value copies (the session reads llama.cpp's cache instead).
   void release_rows() {
