@@ -602,6 +602,23 @@ TEST_CASE("archive: recall brings back the page a question asks for and displace
     CHECK(a.tokens(op[0])[0].pos == 20);
   }
 
+  SUBCASE("only pages wholly below recall_options::below come back") {
+    // the needle's page (positions 20-23) first without a bound; a bound at 22 or 23 excludes it
+    // (a page straddling the bound is not recalled), at 24 it is recalled again
+    for (const std::int64_t below : {22, 23, 24}) {
+      CAPTURE(below);
+      cpu::recaller lim(a, policy, b, {.budget_tokens = 8, .candidates = 3, .below = below}, 64, qh, 8);
+      const auto o = lim.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 1.f / 4.f);
+      bool needle = false;
+      for (const auto& t : o.recalled) {
+        const auto pos = a.tokens(t.page)[std::size_t(t.index)].pos;
+        CHECK(pos < below);
+        needle = needle || (pos >= 20 && pos < 24);
+      }
+      CHECK(needle == (below == 24));
+    }
+  }
+
   SUBCASE("bad input") {
     CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 0}, 64, qh, 8),
                       doctest::Contains("recall_options.budget_tokens = 0"));

@@ -89,21 +89,25 @@ rows_by_pos archived_rows(const infkv::archive& a) {
   return out;
 }
 
-/// llama.cpp's rows of sequence `seq` by position, read through llama_state_seq_get_data.
-rows_by_pos engine_rows(llama_context* ctx, llama_seq_id seq, std::int32_t layers, std::int64_t e) {
+/// llama.cpp's rows of sequence `seq` by position, read through llama_state_seq_get_data: of a
+/// model with one cache, or of an iSWA cache's part `part` (0 global, 1 sliding) whose layers
+/// are the model's `part_layers`.
+rows_by_pos engine_rows(llama_context* ctx, llama_seq_id seq, std::int32_t layers, std::int64_t e,
+                        const std::vector<std::int32_t>& part_layers = {}, std::size_t part = 0) {
   std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx, seq));
   REQUIRE(llama_state_seq_get_data(ctx, buf.data(), buf.size(), seq) == buf.size());
-  const auto st = lc::detail::parse_kv_state(buf, layers, e);
+  const bool two = !part_layers.empty();
+  const auto st = lc::detail::parse_kv_states(buf, layers, e, two)[part];
   rows_by_pos out(static_cast<std::size_t>(layers));
   for (std::int64_t c = 0; c < st.cells; ++c) {
     std::int32_t pos;
     std::memcpy(&pos, buf.data() + st.pos_at[static_cast<std::size_t>(c)], 4);
-    for (std::int32_t l = 0; l < layers; ++l) {
+    for (std::int32_t j = 0; j < std::int32_t(st.layers.size()); ++j) {
       std::vector<float> k(static_cast<std::size_t>(e)), v(static_cast<std::size_t>(e));
-      infkv::to_f32(st.layers[static_cast<std::size_t>(l)].k_type, buf.data() + st.k_row(l, c), k.data(), e);
-      for (std::int64_t j = 0; j < e; ++j)
-        infkv::to_f32(st.layers[static_cast<std::size_t>(l)].v_type, buf.data() + st.v_elem(l, c, j), v.data() + j, 1);
-      out[static_cast<std::size_t>(l)][pos] = {k, v};
+      infkv::to_f32(st.layers[static_cast<std::size_t>(j)].k_type, buf.data() + st.k_row(j, c), k.data(), e);
+      for (std::int64_t i = 0; i < e; ++i)
+        infkv::to_f32(st.layers[static_cast<std::size_t>(j)].v_type, buf.data() + st.v_elem(j, c, i), v.data() + i, 1);
+      out[static_cast<std::size_t>(two ? part_layers[static_cast<std::size_t>(j)] : j)][pos] = {k, v};
     }
   }
   return out;
@@ -303,4 +307,58 @@ TEST_CASE("llama archive: recall for a question decodes it aside and leaves the 
   for (const auto p : rep.positions) CHECK(p < 64 - 8);
   CHECK_THROWS_WITH(s.recall(policy, b, {.budget_tokens = 8}, std::vector<llama_token>{}),
                     doctest::Contains("question.size() = 0"));
+}
+
+TEST_CASE("llama archive, sliding-window model: global layers' rows go back into llama.cpp, sliding ones' never") {
+  // tiny Gemma 3: layers 0 and 2 slide over 16 positions (the iSWA cache's second part), 1 and 3
+  // are global (its first part)
+  auto model = tiny_gemma3();
+  setup c;
+  SUBCASE("f32 cache, flash attention off") { c = {false, GGML_TYPE_F32, 4}; }
+  SUBCASE("f16 cache, flash attention on") { c = {true, GGML_TYPE_F16, 8}; }
+  lc::session s(model.get(), archive_options(c));
+  auto ctx = archive_context(model.get(), s, c);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2};
+  stream(s, policy, b);
+  check_memory_matches(s);
+  const std::int64_t e = std::int64_t(s.inputs(0).keys.n_heads) * s.inputs(0).keys.head_dim;
+  const std::vector<std::int32_t> global{1, 3}, sliding{0, 2};
+  // every layer of the 64 streamed tokens is archived (the sliding ones from the session's copies)
+  REQUIRE(s.archive()->held_tokens() == 64);
+  const auto before = archived_rows(*s.archive());
+  const std::int64_t size = s.size(), next = s.next_pos();
+  const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8});
+  REQUIRE(rep.tokens > 0);
+  CHECK(s.size() == size);
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  const auto engine = engine_rows(ctx.get(), 0, s.n_layers(), e, global, 0);
+  const auto engine_sliding = engine_rows(ctx.get(), 0, s.n_layers(), e, sliding, 1);
+  const auto host = host_rows(s);
+  for (const auto p : rep.positions) {
+    CAPTURE(p);
+    CHECK(p < next - 16);  // older than the window: no sliding layer attends to it again
+    for (const std::int32_t l : global)
+      for (std::int64_t j = 0; j < e; ++j) {
+        const auto& want = before[static_cast<std::size_t>(l)].at(p);
+        const auto& got = engine[static_cast<std::size_t>(l)].at(p);
+        CHECK(got.first[static_cast<std::size_t>(j)] == rounded(want.first[static_cast<std::size_t>(j)], c.type));
+        CHECK(got.second[static_cast<std::size_t>(j)] == rounded(want.second[static_cast<std::size_t>(j)], c.type));
+      }
+    for (const std::int32_t l : sliding) CHECK(engine_sliding[static_cast<std::size_t>(l)].count(p) == 0);
+    for (std::int32_t l = 0; l < s.n_layers(); ++l)  // the session's copies: every layer's archived keys
+      for (std::int64_t j = 0; j < e; ++j)
+        CHECK(host[static_cast<std::size_t>(l)].at(p).first[static_cast<std::size_t>(j)] ==
+              before[static_cast<std::size_t>(l)].at(p).first[static_cast<std::size_t>(j)]);
+  }
+  // the archived sliding layers' keys are the session's copies (within the quantization step)
+  for (const std::int32_t l : sliding) CHECK(before[static_cast<std::size_t>(l)].size() == 64);
+  REQUIRE(s.decode(random_tokens(4, 5)) == 0);
+  CHECK(s.tokens().back().pos == next + 3);
+  check_memory_matches(s);
+  // a recall of at most the window's tokens back, for a question, leaves the stream as it was
+  const auto q = s.recall(policy, b, {.budget_tokens = 4, .candidates = 8}, random_tokens(5, 8));
+  for (const auto p : q.positions) CHECK(p < s.next_pos() - 16);
+  check_memory_matches(s);
 }

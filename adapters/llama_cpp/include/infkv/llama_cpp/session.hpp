@@ -576,15 +576,17 @@ class session {
                             std::span<const const_tensor_view> queries, const std::vector<std::int64_t>& qpos) {
     p.validate();
     require_captures(p.spec());
-    {
-      const stopwatch w{stats_.archive};  // what the stream wrote since the last eviction, first
-      archive_->archive_new(route(), tokens());
-    }
+    archive_stream();  // what the stream wrote since the last eviction, first
     layers_in_.clear();
     for (std::int32_t l = 0; l < n_layers(); ++l) layers_in_.push_back(inputs(l));
     const cpu::backend be{opt_.executor};
     infkv::archive& store = archive_->store();
-    cpu::recaller rc(store, p, b, o, size(), queries[0].n_heads, queries[0].n_slots, be);
+    cpu::recall_options opt = o;
+    if (archive_->two_caches()) {  // a sliding layer attends to nothing below next_pos() - n_swa again
+      const std::int64_t oldest = next_pos() - n_swa_;
+      opt.below = std::min(o.below.value_or(oldest), oldest);
+    }
+    cpu::recaller rc(store, p, b, opt, size(), queries[0].n_heads, queries[0].n_slots, be);
     const cpu::recall_result res =
         rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(layers_in_), queries, qpos, opt_.scale);
     recall_report rep;
@@ -635,10 +637,7 @@ class session {
     INFKV_REQUIRE(keep.n_slots() == size(), "keep.n_slots()", keep.n_slots(), "must equal size() = ", size());
     eviction_result res;
     res.removed = keep.evicted_runs(tokens());
-    if (archive_ && keep.size(0) < size()) {  // written through: nothing leaves before it is archived
-      const stopwatch w{stats_.archive};
-      archive_->archive_new(route(), tokens());
-    }
+    if (archive_ && keep.size(0) < size()) archive_stream();  // written through: nothing leaves before it is archived
     ++stats_.evictions;
     for (std::size_t i = 0; i < res.removed.size(); ++i) {
       const auto& r = res.removed[i];
@@ -800,6 +799,15 @@ class session {
                                  "sequence and start a new session");
   }
 
+  /// Archives what the stream wrote since the last call (archive_link::archive_new; the session's
+  /// copies give a sliding-window model's sliding layers).
+  void archive_stream() {
+    const stopwatch w{stats_.archive};
+    archive_copies_.clear();
+    for (std::int32_t l = 0; l < n_layers(); ++l) archive_copies_.push_back(inputs(l));
+    archive_->archive_new(route(), tokens(), archive_copies_);
+  }
+
   /// The archive's way to llama.cpp's rows.
   detail::cache_route route() const { return {ctx_, mem_, &opt_.memory, opt_.seq, opt_.scratch_seq}; }
 
@@ -887,9 +895,10 @@ class session {
   detail::position_book book_;  // the cached tokens in slot order, where the stream goes on
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
-  std::vector<layer_inputs<const_paged_rows>> layers_in_;  // the pipeline's inputs, reused across evictions
-  std::optional<cpu::workspace> workspace_;                // grown on demand, reused across evictions
-  std::optional<detail::archive_link> archive_;            // session_options::archive
+  std::vector<layer_inputs<const_paged_rows>> layers_in_;       // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;                     // grown on demand, reused across evictions
+  std::optional<detail::archive_link> archive_;                 // session_options::archive
+  std::vector<layer_inputs<const_paged_rows>> archive_copies_;  // archive_stream's
   bool decided_ = false;                        // where the keys come from is settled (bind, or the first decode)
   bool engine_ = false;                         // the policies read llama.cpp's cache (cells_, caches_)
   bool shift_pending_ = false;                  // positions moved since the last decode: llama.cpp's K not yet turned

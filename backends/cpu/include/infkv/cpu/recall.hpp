@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -49,6 +50,10 @@ struct recall_options {
   /// A page that comes back brings this many adjoining pages on each side (decide_recall): they
   /// are candidates too, scored beside the others.
   std::int32_t neighbours = 1;
+  /// Only pages whose every token lies below this position come back (none: any). The llama.cpp
+  /// session sets it on a model with sliding-window layers to the oldest position those layers
+  /// can still attend to, so that what comes back is what a full cache holds in every layer.
+  std::optional<std::int64_t> below{};
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
@@ -182,7 +187,9 @@ class recaller {
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
       if (a.holds(p) && a.info(p).layer == layer) {
         ++nl;
-        if (!std::ranges::all_of(a.tokens(p), cached)) held_[std::size_t(nh++)] = p;
+        if (!std::ranges::all_of(a.tokens(p), cached) &&
+            (!opt_.below || std::ranges::all_of(a.tokens(p), [&](const token& t) { return t.pos < *opt_.below; })))
+          held_[std::size_t(nh++)] = p;
       }
     INFKV_REQUIRE(nl > 0, "archive", "empty", "holds no page of layer ", layer);
     if (nh == 0) return {};  // the cache holds every archived token

@@ -3,9 +3,20 @@
 // transfer goes through a scratch sequence: the cells to read are shared into it and its state
 // read; rows to restore are written into a state and restored into it, then shared into the
 // session's sequence. The scratch sequence is empty again after every call.
+//
+// A model with sliding-window layers (llama.cpp's iSWA cache: the global layers' cache and the
+// sliding layers') is archived layer by layer as the policies score it: the global layers' rows
+// are llama.cpp's own, read from the first cache's part of the state; the sliding layers' are the
+// session's copies (the second cache holds only the cells within the window of a sequence's
+// newest position, so it cannot give every archived token's rows). A recall writes the global
+// layers' rows back into llama.cpp and the sliding layers' into the copies only: the session
+// recalls on such a model only tokens older than the window (recall_options::below), which a
+// sliding layer never attends to again, so llama.cpp's cache is what a full cache would hold for
+// them in every layer.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -45,22 +56,25 @@ struct cache_route {
 /// it; a recall copies rows back and the pages stay. Positions below `archived_to()` are archived.
 class archive_link {
  public:
-  archive_link(const llama_model* model, const archive_options& o) : store_(shape_of(model), o) {}
+  archive_link(const llama_model* model, const archive_options& o)
+      : store_(shape_of(model), o), two_caches_(llama_model_n_swa(model) > 0) {}
 
   infkv::archive& store() { return store_; }
   const infkv::archive& store() const { return store_; }
   /// Bytes held: the archive and the transfer buffers.
   std::int64_t bytes() const {
     return std::int64_t(store_.memory() + state_.capacity() + template_.capacity() + scratch_.capacity() +
-                        (staged_.capacity() + vrows_.capacity()) * sizeof(float));
+                        (staged_.capacity() + vrows_.capacity() + krows_.capacity()) * sizeof(float));
   }
   /// The first position not archived yet.
   std::int64_t archived_to() const { return archived_to_; }
 
-  /// Archives llama.cpp's rows of the session's cached `tokens` at positions from archived_to()
-  /// on (all of them are cached: nothing leaves before it is archived), in time order, cut into
-  /// pages of page_tokens.
-  void archive_new(const cache_route& r, std::span<const token> tokens) {
+  /// Archives the rows of the session's cached `tokens` at positions from archived_to() on (all
+  /// of them are cached: nothing leaves before it is archived), in time order, cut into pages of
+  /// page_tokens: llama.cpp's rows, and on a model with sliding-window layers those layers' rows
+  /// from `copies` (the session's inputs of every layer, one slot per token).
+  void archive_new(const cache_route& r, std::span<const token> tokens,
+                   std::span<const layer_inputs<const_paged_rows>> copies) {
     std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the slots to archive
     for (std::size_t s = 0; s < tokens.size(); ++s)
       if (tokens[s].pos >= archived_to_) by_pos.push_back({tokens[s].pos, std::int64_t(s)});
@@ -73,29 +87,47 @@ class archive_link {
       infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at positions [", run.begin, ", ", run.end,
                                  "), the session ", m, " slots (slots sharing a position?): nothing was archived");
     std::vector<token> toks(static_cast<std::size_t>(m));
+    std::vector<std::int64_t> slot(static_cast<std::size_t>(m));  // each cell's slot in the session
     for (std::int64_t c = 0; c < m; ++c) {
       const std::int64_t pos = st.pos(state_, c);
       const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
       if (it == by_pos.end() || it->first != pos)
         infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", pos,
                                    " is not a slot of the session: nothing was archived");
+      slot[std::size_t(c)] = it->second;
       toks[std::size_t(c)] = tokens[std::size_t(it->second)];
     }
+    if (two_caches_ && global_.empty()) map_layers(st, slot, copies);
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
-    if (st.v_trans) vrows_.assign(std::size_t(L * m * E), 0.f);  // V rows out of their transposed layout
+    vrows_.assign(std::size_t(L * m * E), 0.f);  // V (and sliding layers' K) rows out of their layouts
+    krows_.assign(two_caches_ ? std::size_t(L * m * E) : 0, 0.f);
     std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(L));
     for (std::int32_t l = 0; l < L; ++l) {
-      const auto& sl = st.layers[std::size_t(l)];
-      in[std::size_t(l)].tokens = toks;
-      in[std::size_t(l)].keys = nhd(static_cast<const void*>(state_.data() + sl.k_at), sl.k_type, m, H, d);
-      if (!st.v_trans) {
-        in[std::size_t(l)].values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
+      auto& li = in[std::size_t(l)];
+      li.tokens = toks;
+      float* v = vrows_.data() + std::size_t(l * m * E);
+      const std::int32_t j = state_layer(l);
+      if (j < 0) {  // a sliding layer: the session's copies (values zero where the session keeps none)
+        const auto& c = copies[std::size_t(l)];
+        float* k = krows_.data() + std::size_t(l * m * E);
+        for (std::int64_t i = 0; i < m; ++i)
+          for (std::int32_t h = 0; h < H; ++h) {
+            to_f32(c.keys.type, c.keys.row(slot[std::size_t(i)], h), k + i * E + h * d, d);
+            if (!c.values.empty()) to_f32(c.values.type, c.values.row(slot[std::size_t(i)], h), v + i * E + h * d, d);
+          }
+        li.keys = nhd(static_cast<const void*>(k), dtype::f32, m, H, d);
+        li.values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
         continue;
       }
-      float* v = vrows_.data() + std::size_t(l * m * E);
+      const auto& sl = st.layers[std::size_t(j)];
+      li.keys = nhd(static_cast<const void*>(state_.data() + sl.k_at), sl.k_type, m, H, d);
+      if (!st.v_trans) {
+        li.values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
+        continue;
+      }
       for (std::int64_t c = 0; c < m; ++c)
-        for (std::int64_t j = 0; j < E; ++j) to_f32(sl.v_type, state_.data() + st.v_elem(l, c, j), v + c * E + j, 1);
-      in[std::size_t(l)].values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
+        for (std::int64_t e = 0; e < E; ++e) to_f32(sl.v_type, state_.data() + st.v_elem(j, c, e), v + c * E + e, 1);
+      li.values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
     }
     keep_set none(m);
     none.add_unit({});
@@ -103,6 +135,9 @@ class archive_link {
     cpu::archive_evicted(store_, std::span<const layer_inputs<const_tensor_view>>(in), none, scratch_, 0);
     archived_to_ = end;
   }
+
+  /// Whether llama.cpp keeps the model's layers in two caches (sliding-window layers: iSWA).
+  bool two_caches() const { return two_caches_; }
 
   /// Stages the rows (f32) and tokens of the archived tokens `recalled`; the pages stay.
   std::span<const token> stage(std::span<const cpu::archived_token> recalled) {
@@ -136,23 +171,34 @@ class archive_link {
   }
 
   /// Writes the staged rows at their positions into the template (read_template), restores it into
-  /// the scratch sequence and shares its cells into the session's. When llama.cpp refuses,
-  /// engine_error says the cache holds that many slots fewer (their rows stay archived).
+  /// the scratch sequence and shares its cells into the session's: every layer's rows, or on a
+  /// model with sliding-window layers the global layers' (the sliding layers' cache gets no
+  /// cell). When llama.cpp refuses, engine_error says the cache holds that many slots fewer
+  /// (their rows stay archived).
   void write_back(const cache_route& r) {
     const std::int32_t L = layers();
     const std::int64_t m = std::int64_t(back_.size()), E = row_elems();
-    const kv_state st = parse_kv_state(template_, L, E);
+    const kv_state st = parse(template_)[0];
+    if (two_caches_) {  // the sliding layers' part: no cell
+      template_.resize(st.end);
+      for (const std::uint32_t w : {1u, 0u}) {  // n_stream, cell_count
+        const auto* b = reinterpret_cast<const std::uint8_t*>(&w);
+        template_.insert(template_.end(), b, b + sizeof w);
+      }
+    }
     for (std::int64_t c = 0; c < m; ++c) {
       const auto pos = std::int32_t(back_[std::size_t(c)].pos);
       std::memcpy(template_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
       for (std::int32_t l = 0; l < L; ++l) {
-        const auto& sl = st.layers[std::size_t(l)];
-        from_f32(sl.k_type, staged(false, l) + c * E, template_.data() + st.k_row(l, c), E);
+        const std::int32_t j = state_layer(l);
+        if (j < 0) continue;
+        const auto& sl = st.layers[std::size_t(j)];
+        from_f32(sl.k_type, staged(false, l) + c * E, template_.data() + st.k_row(j, c), E);
         const float* v = staged(true, l) + c * E;
         if (!st.v_trans)
-          from_f32(sl.v_type, v, template_.data() + st.v_elem(l, c, 0), E);
+          from_f32(sl.v_type, v, template_.data() + st.v_elem(j, c, 0), E);
         else
-          for (std::int64_t j = 0; j < E; ++j) from_f32(sl.v_type, v + j, template_.data() + st.v_elem(l, c, j), 1);
+          for (std::int64_t e = 0; e < E; ++e) from_f32(sl.v_type, v + e, template_.data() + st.v_elem(j, c, e), 1);
       }
     }
     const std::size_t put = r.calls->state_set(r.ctx, template_.data(), template_.size(), r.scratch);
@@ -175,6 +221,53 @@ class archive_link {
     return {llama_model_n_layer(model), llama_model_n_head_kv(model), head_dim, granularity::per_token};
   }
   std::int32_t layers() const { return store_.shape().n_layers; }
+  std::vector<kv_state> parse(std::span<const std::uint8_t> b) const {
+    return parse_kv_states(b, layers(), row_elems(), two_caches_);
+  }
+  /// Model layer l's index among the layers of the state's first part, or -1 for a sliding layer.
+  std::int32_t state_layer(std::int32_t l) const {
+    if (!two_caches_) return l;
+    const auto it = std::lower_bound(global_.begin(), global_.end(), l);
+    return it != global_.end() && *it == l ? std::int32_t(it - global_.begin()) : -1;
+  }
+
+  /// Tells the global layers from the sliding ones (llama.h does not say which slide): the first
+  /// part's layers are the global ones in the model's order, so each model layer in turn is the
+  /// next of them when its key rows in the session's copies are llama.cpp's rows of that layer
+  /// for every archived cell (within the rounding of the coarser of the two types: bf16's 2^-8
+  /// of the largest element), and a sliding layer otherwise.
+  void map_layers(const kv_state& st, std::span<const std::int64_t> slot,
+                  std::span<const layer_inputs<const_paged_rows>> copies) {
+    const std::int32_t L = layers(), n_global = std::int32_t(st.layers.size()), H = store_.shape().kv_heads,
+                       d = store_.shape().head_dim;
+    const std::int64_t E = row_elems(), m = std::int64_t(slot.size());
+    INFKV_REQUIRE(std::int32_t(copies.size()) == L, "copies.size()", copies.size(), "must be the model's ", L,
+                  " layers");
+    std::vector<float> want(static_cast<std::size_t>(E)), got(static_cast<std::size_t>(E));
+    const auto same = [&](std::int32_t l, std::int32_t j) {
+      const auto& sl = st.layers[std::size_t(j)];
+      const auto& c = copies[std::size_t(l)].keys;
+      if (c.empty() || c.n_slots < m) return false;
+      float diff = 0.f, mag = 0.f;
+      for (std::int64_t i = 0; i < m; ++i) {
+        to_f32(sl.k_type, state_.data() + st.k_row(j, i), want.data(), E);
+        for (std::int32_t h = 0; h < H; ++h) to_f32(c.type, c.row(slot[std::size_t(i)], h), got.data() + h * d, d);
+        for (std::int64_t e = 0; e < E; ++e)
+          diff = std::max(diff, std::abs(got[std::size_t(e)] - want[std::size_t(e)])),
+          mag = std::max(mag, std::abs(want[std::size_t(e)]));
+      }
+      return mag > 0.f && diff <= mag * 0x1p-8f;
+    };
+    std::vector<std::int32_t> global;
+    for (std::int32_t l = 0; l < L; ++l)
+      if (std::int32_t(global.size()) < n_global && same(l, std::int32_t(global.size()))) global.push_back(l);
+    if (std::int32_t(global.size()) != n_global)
+      infkv::raise<engine_error>("infkv: the archive found ", global.size(), " of the ", n_global,
+                                 " global layers of llama.cpp's first cache among the session's key copies: which "
+                                 "layers slide cannot be told; nothing was archived");
+    global_ = std::move(global);
+  }
+
   std::int64_t row_elems() const { return std::int64_t(store_.shape().kv_heads) * store_.shape().head_dim; }
 
   /// Reads llama.cpp's rows of the session's cells in `runs` into `buf` and parses them.
@@ -187,7 +280,8 @@ class archive_link {
     if (got != n)
       infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", r.scratch, ") = ", got, " of ", n,
                                  " bytes: the cache's rows could not be read for the archive");
-    return parse_kv_state(buf, layers(), row_elems());
+    auto parts = parse(buf);
+    return std::move(parts[0]);
   }
 
   infkv::archive store_;
@@ -196,7 +290,10 @@ class archive_link {
   std::int64_t archived_to_ = 0;        // the first position not archived yet
   std::vector<float> staged_;           // a recall's rows: [K | V][layer][slot][E]
   std::vector<token> back_;             // their tokens
-  std::vector<float> vrows_;            // V rows out of a transposed state
+  bool two_caches_ = false;             // llama.cpp's iSWA cache: the global layers' part, then the sliding ones'
+  std::vector<std::int32_t> global_;    // its global layers in the model's order (known at the first archive)
+  std::vector<float> vrows_;            // V rows out of a transposed state, and the sliding layers'
+  std::vector<float> krows_;            // the sliding layers' K rows
   std::vector<std::byte> scratch_;      // archive_evicted's
 };
 
