@@ -619,6 +619,31 @@ TEST_CASE("archive: recall brings back the page a question asks for and displace
     }
   }
 
+  SUBCASE("recall_options::layers: as the recall over an archive and a cache of those layers alone") {
+    cache full1(1, H, d, n, rng), cached1(1, H, d, kept, rng);
+    full1.k[0] = full.k[1], full1.v[0] = full.v[1], full1.tokens = full.tokens;
+    cached1.k[0] = cached.k[1], cached1.v[0] = cached.v[1], cached1.tokens = cached.tokens;
+    archive one(archive_shape{1, H, d, granularity::per_token}, opts(4, 4, 4, 1 << 20));
+    archive_all(one, full1, keep);
+    cpu::recaller r1(one, policy, b, {.budget_tokens = 8, .candidates = 3}, 64, qh, 8);
+    const auto in1 = cached1.inputs();
+    const auto want = r1.recall(one, std::span<const layer_inputs<>>(in1), std::span(qv).subspan(1, 1), qpos, 0.25f);
+    const std::vector<std::int64_t> wd(want.displaced.begin(), want.displaced.end());
+    std::vector<std::int64_t> wp;
+    for (const auto& t : want.recalled) wp.push_back(one.tokens(t.page)[std::size_t(t.index)].pos);
+    cpu::recaller rl(a, policy, b, {.budget_tokens = 8, .candidates = 3, .layers = {1}}, 64, qh, 8);
+    const auto got = rl.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f);
+    std::vector<std::int64_t> gp;
+    for (const auto& t : got.recalled) gp.push_back(a.tokens(t.page)[std::size_t(t.index)].pos);
+    REQUIRE(!wp.empty());
+    CHECK(gp == wp);
+    CHECK(std::vector<std::int64_t>(got.displaced.begin(), got.displaced.end()) == wd);
+    CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 8, .layers = {1, 1}}, 64, qh, 8),
+                      doctest::Contains("recall_options.layers[1] = 1: must be ascending in [0, 2)"));
+    CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 8, .layers = {2}}, 64, qh, 8),
+                      doctest::Contains("recall_options.layers[0] = 2"));
+  }
+
   SUBCASE("bad input") {
     CHECK_THROWS_WITH(cpu::recaller(a, policy, b, {.budget_tokens = 0}, 64, qh, 8),
                       doctest::Contains("recall_options.budget_tokens = 0"));

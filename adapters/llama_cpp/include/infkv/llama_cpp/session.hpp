@@ -585,6 +585,7 @@ class session {
     if (archive_->two_caches()) {  // a sliding layer attends to nothing below next_pos() - n_swa again
       const std::int64_t oldest = next_pos() - n_swa_;
       opt.below = std::min(o.below.value_or(oldest), oldest);
+      if (opt.layers.empty()) opt.layers = archive_->global_layers();  // so only the global layers' scores say
     }
     cpu::recaller rc(store, p, b, opt, size(), queries[0].n_heads, queries[0].n_slots, be);
     const cpu::recall_result res =

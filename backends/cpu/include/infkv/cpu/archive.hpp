@@ -228,9 +228,9 @@ inline void restore(const archive& a, std::int32_t page, std::span<const kv_view
 /// [lo_d, hi_d] is the range of the page's dequantized keys in channel d; summed over the page's
 /// layers. `queries[l]` are archive layer l's (all layers, whatever the granularity), query
 /// heads a multiple of the KV heads. `layer` >= 0 bounds only the pages of that layer (the others
-/// get -inf).
+/// get -inf); `only` (ascending), when given, sums only those layers' bounds.
 inline void page_bounds(const archive& a, std::span<const const_tensor_view> queries, float scale, std::span<float> out,
-                        std::int32_t layer = -1) {
+                        std::int32_t layer = -1, std::span<const std::int32_t> only = {}) {
   const archive_shape& s = a.shape();
   INFKV_REQUIRE(std::int64_t(queries.size()) == s.n_layers, "queries.size()", queries.size(),
                 "must equal the archive's ", s.n_layers, " layers");
@@ -254,6 +254,7 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
     const page_info& pi = a.info(p);
     double total = 0.0;
     for (std::int32_t lp = 0; lp < s.layers_per_page(); ++lp) {
+      if (!only.empty() && !std::binary_search(only.begin(), only.end(), pi.layer + lp)) continue;
       const const_tensor_view& Q = queries[std::size_t(pi.layer + lp)];
       const std::int32_t group = Q.n_heads / s.kv_heads;
       float best = -std::numeric_limits<float>::infinity();

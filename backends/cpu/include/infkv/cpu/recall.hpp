@@ -54,6 +54,10 @@ struct recall_options {
   /// session sets it on a model with sliding-window layers to the oldest position those layers
   /// can still attend to, so that what comes back is what a full cache holds in every layer.
   std::optional<std::int64_t> below{};
+  /// The layers whose scores rank the pages and place them (ascending; a per_token archive's;
+  /// empty: every layer). The llama.cpp session sets a sliding-window model's global layers:
+  /// its sliding layers never attend to what recall brings back (below).
+  std::vector<std::int32_t> layers{};
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
@@ -94,6 +98,12 @@ class recaller {
     INFKV_REQUIRE(o.budget_tokens >= 1, "recall_options.budget_tokens", o.budget_tokens, "must be >= 1");
     INFKV_REQUIRE(o.candidates >= 1, "recall_options.candidates", o.candidates, "must be >= 1");
     INFKV_REQUIRE(o.neighbours >= 0, "recall_options.neighbours", o.neighbours, "must be >= 0");
+    INFKV_REQUIRE(o.layers.empty() || shape_.g == granularity::per_token, "recall_options.layers.size()",
+                  o.layers.size(), "selects the layers of a per_token archive; a per_layer recall takes one layer");
+    for (std::size_t i = 0; i < o.layers.size(); ++i)
+      INFKV_REQUIRE(o.layers[i] >= 0 && o.layers[i] < shape_.n_layers && (i == 0 || o.layers[i] > o.layers[i - 1]),
+                    "recall_options.layers[" + std::to_string(i) + "]", o.layers[i], "must be ascending in [0, ",
+                    shape_.n_layers, ")");
     opt_.candidates = std::min(o.candidates, a.capacity_pages());
     max_cands_ = std::int32_t(std::min<std::int64_t>(
         std::int64_t(opt_.candidates) * (1 + 2 * std::int64_t(o.neighbours)), a.capacity_pages()));
@@ -182,7 +192,7 @@ class recaller {
     };
     // 2. bounds (at the attention scale the scores use), and the best candidates among this layer's pages
     //    holding a token the cache does not
-    page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer);
+    page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer, opt_.layers);
     std::int64_t nh = 0, nl = 0;
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
       if (a.holds(p) && a.info(p).layer == layer) {
@@ -231,7 +241,9 @@ class recaller {
     const std::int32_t H = shape_.kv_heads, d = shape_.head_dim;
     const std::int64_t layer_floats = n * H * d;
     const bool need_values = spec.needs().values;
-    for (std::int32_t l = 0; l < L; ++l) {
+    const std::int32_t nl_scored = opt_.layers.empty() ? L : std::int32_t(opt_.layers.size());
+    for (std::int32_t i = 0; i < nl_scored; ++i) {
+      const std::int32_t l = opt_.layers.empty() ? i : opt_.layers[std::size_t(i)];
       const auto& in = cache[std::size_t(l)];
       const std::string at = "cache[" + std::to_string(l) + "]";
       validate(in.keys, (at + ".keys").c_str());
@@ -242,8 +254,8 @@ class recaller {
         INFKV_REQUIRE(in.values.n_slots == n_cache && in.values.n_heads == H && in.values.head_dim == d,
                       at + ".values.n_slots", in.values.n_slots, "must match the keys");
       }
-      float* const K = keys_.data() + l * layer_floats;
-      float* const V = values_.data() + l * layer_floats;
+      float* const K = keys_.data() + i * layer_floats;
+      float* const V = values_.data() + i * layer_floats;
       for (std::int64_t j = 0; j < n_cache; ++j)
         for (std::int32_t h = 0; h < H; ++h) {
           to_f32(in.keys.type, in.keys.row(j, h), K + (j * H + h) * d, d);
@@ -259,7 +271,7 @@ class recaller {
           }
         }
       }
-      auto& li = inputs_[std::size_t(l)];
+      auto& li = inputs_[std::size_t(i)];
       li = layer_inputs<const_tensor_view>{};
       li.keys = nhd(static_cast<const void*>(K), dtype::f32, n, H, d);
       if (need_values) li.values = nhd(static_cast<const void*>(V), dtype::f32, n, H, d);
@@ -272,10 +284,10 @@ class recaller {
 
     // 4. the policy's own scores over both, then the displacement rule
     plan_options po;
-    po.g = shape_.g, po.n_layers = L;
+    po.g = shape_.g, po.n_layers = nl_scored;
     const plan pl = make_plan(be_, spec, b, shape_of(inputs_[0]), po);
-    const score_view s =
-        run_decision_scores(pl, be_, std::span<const layer_inputs<const_tensor_view>>(inputs_), ws_->span());
+    const score_view s = run_decision_scores(
+        pl, be_, std::span<const layer_inputs<const_tensor_view>>(inputs_.data(), std::size_t(nl_scored)), ws_->span());
     const auto [nch, nd] = decide_recall(std::span<const float>(&s(0, 0), std::size_t(n)),
                                          std::span<const token>(tokens_.data(), std::size_t(n)), n_cache,
                                          std::span<const recall_candidate>(cands_.data(), std::size_t(nc)),

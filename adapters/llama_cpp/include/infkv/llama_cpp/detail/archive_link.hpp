@@ -138,6 +138,8 @@ class archive_link {
 
   /// Whether llama.cpp keeps the model's layers in two caches (sliding-window layers: iSWA).
   bool two_caches() const { return two_caches_; }
+  /// With two caches: the global layers, in the model's order (known from the first archive on).
+  const std::vector<std::int32_t>& global_layers() const { return global_; }
 
   /// Stages the rows (f32) and tokens of the archived tokens `recalled`; the pages stay.
   std::span<const token> stage(std::span<const cpu::archived_token> recalled) {
