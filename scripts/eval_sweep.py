@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ("full,streaming_llm,window,context_shift,h2o,tova,snapkv,keydiff,recent_keydiff,inf_mllm,inf_mllm_bias,"
             "inf_mllm_v,expected_attention")
 # Files whose change changes the program (scripts and docs do not).
-CODE = ["include", "adapters", "tools", "CMakeLists.txt", "cmake", "CMakePresets.json"]
+CODE = ["include", "backends", "adapters", "tools", "CMakeLists.txt", "cmake", "CMakePresets.json"]
 
 
 def git(*args):
