@@ -5,6 +5,7 @@
 #include "llama_fixture.hpp"
 
 #include <algorithm>
+#include <set>
 
 using namespace infkv_test;
 namespace lc = infkv::llama_cpp;
@@ -83,4 +84,62 @@ TEST_CASE("llama session, sliding-window model: bookkeeping follows the engine t
     CHECK(positions(s) == range_set(48));
     check_room(s);  // llama.cpp's cache holds exactly the session's cells
   }
+}
+
+TEST_CASE("llama session, sliding-window model: score_global_layers scores layers 1 and 3 only") {
+  // The tiny Gemma 3's global layers are 1 and 3; the session finds them from llama.cpp's state
+  // (the global layers' cache matched against its key copies), and its keep set is the
+  // pipeline's over those two layers' inputs, which differs from the one over all four.
+  auto model = tiny_gemma3();
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2, .recent = 4};
+  for (const bool fa : {false, true}) {
+    CAPTURE(fa);
+    auto opt = lc::session_options::for_policy(policy);
+    opt.score_global_layers = true;
+    lc::session s(model.get(), opt);
+    auto ctx = bound_context(model.get(), s, {.flash_attn = fa, .type_k = fa ? GGML_TYPE_F16 : GGML_TYPE_F32});
+    CHECK_THROWS_WITH(s.scored_layers(), doctest::Contains("decode first"));
+    REQUIRE(s.decode(random_tokens(48, 21)) == 0);
+    CHECK(s.scored_layers() == std::vector<std::int32_t>{1, 3});
+    const auto keep_of = [&](const std::vector<std::int32_t>& layers) {
+      std::vector<infkv::layer_inputs<infkv::const_paged_rows>> in;
+      for (const auto l : layers) in.push_back(s.inputs(l));
+      const infkv::cpu::backend be{};
+      const auto pl =
+          infkv::make_plan(be, policy.spec(), b, infkv::shape_of(in.front()),
+                           {.g = infkv::granularity::per_token, .r = opt.reduce, .n_layers = std::int32_t(in.size())});
+      infkv::cpu::workspace ws(pl.workspace_bytes);
+      std::vector<std::int64_t> offsets(std::size_t(pl.offsets_size())), slots(std::size_t(pl.kept_total));
+      const infkv::keep_view out{slots.data(), offsets.data(), pl.units, pl.shape.n_slots};
+      infkv::run(pl, be, std::span<const infkv::layer_inputs<infkv::const_paged_rows>>(in), ws.span(), out);
+      std::set<std::int64_t> pos;
+      const auto keep = infkv::keep_set::from_view(out);
+      for (const auto k : keep.unit(0)) pos.insert(s.tokens()[std::size_t(k)].pos);
+      return pos;
+    };
+    const auto want = keep_of({1, 3});
+    CHECK(want != keep_of({0, 1, 2, 3}));
+    const auto before = positions(s);
+    const auto r = s.evict(policy, b);
+    std::set<std::int64_t> kept;
+    for (const auto p : before)
+      if (std::none_of(r.removed.begin(), r.removed.end(),
+                       [&](const auto& run) { return p >= run.begin && p < run.end; }))
+        kept.insert(p);
+    CHECK(kept == want);
+    check_memory_matches(s);
+  }
+  auto opt = lc::session_options::for_policy(policy);
+  opt.score_global_layers = true;
+  opt.capture = false;
+  CHECK_THROWS_WITH(lc::session(model.get(), opt), doctest::Contains("session_options.score_global_layers = true"));
+  // a model without sliding layers: every layer
+  auto plain_model = tiny_model(2);
+  auto o2 = lc::session_options::for_policy(policy);
+  o2.score_global_layers = true;
+  lc::session plain(plain_model.get(), o2);
+  auto c2 = bound_context(plain_model.get(), plain);
+  REQUIRE(plain.decode(random_tokens(8, 2)) == 0);
+  CHECK(plain.scored_layers() == std::vector<std::int32_t>{0, 1});
 }

@@ -14,7 +14,7 @@ namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
 /// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates,
-/// --prefetch, --recall-neighbours, --recall-bias and
+/// --prefetch, --recall-neighbours, --recall-bias, --score-layers and
 /// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
@@ -61,6 +61,10 @@ inline void add_policy_options(CLI::App& app, settings& s) {
       ->check(at_least(0, true, 64));
   app.add_option("--recall-bias", s.recall_bias,
                  "recall scores with the policy's recency bias (default true; false: without it, for inf_mllm_bias)");
+  app.add_option("--score-layers", s.score_global_layers,
+                 "which layers the policies score: all, or global (a sliding-window model's global layers only; "
+                 "other models: all)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"all", false}, {"global", true}}));
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

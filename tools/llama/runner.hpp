@@ -56,6 +56,8 @@ struct settings : infkv_tools::policy_knobs {
   /// Keep whole segments first (session_options::whole_segments), a segment being a sentence or
   /// line of the stream's text (sentence_counter).
   bool whole_segments = false;
+  /// Score a sliding-window model's global layers only (session_options::score_global_layers).
+  bool score_global_layers = false;
   infkv::llama_cpp::proxy_mode proxy = infkv::llama_cpp::proxy_mode::after_cache;
 };
 
@@ -192,6 +194,7 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
   }
   if (s.question_known) o.scratch_seq = 1;
   o.whole_segments = s.whole_segments;  // proxy queries decode the question there, as questions are asked
+  o.score_global_layers = s.score_global_layers;
   return o;
 }
 

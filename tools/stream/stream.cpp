@@ -270,6 +270,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"interleave", o.interleave},
             {"question_known", o.s.question_known},
             {"whole_segments", o.s.whole_segments},
+            {"score_layers", o.s.score_global_layers ? "global" : "all"},
             {"proxy", o.proxy},
             {"smooth", o.smooth}}},
           {"load_average_start", stream::num(load)}};

@@ -78,6 +78,8 @@ class session {
                   "must be >= 0");
     INFKV_REQUIRE(opt_.keys != key_source::engine || opt_.capture, "session_options.keys", "engine",
                   "needs capture = true (the cells are found in the graph)");
+    INFKV_REQUIRE(!opt_.score_global_layers || opt_.capture, "session_options.score_global_layers", "true",
+                  "needs capture = true (the global layers are found among the key copies)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
     layer_rope_.assign(layers_.size(), rope_);
@@ -221,6 +223,40 @@ class session {
         .accumulated = std::size_t(layer) < h2o_.size() ? h2o_[std::size_t(layer)].scores().view() : const_score_view{},
         .rotary = r.has_rope && r.supported ? std::optional(r.params) : std::nullopt};
   }
+  /// The layers the policies score: every layer, or with session_options::score_global_layers on
+  /// a model with sliding-window layers its global ones, found once from llama.cpp's state of the
+  /// session's sequence (detail::global_layers_of; the archive's finding when it has one).
+  const std::vector<std::int32_t>& scored_layers() {
+    if (!scored_.empty()) return scored_;
+    if (!opt_.score_global_layers || n_swa_ == 0) {
+      for (std::int32_t l = 0; l < n_layers(); ++l) scored_.push_back(l);
+      return scored_;
+    }
+    if (archive_ && !archive_->global_layers().empty()) return scored_ = archive_->global_layers();
+    INFKV_REQUIRE(ctx_ != nullptr && size() > 0, "size()", size(),
+                  "the global layers (session_options::score_global_layers) are found among cached tokens: decode "
+                  "first");
+    const auto& lc = layers_[0];
+    std::vector<std::uint8_t> buf(llama_state_seq_get_size(ctx_, opt_.seq));
+    const std::size_t got = opt_.memory.state_get(ctx_, buf.data(), buf.size(), opt_.seq);
+    if (got != buf.size())
+      infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", opt_.seq, ") = ", got, " of ", buf.size(),
+                                 " bytes: the global layers (session_options::score_global_layers) cannot be found");
+    const auto parts = detail::parse_kv_states(buf, n_layers(), std::int64_t(lc.n_head_kv()) * lc.head_dim(), true);
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot)
+    for (std::size_t i = 0; i < tokens().size(); ++i) by_pos.push_back({tokens()[i].pos, std::int64_t(i)});
+    std::sort(by_pos.begin(), by_pos.end());
+    std::vector<std::int64_t> slot;
+    for (std::int64_t c = 0; c < parts[0].cells; ++c) {
+      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(),
+                                       std::pair<std::int64_t, std::int64_t>{parts[0].pos(buf, c), -1});
+      slot.push_back(it != by_pos.end() && it->first == parts[0].pos(buf, c) ? it->second : -1);
+    }
+    std::vector<layer_inputs<const_paged_rows>> copies;
+    for (std::int32_t l = 0; l < n_layers(); ++l) copies.push_back(inputs(l));
+    return scored_ = detail::global_layers_of(buf, parts[0], slot, copies, n_layers(), lc.n_head_kv(), lc.head_dim());
+  }
+
   /// H2O state of one layer (requires session_options.track_h2o).
   const cpu::h2o_state& h2o_scores(std::int32_t layer) const {
     require_h2o();
@@ -404,8 +440,9 @@ class session {
           "reads at its next decode: decode before evicting again (or use key_source::copy)");
     std::optional<stopwatch> w{std::in_place, stats_.score};
     const cpu::backend be{opt_.executor};
+    const std::vector<std::int32_t>& scored = scored_layers();
     layers_in_.clear();
-    for (std::int32_t l = 0; l < n_layers(); ++l) {
+    for (const std::int32_t l : scored) {
       layers_in_.push_back(inputs(l));
       if (proxy) layers_in_.back().queries = proxy_views_[std::size_t(l)], layers_in_.back().query_pos = proxy_pos_;
       if (spec.reads_queries())
@@ -413,7 +450,7 @@ class session {
                       "decode at least one token after the last eviction before scoring with ", spec.name);
     }
     const plan pl = make_plan(be, spec, b, shape_of(layers_in_.front()),
-                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = n_layers()});
+                              {.g = granularity::per_token, .r = opt_.reduce, .n_layers = std::int32_t(scored.size())});
     if (!workspace_ || workspace_->span().size() < pl.workspace_bytes) workspace_.emplace(pl.workspace_bytes);
     const std::span<const layer_inputs<const_paged_rows>> layers(layers_in_);
     if (book_.shares_positions() || opt_.whole_segments) {
@@ -900,6 +937,7 @@ class session {
   std::optional<cpu::workspace> workspace_;                     // grown on demand, reused across evictions
   std::optional<detail::archive_link> archive_;                 // session_options::archive
   std::vector<layer_inputs<const_paged_rows>> archive_copies_;  // archive_stream's
+  std::vector<std::int32_t> scored_;            // the layers the policies score (scored_layers), once known
   bool decided_ = false;                        // where the keys come from is settled (bind, or the first decode)
   bool engine_ = false;                         // the policies read llama.cpp's cache (cells_, caches_)
   bool shift_pending_ = false;                  // positions moved since the last decode: llama.cpp's K not yet turned

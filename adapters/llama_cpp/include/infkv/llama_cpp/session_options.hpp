@@ -93,6 +93,12 @@ struct session_options {
   /// sentence, a line, an image tile or frame group stays whole or leaves whole while the room
   /// allows, the rest is filled token by token. Segments come from token_meta.
   bool whole_segments = false;
+  /// On a model with sliding-window layers (Gemma 3; llama.cpp's iSWA cache), the policies score
+  /// its global layers only: a sliding layer's queries look one window back, and their scores
+  /// over older keys, which that layer never attends to, outweigh the global layers'. Which
+  /// layers are global is found once, at the first eviction, from llama.cpp's state (the global
+  /// layers' cache's rows matched against the key copies). No effect on other models.
+  bool score_global_layers = false;
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
   std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
   /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the

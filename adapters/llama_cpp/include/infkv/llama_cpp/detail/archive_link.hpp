@@ -51,6 +51,49 @@ struct cache_route {
   }
 };
 
+/// The global layers of a model with sliding-window layers, in the model's order (llama.h does
+/// not say which layers slide): `first` (the first part of the state in `buf`) holds the global
+/// layers' rows in the model's order, so each of the `n_layers` model layers in turn is the next
+/// of them when its key rows in `copies` (the session's inputs; cell c of `first` is slot
+/// slot[c]) are that layer's rows for every cell, within the rounding of the coarser of the two
+/// types (bf16's 2^-8 of the largest element), and a sliding layer otherwise. Throws
+/// engine_error when fewer than the part's layers match.
+inline std::vector<std::int32_t> global_layers_of(std::span<const std::uint8_t> buf, const kv_state& first,
+                                                  std::span<const std::int64_t> slot,
+                                                  std::span<const layer_inputs<const_paged_rows>> copies,
+                                                  std::int32_t n_layers, std::int32_t kv_heads, std::int32_t head_dim) {
+  const std::int32_t n_global = std::int32_t(first.layers.size());
+  const std::int64_t E = std::int64_t(kv_heads) * head_dim, m = std::int64_t(slot.size());
+  INFKV_REQUIRE(std::int32_t(copies.size()) == n_layers, "copies.size()", copies.size(), "must be the model's ",
+                n_layers, " layers");
+  INFKV_REQUIRE(first.cells == m, "slot.size()", m, "must be the state's ", first.cells, " cells");
+  std::vector<float> want(static_cast<std::size_t>(E)), got(static_cast<std::size_t>(E));
+  const auto same = [&](std::int32_t l, std::int32_t j) {
+    const auto& sl = first.layers[std::size_t(j)];
+    const auto& c = copies[std::size_t(l)].keys;
+    if (c.empty() || c.n_heads != kv_heads || c.head_dim != head_dim) return false;
+    float diff = 0.f, mag = 0.f;
+    for (std::int64_t i = 0; i < m; ++i) {
+      if (slot[std::size_t(i)] < 0 || slot[std::size_t(i)] >= c.n_slots) return false;
+      to_f32(sl.k_type, buf.data() + first.k_row(j, i), want.data(), E);
+      for (std::int32_t h = 0; h < kv_heads; ++h)
+        to_f32(c.type, c.row(slot[std::size_t(i)], h), got.data() + h * head_dim, head_dim);
+      for (std::int64_t e = 0; e < E; ++e)
+        diff = std::max(diff, std::abs(got[std::size_t(e)] - want[std::size_t(e)])),
+        mag = std::max(mag, std::abs(want[std::size_t(e)]));
+    }
+    return mag > 0.f && diff <= mag * 0x1p-8f;
+  };
+  std::vector<std::int32_t> global;
+  for (std::int32_t l = 0; l < n_layers; ++l)
+    if (std::int32_t(global.size()) < n_global && same(l, std::int32_t(global.size()))) global.push_back(l);
+  if (std::int32_t(global.size()) != n_global)
+    infkv::raise<engine_error>("infkv: found ", global.size(), " of the ", n_global,
+                               " global layers of llama.cpp's first cache among the session's key copies: which "
+                               "layers slide cannot be told");
+  return global;
+}
+
 /// The archive (per_token pages of every layer), written through: every slot the stream wrote
 /// is archived, in pages of consecutive positions, before the first eviction that could remove
 /// it; a recall copies rows back and the pages stay. Positions below `archived_to()` are archived.
@@ -233,41 +276,10 @@ class archive_link {
     return it != global_.end() && *it == l ? std::int32_t(it - global_.begin()) : -1;
   }
 
-  /// Tells the global layers from the sliding ones (llama.h does not say which slide): the first
-  /// part's layers are the global ones in the model's order, so each model layer in turn is the
-  /// next of them when its key rows in the session's copies are llama.cpp's rows of that layer
-  /// for every archived cell (within the rounding of the coarser of the two types: bf16's 2^-8
-  /// of the largest element), and a sliding layer otherwise.
+  /// Tells the global layers from the sliding ones (global_layers_of) at the first archive.
   void map_layers(const kv_state& st, std::span<const std::int64_t> slot,
                   std::span<const layer_inputs<const_paged_rows>> copies) {
-    const std::int32_t L = layers(), n_global = std::int32_t(st.layers.size()), H = store_.shape().kv_heads,
-                       d = store_.shape().head_dim;
-    const std::int64_t E = row_elems(), m = std::int64_t(slot.size());
-    INFKV_REQUIRE(std::int32_t(copies.size()) == L, "copies.size()", copies.size(), "must be the model's ", L,
-                  " layers");
-    std::vector<float> want(static_cast<std::size_t>(E)), got(static_cast<std::size_t>(E));
-    const auto same = [&](std::int32_t l, std::int32_t j) {
-      const auto& sl = st.layers[std::size_t(j)];
-      const auto& c = copies[std::size_t(l)].keys;
-      if (c.empty() || c.n_slots < m) return false;
-      float diff = 0.f, mag = 0.f;
-      for (std::int64_t i = 0; i < m; ++i) {
-        to_f32(sl.k_type, state_.data() + st.k_row(j, i), want.data(), E);
-        for (std::int32_t h = 0; h < H; ++h) to_f32(c.type, c.row(slot[std::size_t(i)], h), got.data() + h * d, d);
-        for (std::int64_t e = 0; e < E; ++e)
-          diff = std::max(diff, std::abs(got[std::size_t(e)] - want[std::size_t(e)])),
-          mag = std::max(mag, std::abs(want[std::size_t(e)]));
-      }
-      return mag > 0.f && diff <= mag * 0x1p-8f;
-    };
-    std::vector<std::int32_t> global;
-    for (std::int32_t l = 0; l < L; ++l)
-      if (std::int32_t(global.size()) < n_global && same(l, std::int32_t(global.size()))) global.push_back(l);
-    if (std::int32_t(global.size()) != n_global)
-      infkv::raise<engine_error>("infkv: the archive found ", global.size(), " of the ", n_global,
-                                 " global layers of llama.cpp's first cache among the session's key copies: which "
-                                 "layers slide cannot be told; nothing was archived");
-    global_ = std::move(global);
+    global_ = global_layers_of(state_, st, slot, copies, layers(), store_.shape().kv_heads, store_.shape().head_dim);
   }
 
   std::int64_t row_elems() const { return std::int64_t(store_.shape().kv_heads) * store_.shape().head_dim; }
