@@ -61,10 +61,12 @@ inline void add_policy_options(CLI::App& app, settings& s) {
       ->check(at_least(0, true, 64));
   app.add_option("--recall-bias", s.recall_bias,
                  "recall scores with the policy's recency bias (default true; false: without it, for inf_mllm_bias)");
-  app.add_option("--score-layers", s.score_global_layers,
-                 "which layers the policies score: all, or global (a sliding-window model's global layers only; "
-                 "other models: all)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, bool>{{"all", false}, {"global", true}}));
+  app.add_option_function<std::string>(
+         "--score-layers", [&s](const std::string& v) { s.score_global_layers = v == "global"; },
+         "which layers the policies score: all, or global (a sliding-window model's global layers only; other "
+         "models: all)")
+      ->check(CLI::IsMember({"all", "global"}))
+      ->default_str("all");
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");
