@@ -142,7 +142,8 @@ class archive_link {
     }
     if (two_caches_ && global_.empty()) map_layers(st, slot, copies);
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
-    vrows_.assign(std::size_t(L * m * E), 0.f);  // V (and sliding layers' K) rows out of their layouts
+    // V rows out of a transposed state, and the sliding layers' K and V rows
+    vrows_.assign(st.v_trans || two_caches_ ? std::size_t(L * m * E) : 0, 0.f);
     krows_.assign(two_caches_ ? std::size_t(L * m * E) : 0, 0.f);
     std::vector<layer_inputs<const_tensor_view>> in(static_cast<std::size_t>(L));
     for (std::int32_t l = 0; l < L; ++l) {
