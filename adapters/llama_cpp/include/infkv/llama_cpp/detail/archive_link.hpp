@@ -149,11 +149,11 @@ class archive_link {
     for (std::int32_t l = 0; l < L; ++l) {
       auto& li = in[std::size_t(l)];
       li.tokens = toks;
-      float* v = vrows_.data() + std::size_t(l * m * E);
       const std::int32_t j = state_layer(l);
       if (j < 0) {  // a sliding layer: the session's copies (values zero where the session keeps none)
         const auto& c = copies[std::size_t(l)];
         float* k = krows_.data() + std::size_t(l * m * E);
+        float* v = vrows_.data() + std::size_t(l * m * E);
         for (std::int64_t i = 0; i < m; ++i)
           for (std::int32_t h = 0; h < H; ++h) {
             to_f32(c.keys.type, c.keys.row(slot[std::size_t(i)], h), k + i * E + h * d, d);
@@ -169,6 +169,7 @@ class archive_link {
         li.values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
         continue;
       }
+      float* v = vrows_.data() + std::size_t(l * m * E);
       for (std::int64_t c = 0; c < m; ++c)
         for (std::int64_t e = 0; e < E; ++e) to_f32(sl.v_type, state_.data() + st.v_elem(j, c, e), v + c * E + e, 1);
       li.values = nhd(static_cast<const void*>(v), dtype::f32, m, H, d);
