@@ -120,6 +120,16 @@ inline std::set<std::int64_t> positions(const infkv::llama_cpp::session& s) {
   return p;
 }
 
+/// The positions of `before` that no run of `removed` (an eviction's removed runs) covers.
+template <class Runs>
+std::set<std::int64_t> not_removed(const std::set<std::int64_t>& before, const Runs& removed) {
+  std::set<std::int64_t> kept;
+  for (const auto p : before)
+    if (std::none_of(removed.begin(), removed.end(), [&](const auto& run) { return p >= run.begin && p < run.end; }))
+      kept.insert(p);
+  return kept;
+}
+
 /// The positions 0..n-1.
 inline std::set<std::int64_t> range_set(std::int64_t n) {
   std::set<std::int64_t> p;
