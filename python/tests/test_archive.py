@@ -50,11 +50,16 @@ def test_archive_errors_name_the_argument():
     infkv.Recaller(a, infkv.inf_mllm(), infkv.budget(capacity=64), budget_tokens=8, max_cache_slots=64, q_heads=2,
                    max_queries=8, recency_bias=False)
     # the layers that score and the position bound reach the recaller (checked there)
-    with pytest.raises(ValueError, match="recall_options.layers\\[0\\] = 1: must be ascending in \\[0, 1\\)"):
+    with pytest.raises(ValueError, match="recall_options.layers.size\\(\\) = 1: selects the layers of a per_token"):
         infkv.Recaller(a, infkv.snapkv(), infkv.budget(capacity=64), budget_tokens=8, max_cache_slots=64, q_heads=2,
-                       max_queries=8, layers=[1])
-    infkv.Recaller(a, infkv.snapkv(), infkv.budget(capacity=64), budget_tokens=8, max_cache_slots=64, q_heads=2,
-                   max_queries=8, layers=[0], below=100)
+                       max_queries=8, layers=[0])
+    t = infkv.Archive(n_layers=2, kv_heads=1, head_dim=8, capacity_bytes=1 << 20,
+                      granularity=infkv.granularity.per_token)
+    with pytest.raises(ValueError, match="recall_options.layers\\[1\\] = 1: must be ascending in \\[0, 2\\)"):
+        infkv.Recaller(t, infkv.snapkv(), infkv.budget(capacity=64), budget_tokens=8, max_cache_slots=64, q_heads=2,
+                       max_queries=8, layers=[1, 1])
+    infkv.Recaller(t, infkv.snapkv(), infkv.budget(capacity=64), budget_tokens=8, max_cache_slots=64, q_heads=2,
+                   max_queries=8, layers=[1], below=100)
     keys = np.full((6, 1, 8), np.nan, dtype=np.float32)
     layer = infkv.Layer(infkv.text_tokens(6), keys=keys, values=np.zeros_like(keys))
     with pytest.raises(ValueError, match="layers\\[0\\].keys at slot 1, head 0, channel 0 = nan"):
