@@ -243,18 +243,9 @@ class session {
       infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", opt_.seq, ") = ", got, " of ", buf.size(),
                                  " bytes: the global layers (session_options::score_global_layers) cannot be found");
     const auto parts = detail::parse_kv_states(buf, n_layers(), std::int64_t(lc.n_head_kv()) * lc.head_dim(), true);
-    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot)
-    for (std::size_t i = 0; i < tokens().size(); ++i) by_pos.push_back({tokens()[i].pos, std::int64_t(i)});
-    std::sort(by_pos.begin(), by_pos.end());
-    std::vector<std::int64_t> slot;
-    for (std::int64_t c = 0; c < parts[0].cells; ++c) {
-      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(),
-                                       std::pair<std::int64_t, std::int64_t>{parts[0].pos(buf, c), -1});
-      slot.push_back(it != by_pos.end() && it->first == parts[0].pos(buf, c) ? it->second : -1);
-    }
-    std::vector<layer_inputs<const_paged_rows>> copies;
-    for (std::int32_t l = 0; l < n_layers(); ++l) copies.push_back(inputs(l));
-    return scored_ = detail::global_layers_of(buf, parts[0], slot, copies, n_layers(), lc.n_head_kv(), lc.head_dim());
+    const auto slot = detail::cell_slots(buf, parts[0], detail::slots_by_position(tokens()));
+    return scored_ =
+               detail::global_layers_of(buf, parts[0], slot, all_inputs(), n_layers(), lc.n_head_kv(), lc.head_dim());
   }
 
   /// H2O state of one layer (requires session_options.track_h2o).
@@ -613,9 +604,7 @@ class session {
                             std::span<const const_tensor_view> queries, const std::vector<std::int64_t>& qpos) {
     p.validate();
     require_captures(p.spec());
-    archive_stream();  // what the stream wrote since the last eviction, first
-    layers_in_.clear();
-    for (std::int32_t l = 0; l < n_layers(); ++l) layers_in_.push_back(inputs(l));
+    archive_stream();  // what the stream wrote since the last eviction, first; every layer's inputs
     const cpu::backend be{opt_.executor};
     infkv::archive& store = archive_->store();
     cpu::recall_options opt = o;
@@ -626,7 +615,7 @@ class session {
     }
     cpu::recaller rc(store, p, b, opt, size(), queries[0].n_heads, queries[0].n_slots, be);
     const cpu::recall_result res =
-        rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(layers_in_), queries, qpos, opt_.scale);
+        rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(all_in_), queries, qpos, opt_.scale);
     recall_report rep;
     if (res.recalled.empty()) return rep;
     const std::int64_t m = res.tokens;
@@ -837,13 +826,18 @@ class session {
                                  "sequence and start a new session");
   }
 
+  /// Every layer's inputs into all_in_ (valid until the next decode or eviction).
+  std::span<const layer_inputs<const_paged_rows>> all_inputs() {
+    all_in_.clear();
+    for (std::int32_t l = 0; l < n_layers(); ++l) all_in_.push_back(inputs(l));
+    return all_in_;
+  }
+
   /// Archives what the stream wrote since the last call (archive_link::archive_new; the session's
-  /// copies give a sliding-window model's sliding layers).
+  /// copies give a sliding-window model's sliding layers), leaving every layer's inputs in all_in_.
   void archive_stream() {
     const stopwatch w{stats_.archive};
-    archive_copies_.clear();
-    for (std::int32_t l = 0; l < n_layers(); ++l) archive_copies_.push_back(inputs(l));
-    archive_->archive_new(route(), tokens(), archive_copies_);
+    archive_->archive_new(route(), tokens(), all_inputs());
   }
 
   /// The archive's way to llama.cpp's rows.
@@ -933,11 +927,11 @@ class session {
   detail::position_book book_;  // the cached tokens in slot order, where the stream goes on
   std::vector<layer_cache> layers_;
   std::vector<cpu::h2o_state> h2o_;
-  std::vector<layer_inputs<const_paged_rows>> layers_in_;       // the pipeline's inputs, reused across evictions
-  std::optional<cpu::workspace> workspace_;                     // grown on demand, reused across evictions
-  std::optional<detail::archive_link> archive_;                 // session_options::archive
-  std::vector<layer_inputs<const_paged_rows>> archive_copies_;  // archive_stream's
-  std::vector<std::int32_t> scored_;            // the layers the policies score (scored_layers), once known
+  std::vector<layer_inputs<const_paged_rows>> layers_in_;  // the pipeline's inputs, reused across evictions
+  std::optional<cpu::workspace> workspace_;                // grown on demand, reused across evictions
+  std::optional<detail::archive_link> archive_;            // session_options::archive
+  std::vector<layer_inputs<const_paged_rows>> all_in_;     // every layer's inputs (all_inputs)
+  std::vector<std::int32_t> scored_;                       // the layers the policies score (scored_layers), once known
   bool decided_ = false;                        // where the keys come from is settled (bind, or the first decode)
   bool engine_ = false;                         // the policies read llama.cpp's cache (cells_, caches_)
   bool shift_pending_ = false;                  // positions moved since the last decode: llama.cpp's K not yet turned

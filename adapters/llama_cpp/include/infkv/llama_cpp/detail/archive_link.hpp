@@ -19,8 +19,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <llama.h>
@@ -50,6 +52,29 @@ struct cache_route {
                                  ", -1, -1) = false: the archive's scratch sequence could not be emptied");
   }
 };
+
+/// The session's slots at positions from `from` on, as (position, slot) ascending.
+inline std::vector<std::pair<std::int64_t, std::int64_t>> slots_by_position(
+    std::span<const token> tokens, std::int64_t from = std::numeric_limits<std::int64_t>::min()) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;
+  for (std::size_t s = 0; s < tokens.size(); ++s)
+    if (tokens[s].pos >= from) by_pos.push_back({tokens[s].pos, std::int64_t(s)});
+  std::sort(by_pos.begin(), by_pos.end());
+  return by_pos;
+}
+
+/// Each cell's slot of the state part `st` (in `buf`), from `by_pos` (slots_by_position); -1
+/// where no slot lies at the cell's position.
+inline std::vector<std::int64_t> cell_slots(std::span<const std::uint8_t> buf, const kv_state& st,
+                                            std::span<const std::pair<std::int64_t, std::int64_t>> by_pos) {
+  std::vector<std::int64_t> slot(static_cast<std::size_t>(st.cells));
+  for (std::int64_t c = 0; c < st.cells; ++c) {
+    const std::int64_t pos = st.pos(buf, c);
+    const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
+    slot[std::size_t(c)] = it != by_pos.end() && it->first == pos ? it->second : -1;
+  }
+  return slot;
+}
 
 /// The global layers of a model with sliding-window layers, in the model's order (llama.h does
 /// not say which layers slide): `first` (the first part of the state in `buf`) holds the global
@@ -118,11 +143,8 @@ class archive_link {
   /// from `copies` (the session's inputs of every layer, one slot per token).
   void archive_new(const cache_route& r, std::span<const token> tokens,
                    std::span<const layer_inputs<const_paged_rows>> copies) {
-    std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;  // (position, slot) of the slots to archive
-    for (std::size_t s = 0; s < tokens.size(); ++s)
-      if (tokens[s].pos >= archived_to_) by_pos.push_back({tokens[s].pos, std::int64_t(s)});
+    const auto by_pos = slots_by_position(tokens, archived_to_);  // the slots to archive
     if (by_pos.empty()) return;
-    std::sort(by_pos.begin(), by_pos.end());
     const std::int64_t m = std::int64_t(by_pos.size()), end = by_pos.back().first + 1, E = row_elems();
     const position_run run{archived_to_, end};
     const kv_state st = read_cells(r, {&run, 1}, state_);
@@ -130,15 +152,12 @@ class archive_link {
       infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at positions [", run.begin, ", ", run.end,
                                  "), the session ", m, " slots (slots sharing a position?): nothing was archived");
     std::vector<token> toks(static_cast<std::size_t>(m));
-    std::vector<std::int64_t> slot(static_cast<std::size_t>(m));  // each cell's slot in the session
+    const std::vector<std::int64_t> slot = cell_slots(state_, st, by_pos);  // each cell's slot in the session
     for (std::int64_t c = 0; c < m; ++c) {
-      const std::int64_t pos = st.pos(state_, c);
-      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::pair<std::int64_t, std::int64_t>{pos, -1});
-      if (it == by_pos.end() || it->first != pos)
-        infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", pos,
+      if (slot[std::size_t(c)] < 0)
+        infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", st.pos(state_, c),
                                    " is not a slot of the session: nothing was archived");
-      slot[std::size_t(c)] = it->second;
-      toks[std::size_t(c)] = tokens[std::size_t(it->second)];
+      toks[std::size_t(c)] = tokens[std::size_t(slot[std::size_t(c)])];
     }
     if (two_caches_ && global_.empty()) map_layers(st, slot, copies);
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
