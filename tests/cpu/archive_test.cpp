@@ -688,3 +688,174 @@ TEST_CASE("archive: recall brings back the page a question asks for and displace
     CHECK(er.recall(all, std::span<const layer_inputs<>>(ein), qv, qpos, 0.25f).tokens == 0);
   }
 }
+
+namespace {
+
+/// x (head_dim floats) turned by `by` positions with RoPE `r`, in float64 (the definition:
+/// rotary pair i turns by by * freq_scale * theta^(-2i / dims)).
+std::vector<double> ref_turn(std::span<const float> x, const rope& r, std::int64_t by) {
+  const std::int32_t d = std::int32_t(x.size()), dims = r.dims == 0 ? d : r.dims;
+  std::vector<double> y(x.begin(), x.end());
+  for (std::int32_t i = 0; i < dims / 2; ++i) {
+    const double ang = double(by) * r.freq_scale * std::pow(r.theta, -2.0 * i / dims);
+    const std::int32_t a = r.style == rope_style::normal ? 2 * i : i,
+                       b = r.style == rope_style::normal ? a + 1 : i + dims / 2;
+    y[std::size_t(a)] = x[std::size_t(a)] * std::cos(ang) - x[std::size_t(b)] * std::sin(ang);
+    y[std::size_t(b)] = x[std::size_t(a)] * std::sin(ang) + x[std::size_t(b)] * std::cos(ang);
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("archive: a page's bound with a turn is at least the logits of its keys turned so") {
+  std::mt19937 rng(23);
+  const std::int32_t L = 2, H = 2, d = 16, qh = 4;
+  const std::int64_t n = 30, nq = 3;
+  cache c(L, H, d, n, rng);
+  archive a(archive_shape{L, H, d, granularity::per_token}, opts(6, 4, 4, 1 << 20));
+  keep_set keep(n);
+  keep.add_unit(std::vector<std::int64_t>{0, 1, 29});
+  archive_all(a, c, keep);
+  std::vector<std::vector<float>> q;
+  std::vector<const_tensor_view> qv;
+  for (std::int32_t l = 0; l < L; ++l) q.push_back(random_floats(std::size_t(nq * qh * d), rng));
+  for (std::int32_t l = 0; l < L; ++l)
+    qv.push_back(nhd(static_cast<const void*>(q[std::size_t(l)].data()), dtype::f32, nq, qh, d));
+  const std::vector<std::optional<rope>> ropes{rope{.theta = 10000.0},
+                                               rope{.theta = 500.0, .dims = 8, .style = rope_style::neox}};
+  std::vector<std::int64_t> turn(static_cast<std::size_t>(a.capacity_pages()));
+  for (std::int32_t p = 0; p < a.capacity_pages(); ++p) turn[std::size_t(p)] = std::int64_t(p) * 7919 - 20000;
+  std::vector<float> plain(turn.size()), turned(turn.size());
+  const float scale = 0.25f;
+  cpu::page_bounds(a, qv, scale, plain);
+  cpu::page_bounds(a, qv, scale, turned, -1, {}, turn, ropes);
+  bool differs = false;
+  std::vector<float> k(static_cast<std::size_t>(d));
+  for (std::int32_t p = 0; p < a.capacity_pages(); ++p) {
+    if (!a.holds(p)) continue;
+    double total = 0;  // per layer the best logit of the turned keys, summed
+    for (std::int32_t l = 0; l < L; ++l) {
+      double best = -1e300;
+      for (std::int32_t h = 0; h < H; ++h)
+        for (std::int32_t t = 0; t < a.info(p).n_tokens; ++t) {
+          cpu::dequantize(a, p, l * H + h, t, false, k.data());
+          const auto kt = ref_turn(k, *ropes[std::size_t(l)], turn[std::size_t(p)]);
+          for (std::int64_t i = 0; i < nq; ++i)
+            for (std::int32_t g = 0; g < qh / H; ++g) {
+              double dot = 0;
+              for (std::int32_t ch = 0; ch < d; ++ch)
+                dot += kt[std::size_t(ch)] * q[std::size_t(l)][std::size_t((i * qh + h * (qh / H) + g) * d + ch)];
+              best = std::max(best, scale * dot);
+            }
+        }
+      total += best;
+    }
+    CHECK(double(turned[std::size_t(p)]) >= total - 1e-3 * (1 + std::fabs(total)));
+    differs = differs || turned[std::size_t(p)] != plain[std::size_t(p)];
+  }
+  CHECK(differs);
+  CHECK_THROWS_WITH(cpu::page_bounds(a, qv, scale, turned, -1, {}, std::span(turn).first(1), ropes),
+                    doctest::Contains("turn.size() = 1"));
+  CHECK_THROWS_WITH(cpu::page_bounds(a, qv, scale, turned, -1, {}, turn, std::span(ropes).first(1)),
+                    doctest::Contains("ropes.size() = 1"));
+}
+
+TEST_CASE("archive: recall with rotary_pos turns archived keys to where compact positions land them") {
+  // A stream of 96 tokens at positions 0-3, then 28800-28891 (far beyond the cache's compact
+  // positions); pre-RoPE keys u_j, the needle's (28816-28819) along the question's direction in
+  // the slow rotary pairs. The cache holds the sinks and the newest 44, rotated at compact
+  // positions 0-47; the archive holds every token rotated at its own position. The queries sit at
+  // compact positions 48-51. Turned to where it lands (position 4, after the sinks) the needle is
+  // 44 positions from the question, as attention will see it after the recall.
+  std::mt19937 rng(29);
+  const std::int32_t L = 2, H = 2, d = 16, qh = 4;
+  const std::int64_t n = 96, kept = 48, nq = 4, base = 28796;
+  const rope r{.theta = 10000.0};
+  std::vector<float> dir(static_cast<std::size_t>(d), 0.f);
+  for (std::int32_t c = 10; c < d; ++c) dir[std::size_t(c)] = 1.f + 0.1f * float(c);
+  cache full(L, H, d, n, rng);  // pre-RoPE keys for now
+  for (std::int64_t j = 0; j < n; ++j) full.tokens[std::size_t(j)].pos = j < 4 ? j : base + j;
+  for (std::int32_t l = 0; l < L; ++l)
+    for (std::int64_t j = 20; j < 24; ++j)
+      for (std::int32_t h = 0; h < H; ++h)
+        for (std::int32_t c = 0; c < d; ++c)
+          full.k[std::size_t(l)][std::size_t((j * H + h) * d + c)] = 5.f * dir[std::size_t(c)];
+  std::vector<std::int64_t> keep_slots{0, 1, 2, 3};
+  for (std::int64_t j = n - (kept - 4); j < n; ++j) keep_slots.push_back(j);
+  const auto rotated = [&](const std::vector<float>& u, std::int64_t j, std::int32_t h, std::int64_t at) {
+    const auto y = ref_turn(std::span(u).subspan(std::size_t((j * H + h) * d), std::size_t(d)), r, at);
+    return std::vector<float>(y.begin(), y.end());
+  };
+  cache cached(L, H, d, kept, rng), archived = full;
+  std::vector<std::int64_t> rotary_pos;
+  for (std::int64_t i = 0; i < kept; ++i) rotary_pos.push_back(i);
+  for (std::int32_t l = 0; l < L; ++l)
+    for (std::int32_t h = 0; h < H; ++h) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        const auto y = rotated(full.k[std::size_t(l)], j, h, full.tokens[std::size_t(j)].pos);
+        std::copy(y.begin(), y.end(), archived.k[std::size_t(l)].begin() + (j * H + h) * d);
+      }
+      for (std::int64_t i = 0; i < kept; ++i) {
+        const std::int64_t j = keep_slots[std::size_t(i)];
+        const auto y = rotated(full.k[std::size_t(l)], j, h, rotary_pos[std::size_t(i)]);
+        std::copy(y.begin(), y.end(), cached.k[std::size_t(l)].begin() + (i * H + h) * d);
+        std::copy_n(full.v[std::size_t(l)].begin() + (j * H + h) * d, d,
+                    cached.v[std::size_t(l)].begin() + (i * H + h) * d);
+      }
+    }
+  for (std::int64_t i = 0; i < kept; ++i)
+    cached.tokens[std::size_t(i)] = full.tokens[std::size_t(keep_slots[std::size_t(i)])];
+  archive a(archive_shape{L, H, d, granularity::per_token}, opts(4, 8, 8, 1 << 20));
+  keep_set keep(n);
+  keep.add_unit(keep_slots);
+  archive_all(a, archived, keep);
+  std::vector<std::vector<float>> q;
+  std::vector<const_tensor_view> qv;
+  for (std::int32_t l = 0; l < L; ++l) {
+    std::vector<float> x(static_cast<std::size_t>(nq * qh * d));
+    const auto noise = random_floats(x.size(), rng, 0.1f);
+    for (std::int64_t i = 0; i < nq; ++i)
+      for (std::int32_t hh = 0; hh < qh; ++hh) {
+        std::vector<float> u(static_cast<std::size_t>(d));
+        for (std::int32_t c = 0; c < d; ++c)
+          u[std::size_t(c)] = dir[std::size_t(c)] + noise[std::size_t((i * qh + hh) * d + c)];
+        const auto y = ref_turn(u, r, kept + i);
+        std::copy(y.begin(), y.end(), x.begin() + (i * qh + hh) * d);
+      }
+    q.push_back(std::move(x));
+  }
+  for (std::int32_t l = 0; l < L; ++l)
+    qv.push_back(nhd(static_cast<const void*>(q[std::size_t(l)].data()), dtype::f32, nq, qh, d));
+  const std::vector<std::int64_t> qpos{base + 96, base + 97, base + 98, base + 99};
+  snapkv policy;
+  policy.window = 4, policy.kernel = 1;
+  budget b;
+  b.capacity = kept, b.sinks = 4, b.recent = 8;
+  auto in = cached.inputs();
+  for (auto& li : in) li.rotary = r;
+  cpu::recaller rc(a, policy, b, {.budget_tokens = 4, .candidates = 3, .neighbours = 0}, 64, qh, 8);
+  const auto res = rc.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f, 0, rotary_pos);
+  REQUIRE(res.tokens == 4);
+  for (const auto& t : res.recalled) {  // the needle, and only it
+    const auto pos = a.tokens(t.page)[std::size_t(t.index)].pos;
+    CHECK(pos >= base + 20);
+    CHECK(pos < base + 24);
+  }
+  for (auto j : res.displaced) CHECK(rotary_pos[std::size_t(j)] >= 4);
+  // scored where they were archived (28768 positions from the queries' rotation: dir . R(28768) dir
+  // = -28.6 against dir . R(44) dir = +30.5) the needle is not what comes back
+  const auto unturned = rc.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f);
+  std::int64_t needle = 0;
+  for (const auto& t : unturned.recalled) needle += a.tokens(t.page)[std::size_t(t.index)].pos / 4 == (base + 20) / 4;
+  CHECK(needle == 0);
+
+  SUBCASE("bad input") {
+    CHECK_THROWS_WITH(
+        rc.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f, 0, std::span(rotary_pos).first(3)),
+        doctest::Contains("rotary_pos.size() = 3: must be 0 or the cache's 48 slots"));
+    auto plain = cached.inputs();
+    CHECK_THROWS_WITH(rc.recall(a, std::span<const layer_inputs<>>(plain), qv, qpos, 0.25f, 0, rotary_pos),
+                      doctest::Contains("cache[0].rotary = unset"));
+  }
+}

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include <infkv/pipeline.hpp>
 
 #include "backend.hpp"
+#include "rope.hpp"
 
 namespace infkv::cpu {
 
@@ -228,9 +230,13 @@ inline void restore(const archive& a, std::int32_t page, std::span<const kv_view
 /// [lo_d, hi_d] is the range of the page's dequantized keys in channel d; summed over the page's
 /// layers. `queries[l]` are archive layer l's (all layers, whatever the granularity), query
 /// heads a multiple of the KV heads. `layer` >= 0 bounds only the pages of that layer (the others
-/// get -inf); `only` (ascending), when given, sums only those layers' bounds.
+/// get -inf); `only` (ascending), when given, sums only those layers' bounds. `turn` (per page
+/// slot, with `ropes` per archive layer), when given, bounds the logits of page p's keys turned
+/// by turn[p] positions (q . R(t) k = R(-t) q . k: the queries are turned back instead, so the
+/// bound stays exact): where compact positions put a recalled page elsewhere than it was archived.
 inline void page_bounds(const archive& a, std::span<const const_tensor_view> queries, float scale, std::span<float> out,
-                        std::int32_t layer = -1, std::span<const std::int32_t> only = {}) {
+                        std::int32_t layer = -1, std::span<const std::int32_t> only = {},
+                        std::span<const std::int64_t> turn = {}, std::span<const std::optional<rope>> ropes = {}) {
   const archive_shape& s = a.shape();
   INFKV_REQUIRE(std::int64_t(queries.size()) == s.n_layers, "queries.size()", queries.size(),
                 "must equal the archive's ", s.n_layers, " layers");
@@ -244,9 +250,13 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
                   queries[l].n_heads, "must be a multiple of the archive's ", s.kv_heads, " KV heads, head_dim ",
                   s.head_dim, " (queries' ", queries[l].head_dim, ")");
   }
+  INFKV_REQUIRE(turn.empty() || std::int64_t(turn.size()) == a.capacity_pages(), "turn.size()", turn.size(),
+                "must be 0 or the archive's capacity in pages (", a.capacity_pages(), ")");
+  INFKV_REQUIRE(turn.empty() || std::int64_t(ropes.size()) == s.n_layers, "ropes.size()", ropes.size(),
+                "must equal the archive's ", s.n_layers, " layers when turn is given");
   const page_layout& L = a.layout();
   const std::int32_t d = s.head_dim, rmax = (1 << L.k_bits) - 1;
-  float q[4096], lo[4096], hi[4096];
+  float q[4096], lo[4096], hi[4096], tq[4096], c[4096], sn[4096];
   INFKV_REQUIRE(d <= 4096, "archive.head_dim", d, "page_bounds handles head_dim <= 4096");
   for (std::int32_t p = 0; p < a.capacity_pages(); ++p) {
     out[std::size_t(p)] = -std::numeric_limits<float>::infinity();
@@ -257,6 +267,20 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
       if (!only.empty() && !std::binary_search(only.begin(), only.end(), pi.layer + lp)) continue;
       const const_tensor_view& Q = queries[std::size_t(pi.layer + lp)];
       const std::int32_t group = Q.n_heads / s.kv_heads;
+      const std::optional<rope>& rp = turn.empty() ? std::nullopt : ropes[std::size_t(pi.layer + lp)];
+      const std::int64_t back = rp && turn[std::size_t(p)] != 0 ? -turn[std::size_t(p)] : 0;
+      std::int32_t dims = 0;
+      if (back != 0) {  // cos / sin of the turn back (interleaved for the normal style)
+        dims = rp->checked_dims(d);
+        for (std::int32_t i = 0; i < dims / 2; ++i) {
+          const double ang = double(back) * rope_frequency(*rp, i, dims);
+          const float cv = float(std::cos(ang)), sv = float(std::sin(ang));
+          if (rp->style == rope_style::normal)
+            c[2 * i] = c[2 * i + 1] = cv, sn[2 * i] = -sv, sn[2 * i + 1] = sv;
+          else
+            c[i] = cv, sn[i] = sv;
+        }
+      }
       float best = -std::numeric_limits<float>::infinity();
       for (std::int32_t hp = 0; hp < s.heads_per_page(); ++hp) {
         const std::int32_t h = s.g == granularity::per_head ? pi.unit : hp;
@@ -268,6 +292,10 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
         for (std::int64_t i = 0; i < Q.n_slots; ++i)
           for (std::int32_t g = 0; g < group; ++g) {
             to_f32(Q.type, Q.row(i, h * group + g), q, d);
+            if (back != 0) {
+              std::copy(q, q + d, tq);
+              detail::rope_rotate(rp->style, dims, tq, c, sn, q);
+            }
             float sum = 0.f;
             for (std::int32_t c = 0; c < d; ++c) sum += std::max(q[c] * lo[c], q[c] * hi[c]);
             best = std::max(best, scale * sum);

@@ -21,6 +21,7 @@
 #include "archive.hpp"
 #include "backend.hpp"
 #include "recall_rule.hpp"
+#include "rope.hpp"
 #include "workspace.hpp"
 
 namespace infkv::cpu {
@@ -68,7 +69,7 @@ struct recall_options {
 /// everything the stream wrote (write-through, as the llama.cpp session keeps it) or only what
 /// left the cache. Every buffer (the policy's workspace included) is sized at
 /// construction for caches of up to `max_cache_slots` slots and `max_queries` queries: recall
-/// allocates nothing. per_token and
+/// allocates nothing (but re-rotation's tables with `rotary_pos`). per_token and
 /// per_layer archives (a per_head archive's pages hold different positions per head, which one
 /// shared scoring pass cannot place).
 class recaller {
@@ -129,6 +130,9 @@ class recaller {
     pages_.resize(std::size_t(max_cands_));
     displaced_.resize(std::size_t(max_cache_slots));
     index_.resize(std::size_t(n - max_cache_slots));
+    turn_.resize(std::size_t(n - max_cache_slots));
+    page_turn_.resize(std::size_t(a.capacity_pages()));
+    ropes_.resize(std::size_t(shape_.n_layers));
     recalled_.resize(std::size_t(n - max_cache_slots));
     inputs_.resize(std::size_t(L));
     plan_options po;
@@ -143,10 +147,18 @@ class recaller {
   /// that reads queries) under its budget (the cache's). Checks: a non-empty archive of the cache's shape, a
   /// budget whose room for recall (its keep count less the protected slots) holds
   /// budget_tokens.
+  ///
+  /// `rotary_pos` (compact position mode): when given, the cache's tokens and `query_pos` carry
+  /// the stream's own positions (the archive's), while the cache's keys and the queries are
+  /// rotated at other positions, slot j's at rotary_pos[j] (compacted, increasing with the
+  /// stream's positions). Each candidate token's keys, archived rotated at its own position, are
+  /// then turned (each layer with its `rotary`) to where it would land: one past the rotary
+  /// position of the newest cached token before it, plus its index among the candidate tokens
+  /// between the two; the scores compare what attention would see after the recall.
   template <row_source R>
   recall_result recall(const archive& a, std::span<const layer_inputs<R>> cache,
                        std::span<const const_tensor_view> queries, std::span<const std::int64_t> query_pos, float scale,
-                       std::int32_t layer = 0) {
+                       std::int32_t layer = 0, std::span<const std::int64_t> rotary_pos = {}) {
     const policy_spec& spec = spec_;
     const budget& b = budget_;
     INFKV_REQUIRE(a.shape().n_layers == shape_.n_layers && a.shape().kv_heads == shape_.kv_heads &&
@@ -170,6 +182,8 @@ class recaller {
     INFKV_REQUIRE(opt_.budget_tokens <= room, "recall_options.budget_tokens", opt_.budget_tokens,
                   "exceeds what the cache's budget lets recall displace: ", room, " of ", n_cache,
                   " slots (keep count less sinks ", eff.sinks, " and recent ", eff.recent, ")");
+    INFKV_REQUIRE(rotary_pos.empty() || std::int64_t(rotary_pos.size()) == n_cache, "rotary_pos.size()",
+                  rotary_pos.size(), "must be 0 or the cache's ", n_cache, " slots");
     INFKV_REQUIRE(std::int64_t(queries.size()) == shape_.n_layers, "queries.size()", queries.size(),
                   "must equal the archive's ", shape_.n_layers, " layers");
     for (std::size_t l = 0; l < queries.size(); ++l)
@@ -192,7 +206,32 @@ class recaller {
     };
     // 2. bounds (at the attention scale the scores use), and the best candidates among this layer's pages
     //    holding a token the cache does not
-    page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer, opt_.layers);
+    // with rotary_pos: where the newest cached token before `t` is rotated (-1: none), and each
+    // page's turn to where its first token the cache does not hold would land
+    const auto lands_after = [&](const token& t) -> std::int64_t {
+      const std::int64_t* it = std::lower_bound(held_at, held_at + n_cache, t, [&](std::int64_t x, const token& v) {
+        return ident(ctoks[std::size_t(x)]) < ident(v);
+      });
+      return it == held_at ? -1 : rotary_pos[std::size_t(*(it - 1))];
+    };
+    if (!rotary_pos.empty()) {
+      for (std::int32_t p = 0; p < a.capacity_pages(); ++p) {
+        page_turn_[std::size_t(p)] = 0;
+        if (!a.holds(p)) continue;
+        for (const token& t : a.tokens(p))
+          if (!cached(t)) {
+            page_turn_[std::size_t(p)] = lands_after(t) + 1 - t.pos;
+            break;
+          }
+      }
+      for (std::int32_t l = 0; l < shape_.n_layers; ++l)
+        ropes_[std::size_t(l)] = shape_.g == granularity::per_token ? cache[std::size_t(l)].rotary
+                                 : l == layer                       ? cache[0].rotary
+                                                                    : std::nullopt;
+    }
+    page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer, opt_.layers,
+                rotary_pos.empty() ? std::span<const std::int64_t>{} : std::span<const std::int64_t>(page_turn_),
+                ropes_);
     std::int64_t nh = 0, nl = 0;
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
       if (a.holds(p) && a.info(p).layer == layer) {
@@ -240,6 +279,15 @@ class recaller {
     }
     const std::int32_t H = shape_.kv_heads, d = shape_.head_dim;
     const std::int64_t layer_floats = n * H * d;
+    if (!rotary_pos.empty()) {  // each candidate token's turn: from its own position to where it lands
+      std::int64_t gap = -2, k = 0;
+      for (std::int64_t j = n_cache; j < n; ++j) {
+        const token& t = tokens_[std::size_t(j)];
+        const std::int64_t after = lands_after(t);
+        k = after == gap ? k + 1 : 0, gap = after;
+        turn_[std::size_t(j - n_cache)] = after + 1 + k - t.pos;
+      }
+    }
     const bool need_values = spec.needs().values;
     const std::int32_t nl_scored = opt_.layers.empty() ? L : std::int32_t(opt_.layers.size());
     for (std::int32_t i = 0; i < nl_scored; ++i) {
@@ -270,6 +318,12 @@ class recaller {
             if (need_values) dequantize(a, x.page, l * H + h, t, true, V + (j * H + h) * d);
           }
         }
+      }
+      if (!rotary_pos.empty() && n > n_cache) {
+        INFKV_REQUIRE(in.rotary.has_value(), at + ".rotary", "unset",
+                      "rotary_pos turns candidates' keys to where they land: the layer's RoPE is needed");
+        rerotate(nhd(static_cast<void*>(K + n_cache * H * d), dtype::f32, n - n_cache, H, d),
+                 std::span<const std::int64_t>(turn_.data(), std::size_t(n - n_cache)), *in.rotary, be_.ex);
       }
       auto& li = inputs_[std::size_t(i)];
       li = layer_inputs<const_tensor_view>{};
@@ -321,7 +375,10 @@ class recaller {
   std::vector<std::int32_t> by_pos_, at_;  // a layer's pages in time order, each page's index there
   std::vector<std::uint8_t> mark_;         // the candidates among them
   std::vector<recall_candidate> cands_;
-  std::vector<std::int32_t> index_;  // a candidate slot's index among its page's tokens
+  std::vector<std::int32_t> index_;         // a candidate slot's index among its page's tokens
+  std::vector<std::int64_t> turn_;          // ... and its turn to where it lands (rotary_pos)
+  std::vector<std::int64_t> page_turn_;     // rotary_pos: each page's turn, for its bound
+  std::vector<std::optional<rope>> ropes_;  // ... each archive layer's RoPE
   std::vector<archived_token> recalled_;
   std::vector<std::int64_t> work_, chosen_, displaced_;
   std::vector<layer_inputs<const_tensor_view>> inputs_;
