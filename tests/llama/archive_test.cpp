@@ -122,6 +122,22 @@ void stream(lc::session& s, const infkv::snapkv& policy, const infkv::budget& b)
 
 float rounded(float x, ggml_type t) { return t == GGML_TYPE_F16 ? infkv::f16_to_f32(infkv::f32_to_f16(x)) : x; }
 
+/// Every head of row `x` (heads of `d`) turned by `by` positions with RoPE `r`, in float64.
+std::vector<double> turned(const std::vector<float>& x, std::int32_t d, const infkv::rope& r, std::int64_t by) {
+  std::vector<double> y(x.begin(), x.end());
+  const std::int32_t dims = r.dims == 0 ? d : r.dims;
+  for (std::size_t h0 = 0; h0 < x.size(); h0 += static_cast<std::size_t>(d))
+    for (std::int32_t i = 0; i < dims / 2; ++i) {
+      const double ang = double(by) * r.freq_scale * std::pow(r.theta, -2.0 * i / dims);
+      const std::size_t a = h0 + static_cast<std::size_t>(r.style == infkv::rope_style::normal ? 2 * i : i),
+                        b = h0 +
+                            static_cast<std::size_t>(r.style == infkv::rope_style::normal ? 2 * i + 1 : i + dims / 2);
+      y[a] = x[a] * std::cos(ang) - x[b] * std::sin(ang);
+      y[b] = x[a] * std::sin(ang) + x[b] * std::cos(ang);
+    }
+  return y;
+}
+
 }  // namespace
 
 TEST_CASE("llama archive: the stream's rows are read from llama.cpp's cache and archived within the bound") {
@@ -263,7 +279,12 @@ TEST_CASE("llama archive: bad settings are refused with the option named") {
   const setup c;
   auto o = archive_options(c);
   o.positions = lc::position_mode::compact;
-  CHECK_THROWS_WITH(lc::session(model.get(), o), doctest::Contains("an archive needs position_mode::keep"));
+  CHECK_NOTHROW(lc::session(model.get(), o));  // one cache: compact positions are supported
+  {
+    auto gemma = tiny_gemma3();
+    CHECK_THROWS_WITH(lc::session(gemma.get(), o),
+                      doctest::Contains("an archive on a model with sliding-window layers needs position_mode::keep"));
+  }
   o = archive_options(c);
   o.scratch_seq = 0;
   CHECK_THROWS_WITH(lc::session(model.get(), o), doctest::Contains("session_options.scratch_seq = 0"));
@@ -361,4 +382,92 @@ TEST_CASE("llama archive, sliding-window model: global layers' rows go back into
   const auto q = s.recall(policy, b, {.budget_tokens = 4, .candidates = 8}, random_tokens(5, 8));
   for (const auto p : q.positions) CHECK(p < s.next_pos() - 16);
   check_memory_matches(s);
+}
+
+TEST_CASE("llama archive, compact positions: recall turns archived rows to where they land; the cache stays compact") {
+  auto model = tiny_model(2);
+  setup c;
+  SUBCASE("f32 cache, flash attention off") { c = {false, GGML_TYPE_F32, 8}; }
+  SUBCASE("f16 cache, flash attention on") { c = {true, GGML_TYPE_F16, 8}; }
+  auto o = archive_options(c);
+  o.positions = lc::position_mode::compact;
+  lc::session s(model.get(), o);
+  auto ctx = archive_context(model.get(), s, c);
+  REQUIRE(s.mode() == lc::position_mode::compact);
+  const infkv::snapkv policy{.window = 8};
+  const infkv::budget b{.capacity = 24, .sinks = 2};
+  stream(s, policy, b);  // 64 tokens, evicted to 24 at positions 0-23, then 8 at 24-31
+  const std::int64_t e = std::int64_t(s.inputs(0).keys.n_heads) * s.inputs(0).keys.head_dim;
+  const std::int32_t d = s.inputs(0).keys.head_dim;
+  REQUIRE(s.size() == 32);
+  for (std::int64_t i = 0; i < 8; ++i) CHECK(s.origins()[static_cast<std::size_t>(24 + i)] == 64 + i);
+  // the 8 new tokens are archived at their origins 64-71, their keys turned from 24-31 by 40
+  const auto host0 = host_rows(s);
+  s.recall(policy, b, {.budget_tokens = 1, .candidates = 1}, random_tokens(2, 9));  // archives the stream first
+  REQUIRE(s.archive()->held_tokens() == 72);
+  const auto before = archived_rows(*s.archive());
+  const float levels = float((1 << c.bits) - 1);
+  for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+    const auto& r = s.layer_rope(l).params;
+    for (std::int64_t i = 0; i < 8; ++i) {
+      const auto want = turned(host0[static_cast<std::size_t>(l)].at(24 + i).first, d, r, 40);
+      const auto& got = before[static_cast<std::size_t>(l)].at(64 + i).first;
+      float lo = 1e30f, hi = -1e30f;
+      for (const double x : want) lo = std::min(lo, float(x)), hi = std::max(hi, float(x));
+      for (std::int64_t j = 0; j < e; ++j)
+        CHECK(std::fabs(got[static_cast<std::size_t>(j)] - want[static_cast<std::size_t>(j)]) <=
+              (hi - lo) / levels + 2e-3);
+    }
+  }
+  const std::int64_t size = s.size();
+  const std::vector<std::int64_t> origins_before(s.origins().begin(), s.origins().end());
+  const auto rep = s.recall(policy, b, {.budget_tokens = 8, .candidates = 8});
+  REQUIRE(rep.tokens > 0);
+  CHECK(s.size() == size);
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  // compact again: positions 0..n-1, in the order of the origins
+  std::vector<std::pair<std::int64_t, std::int64_t>> by_pos;
+  for (std::size_t j = 0; j < s.tokens().size(); ++j) by_pos.push_back({s.tokens()[j].pos, s.origins()[j]});
+  std::sort(by_pos.begin(), by_pos.end());
+  for (std::size_t i = 0; i < by_pos.size(); ++i) {
+    CHECK(by_pos[i].first == std::int64_t(i));
+    if (i > 0) CHECK(by_pos[i].second > by_pos[i - 1].second);
+  }
+  // the recalled rows in llama.cpp: the archived ones turned from their origins to where they landed
+  const auto engine = engine_rows(ctx.get(), 0, s.n_layers(), e);
+  std::map<std::int64_t, std::int64_t> origin_at;
+  for (std::size_t j = 0; j < s.tokens().size(); ++j) origin_at[s.tokens()[j].pos] = s.origins()[j];
+  for (const auto p : rep.positions) {
+    CAPTURE(p);
+    const std::int64_t from = origin_at.at(p);
+    CHECK(std::find(origins_before.begin(), origins_before.end(), from) == origins_before.end());  // not cached before
+    CHECK(from < 64 - 8);
+    for (std::int32_t l = 0; l < s.n_layers(); ++l) {
+      const auto& arch = before[static_cast<std::size_t>(l)].at(from);
+      const auto want = turned(arch.first, d, s.layer_rope(l).params, p - from);
+      const auto& got = engine[static_cast<std::size_t>(l)].at(p);
+      for (std::int64_t j = 0; j < e; ++j) {
+        CHECK(std::fabs(got.first[static_cast<std::size_t>(j)] - want[static_cast<std::size_t>(j)]) <=
+              2e-3 * (1 + std::fabs(want[static_cast<std::size_t>(j)])));
+        CHECK(got.second[static_cast<std::size_t>(j)] == rounded(arch.second[static_cast<std::size_t>(j)], c.type));
+      }
+    }
+  }
+  // after the next decode llama.cpp has turned the moved cells' keys: every cached row equals the
+  // session's copy (both turned by the same deltas)
+  REQUIRE(s.decode(random_tokens(4, 5)) == 0);
+  CHECK(s.tokens().back().pos == size + 3);
+  CHECK(s.origins().back() == 72 + 3);
+  check_memory_matches(s);
+  const auto engine2 = engine_rows(ctx.get(), 0, s.n_layers(), e);
+  const auto host = host_rows(s);
+  for (std::int32_t l = 0; l < s.n_layers(); ++l)
+    for (const auto& [p, kv] : host[static_cast<std::size_t>(l)]) {
+      CAPTURE(p);
+      const auto& got = engine2[static_cast<std::size_t>(l)].at(p);
+      for (std::int64_t j = 0; j < e; ++j)
+        CHECK(std::fabs(got.first[static_cast<std::size_t>(j)] - kv.first[static_cast<std::size_t>(j)]) <=
+              2e-3 * (1 + std::fabs(kv.first[static_cast<std::size_t>(j)])));
+    }
 }

@@ -42,7 +42,8 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "neighbours (odd; 1: none)")
       ->check(at_least(1, true, 1001));
   app.add_option("--archive", s.archive_bits,
-                 "keep the stream in an archive at this many bits (2, 4, 8; implies --keep-positions)")
+                 "keep the stream in an archive at this many bits (2, 4, 8; implies --keep-positions unless "
+                 "--compact-positions)")
       ->check(CLI::IsMember({2, 4, 8}));
   app.add_option("--archive-mib", s.archive_mib, "the archive's capacity in MiB (the oldest pages leave when full)")
       ->check(pos);
@@ -67,6 +68,9 @@ inline void add_policy_options(CLI::App& app, settings& s) {
          "models: all)")
       ->check(CLI::IsMember({"all", "global"}))
       ->default_str("all");
+  app.add_flag("--compact-positions", s.compact_positions,
+               "with --archive: compact positions all the same (recalled rows are turned to where they land; for "
+               "streams longer than the model's context)");
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

@@ -33,11 +33,12 @@ using infkv_tools::find_policy;
 /// best of 0 / 0.5 / 2 / 4 / 8 / 32 over the first 3000 KJV tokens at budget 256, and of 2 / 8 at
 /// budget 1024 on held-out KJV text (docs/evaluation.md).
 struct settings : infkv_tools::policy_knobs {
-  std::int64_t budget = 1024;   ///< cache slots kept after each eviction
-  std::int64_t block = 128;     ///< tokens decoded between evictions
-  int threads = 2;              ///< llama.cpp and scoring threads
-  bool keep_positions = false;  ///< leave holes at the original positions instead of compacting
-  std::int64_t ask_room = 0;    ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
+  std::int64_t budget = 1024;      ///< cache slots kept after each eviction
+  std::int64_t block = 128;        ///< tokens decoded between evictions
+  int threads = 2;                 ///< llama.cpp and scoring threads
+  bool keep_positions = false;     ///< leave holes at the original positions instead of compacting
+  bool compact_positions = false;  ///< with an archive: compact all the same (an archive implies keep otherwise)
+  std::int64_t ask_room = 0;       ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
   std::optional<infkv::dtype> key_type{};            ///< the session's key copies (unset: the cache's own)
   /// Where the policies read the keys: llama.cpp's cache where it can (automatic), or copies.
@@ -295,11 +296,10 @@ class session_runner final : public runner {
   infkv::cpu::recall_options recall_options(std::int64_t tokens) const {
     return {tokens, set_.recall_candidates, set_.recall_bias, set_.recall_neighbours};
   }
-  /// After a recall: the stream tokens cached are the session's positions (keep positions: a
-  /// slot's position is its stream index).
+  /// After a recall: the stream tokens cached are the session's origins (a slot's stream index).
   void track_session() {
     cached_.clear();
-    for (const auto& t : session_.tokens()) cached_.push_back(t.pos);
+    for (const auto o : session_.origins()) cached_.push_back(o);
     std::sort(cached_.begin(), cached_.end());
   }
 

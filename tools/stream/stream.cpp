@@ -484,7 +484,10 @@ int main(int argc, char** argv) {
              : o.keys == "engine" ? infkv::llama_cpp::key_source::engine
                                   : infkv::llama_cpp::key_source::automatic;
   o.s.proxy = o.proxy == "alone" ? infkv::llama_cpp::proxy_mode::alone : infkv::llama_cpp::proxy_mode::after_cache;
-  if (o.s.archive_bits > 0) o.s.keep_positions = true;  // recalled rows go back at their own positions
+  if (o.s.compact_positions && o.s.keep_positions) usage_error("--compact-positions and --keep-positions: choose one");
+  if (o.s.compact_positions && o.s.archive_bits == 0) usage_error("--compact-positions: needs --archive BITS");
+  if (o.s.archive_bits > 0 && !o.s.compact_positions)
+    o.s.keep_positions = true;  // recalled rows go back at their own positions
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;

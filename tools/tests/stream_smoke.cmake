@@ -152,6 +152,14 @@ elseif(MODE STREQUAL "passkey")
     message(FATAL_ERROR "--archive 4 --recall 32: settings ${bits} / ${recall}, keep positions ${keep}, ${asked} "
                         "questions (3)")
   endif()
+  # The same with compacted positions: recalled rows turned to where they land.
+  run_stream(--compact-positions --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+             --policy snapkv --archive 4 --recall 32 --compact-positions)
+  string(JSON keep GET "${json}" settings keep_positions)
+  string(JSON asked LENGTH "${json}" runs 0 trials)
+  if(keep OR NOT asked EQUAL 3)
+    message(FATAL_ERROR "--archive 4 --recall 32 --compact-positions: keep positions ${keep}, ${asked} questions (3)")
+  endif()
   # Single turn: each question's prompt prefilled with SnapKV's evictions scoring against its
   # queries (both ways of computing them) completes with every question asked and the settings
   # recorded; whole segments with KeyDiff likewise.
@@ -250,6 +258,7 @@ elseif(MODE STREQUAL "too_big")
 elseif(MODE STREQUAL "bad_flag")
   foreach(args "--budget;0" "--policy;no_such_policy" "--block;-3" "--budget;20" "--skip;5;--passkey;100" "--archive;3"
                "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100" "--prefetch;8"
+               "--compact-positions" "--compact-positions;--archive;4;--keep-positions"
                "--question-known" "--question-known;--passkey;100" "--proxy;later"
                "--whole-segments;--policy;saddle_union;--passkey;100")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}

@@ -12,10 +12,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -66,8 +68,10 @@ class session {
     }
     cpu::workers(opt_.executor, 1);  // checks the executor
     if (opt_.archive) {
-      INFKV_REQUIRE(opt_.positions == position_mode::keep, "session_options.positions", "compact",
-                    "an archive needs position_mode::keep: recalled rows go back at their own positions");
+      INFKV_REQUIRE(opt_.positions == position_mode::keep || llama_model_n_swa(model) == 0, "session_options.positions",
+                    "compact",
+                    "an archive on a model with sliding-window layers needs position_mode::keep (recall into "
+                    "compacted positions is built for one cache of global layers)");
       INFKV_REQUIRE(opt_.scratch_seq >= 0 && opt_.scratch_seq != opt_.seq, "session_options.scratch_seq",
                     opt_.scratch_seq, "an archive needs a second sequence of the context (not seq = ", opt_.seq, ")");
       INFKV_REQUIRE(!opt_.track_h2o, "session_options.track_h2o", "set",
@@ -188,6 +192,9 @@ class session {
   void reset_stats() { stats_ = {}; }
   /// Metadata of the cached tokens, in the session's slot order.
   std::span<const token> tokens() const { return book_.tokens(); }
+  /// Each cached slot's position in the stream as keep mode would hold it: tokens()'s positions
+  /// in keep mode, and in compact mode their positions before every compaction moved them.
+  std::span<const std::int64_t> origins() const { return book_.origins(); }
   std::int64_t size() const { return book_.size(); }
   std::int32_t n_layers() const { return std::int32_t(layers_.size()); }
   /// Position the next decoded token gets: one past the newest cached position (llama.cpp wants
@@ -614,8 +621,21 @@ class session {
       if (opt.layers.empty()) opt.layers = archive_->global_layers();  // so only the global layers' scores say
     }
     cpu::recaller rc(store, p, b, opt, size(), queries[0].n_heads, queries[0].n_slots, be);
-    const cpu::recall_result res =
-        rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(all_in_), queries, qpos, opt_.scale);
+    // compact mode: the recaller takes the stream's positions (the archive's) and the compacted
+    // ones at which the cache's keys and the queries are rotated
+    const bool compacted = shift_;
+    std::vector<token> at_origin;
+    std::vector<std::int64_t> rotary, qpos_origin;
+    std::vector<layer_inputs<const_paged_rows>> in = all_in_;
+    if (compacted) {
+      at_origin.assign(tokens().begin(), tokens().end());
+      for (std::size_t s = 0; s < at_origin.size(); ++s)
+        rotary.push_back(at_origin[s].pos), at_origin[s].pos = origins()[s];
+      for (auto& l : in) l.tokens = at_origin;
+      for (const std::int64_t q : qpos) qpos_origin.push_back(book_.origin_of(q));
+    }
+    const cpu::recall_result res = rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(in), queries,
+                                             compacted ? qpos_origin : qpos, opt_.scale, 0, rotary);
     recall_report rep;
     if (res.recalled.empty()) return rep;
     const std::int64_t m = res.tokens;
@@ -635,19 +655,47 @@ class session {
     keep.add_unit(kept);
     archive_->read_template(route(), keep.evicted_runs(tokens()));
     apply(keep);
-    // 3. the staged rows into llama.cpp's cache at their positions
-    try {
-      archive_->write_back(route());
-    } catch (...) {
-      verify();
-      throw;
+    if (compacted) {
+      // 3. the recalled tokens take their places in the stream's order: positions 0..n-1 again,
+      //    the cached slots after them moved up, their staged keys turned from their origins
+      const std::vector<token> old(tokens().begin(), tokens().end());
+      const auto n_old = std::int64_t(old.size());
+      const std::vector<std::int64_t> delta = book_.insert(back);
+      shift_positions(old, std::span(delta).first(std::size_t(n_old)));
+      const std::span<const std::int64_t> turn = std::span(delta).subspan(std::size_t(n_old));
+      for (std::int32_t l = 0; l < n_layers(); ++l)
+        if (layer_rope_[std::size_t(l)].has_rope)
+          cpu::rerotate(nhd(static_cast<void*>(archive_->staged(false, l)), dtype::f32, m, layers_[0].n_head_kv(),
+                            layers_[0].head_dim()),
+                        turn, layer_rope_[std::size_t(l)].params, opt_.executor);
+      for (std::int64_t i = 0; i < m; ++i) rep.positions.push_back(tokens()[std::size_t(n_old + i)].pos);
+      try {
+        archive_->write_back(route(), rep.positions);
+      } catch (...) {
+        keep_set old_slots(size());
+        std::vector<std::int64_t> first(static_cast<std::size_t>(n_old));
+        std::iota(first.begin(), first.end(), std::int64_t(0));
+        old_slots.add_unit(first);
+        book_.keep(old_slots);
+        verify();
+        throw;
+      }
+    } else {
+      // 3. the staged rows into llama.cpp's cache at their positions
+      try {
+        archive_->write_back(route());
+      } catch (...) {
+        verify();
+        throw;
+      }
+      // 4. the session follows: bookkeeping
+      for (const token& t : back) {
+        const std::int64_t pos = t.pos;
+        book_.append({&pos, 1}, t.segment, t.kind);
+        rep.positions.push_back(pos);
+      }
     }
-    // 4. the session follows: bookkeeping, key (and value) copies
-    for (const token& t : back) {
-      const std::int64_t pos = t.pos;
-      book_.append({&pos, 1}, t.segment, t.kind);
-      rep.positions.push_back(pos);
-    }
+    // 4. and the key (and value) copies
     for (std::int32_t l = 0; l < n_layers(); ++l)
       layers_[std::size_t(l)].append(archive_->staged(false, l), archive_->staged(true, l), m, llama_n_ctx(ctx_));
     verify();
@@ -837,7 +885,7 @@ class session {
   /// copies give a sliding-window model's sliding layers), leaving every layer's inputs in all_in_.
   void archive_stream() {
     const stopwatch w{stats_.archive};
-    archive_->archive_new(route(), tokens(), all_inputs());
+    archive_->archive_new(route(), tokens(), book_.origins(), all_inputs());
   }
 
   /// The archive's way to llama.cpp's rows.
@@ -874,26 +922,35 @@ class session {
     for (auto& l : layers_) l.remap_queries(same, nullptr, opt_.executor);
   }
 
-  /// Gives the cached tokens positions 0..n-1 in time order: llama_memory_seq_add per run of
-  /// equal delta, the key copies and window queries re-rotated alike. True when anything moved.
+  /// Gives the cached tokens positions 0..n-1 in time order (shift_positions). True when anything moved.
   bool compact_positions() {
     const std::vector<token> old(tokens().begin(), tokens().end());
-    const auto delta = book_.compact();
+    return shift_positions(old, book_.compact());
+  }
+
+  /// Moves the slots that were at `old` positions by `delta` (as many; the bookkeeping moved them
+  /// already): llama_memory_seq_add per run of equal delta, those moving down in time order and
+  /// then those moving up newest first, so that no run lands among the cells of one not moved
+  /// yet; the key copies and window queries re-rotated alike. True when anything moved.
+  bool shift_positions(const std::vector<token>& old, std::span<const std::int64_t> delta) {
     const auto order = time_order(old);
-    bool moved = false;
+    std::vector<std::array<std::int64_t, 3>> runs;  // first position, one past the last, delta
     for (std::size_t i = 0; i < order.size();) {
       const auto d = delta[std::size_t(order[i])];
       std::size_t j = i;
       while (j < order.size() && delta[std::size_t(order[j])] == d) ++j;
-      if (d != 0) {
-        const stopwatch w{stats_.seq_add};
-        opt_.memory.seq_add(mem_, opt_.seq, llama_pos(old[std::size_t(order[i])].pos),
-                            llama_pos(old[std::size_t(order[j - 1])].pos + 1), llama_pos(d));
-        moved = true;
-      }
+      if (d != 0) runs.push_back({old[std::size_t(order[i])].pos, old[std::size_t(order[j - 1])].pos + 1, d});
       i = j;
     }
-    if (!moved) return false;
+    const auto move = [&](const std::array<std::int64_t, 3>& r) {
+      const stopwatch w{stats_.seq_add};
+      opt_.memory.seq_add(mem_, opt_.seq, llama_pos(r[0]), llama_pos(r[1]), llama_pos(r[2]));
+    };
+    for (const auto& r : runs)
+      if (r[2] < 0) move(r);
+    for (auto r = runs.rbegin(); r != runs.rend(); ++r)
+      if ((*r)[2] > 0) move(*r);
+    if (runs.empty()) return false;
     shift_pending_ = engine_;        // llama.cpp turns its keys at the next decode
     if (!opt_.capture) return true;  // no host copies to turn
     const stopwatch w{stats_.rerotate};

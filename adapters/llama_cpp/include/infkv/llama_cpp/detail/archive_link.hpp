@@ -137,27 +137,40 @@ class archive_link {
   /// The first position not archived yet.
   std::int64_t archived_to() const { return archived_to_; }
 
-  /// Archives the rows of the session's cached `tokens` at positions from archived_to() on (all
-  /// of them are cached: nothing leaves before it is archived), in time order, cut into pages of
+  /// Archives the rows of the session's cached `tokens` whose `origins` (the stream's positions:
+  /// the tokens' own in keep mode) are archived_to() or later (all of them are cached: nothing
+  /// leaves before it is archived; they are the newest), in time order, cut into pages of
   /// page_tokens: llama.cpp's rows, and on a model with sliding-window layers those layers' rows
-  /// from `copies` (the session's inputs of every layer, one slot per token).
-  void archive_new(const cache_route& r, std::span<const token> tokens,
+  /// from `copies` (the session's inputs of every layer, one slot per token). The archive holds
+  /// each token at its origin, its keys turned there (with each layer's `copies[l].rotary`)
+  /// when compaction moved it.
+  void archive_new(const cache_route& r, std::span<const token> tokens, std::span<const std::int64_t> origins,
                    std::span<const layer_inputs<const_paged_rows>> copies) {
-    const auto by_pos = slots_by_position(tokens, archived_to_);  // the slots to archive
+    std::int64_t from = std::numeric_limits<std::int64_t>::max();  // the first position to archive
+    for (std::size_t s = 0; s < tokens.size(); ++s)
+      if (origins[s] >= archived_to_) from = std::min(from, tokens[s].pos);
+    const auto by_pos = slots_by_position(tokens, from);  // the slots to archive
     if (by_pos.empty()) return;
     const std::int64_t m = std::int64_t(by_pos.size()), end = by_pos.back().first + 1, E = row_elems();
-    const position_run run{archived_to_, end};
+    const position_run run{from, end};
     const kv_state st = read_cells(r, {&run, 1}, state_);
     if (st.cells != m)
       infkv::raise<engine_error>("infkv: llama.cpp holds ", st.cells, " cells at positions [", run.begin, ", ", run.end,
                                  "), the session ", m, " slots (slots sharing a position?): nothing was archived");
     std::vector<token> toks(static_cast<std::size_t>(m));
+    std::vector<std::int64_t> turn(static_cast<std::size_t>(m));            // each cell's turn to its origin
     const std::vector<std::int64_t> slot = cell_slots(state_, st, by_pos);  // each cell's slot in the session
     for (std::int64_t c = 0; c < m; ++c) {
       if (slot[std::size_t(c)] < 0)
         infkv::raise<engine_error>("infkv: llama.cpp's cell at position ", st.pos(state_, c),
                                    " is not a slot of the session: nothing was archived");
-      toks[std::size_t(c)] = tokens[std::size_t(slot[std::size_t(c)])];
+      const auto sl = std::size_t(slot[std::size_t(c)]);
+      if (origins[sl] < archived_to_)
+        infkv::raise<engine_error>("infkv: the session's slot at position ", tokens[sl].pos, " (origin ", origins[sl],
+                                   ") is archived already, yet newer than the first slot to archive: nothing was "
+                                   "archived");
+      toks[std::size_t(c)] = tokens[sl], toks[std::size_t(c)].pos = origins[sl];
+      turn[std::size_t(c)] = origins[sl] - tokens[sl].pos;
     }
     if (two_caches_ && global_.empty()) map_layers(st, slot, copies);
     const std::int32_t L = layers(), H = store_.shape().kv_heads, d = store_.shape().head_dim;
@@ -184,6 +197,13 @@ class archive_link {
       }
       const auto& sl = st.layers[std::size_t(j)];
       li.keys = nhd(static_cast<const void*>(state_.data() + sl.k_at), sl.k_type, m, H, d);
+      if (std::ranges::any_of(turn, [](std::int64_t t) { return t != 0; })) {
+        INFKV_REQUIRE(
+            copies[std::size_t(l)].rotary.has_value(), "layer " + std::to_string(l) + " rotary", "unset",
+            "compacted positions are turned back to the stream's for the archive: the layer's RoPE is needed");
+        cpu::rerotate(nhd(static_cast<void*>(state_.data() + sl.k_at), sl.k_type, m, H, d), turn,
+                      *copies[std::size_t(l)].rotary);
+      }
       if (!st.v_trans) {
         li.values = nhd(static_cast<const void*>(state_.data() + sl.v_at), sl.v_type, m, H, d);
         continue;
@@ -197,7 +217,7 @@ class archive_link {
     none.add_unit({});
     scratch_.resize(cpu::archive_scratch_bytes(store_, m));
     cpu::archive_evicted(store_, std::span<const layer_inputs<const_tensor_view>>(in), none, scratch_, 0);
-    archived_to_ = end;
+    for (const token& t : toks) archived_to_ = std::max(archived_to_, t.pos + 1);
   }
 
   /// Whether llama.cpp keeps the model's layers in two caches (sliding-window layers: iSWA).
@@ -236,12 +256,13 @@ class archive_link {
                                  " displaced slots' positions: nothing was recalled");
   }
 
-  /// Writes the staged rows at their positions into the template (read_template), restores it into
+  /// Writes the staged rows at their positions (`at`, when given: the compacted positions they
+  /// land at, their keys turned there) into the template (read_template), restores it into
   /// the scratch sequence and shares its cells into the session's: every layer's rows, or on a
   /// model with sliding-window layers the global layers' (the sliding layers' cache gets no
   /// cell). When llama.cpp refuses, engine_error says the cache holds that many slots fewer
   /// (their rows stay archived).
-  void write_back(const cache_route& r) {
+  void write_back(const cache_route& r, std::span<const std::int64_t> at = {}) {
     const std::int32_t L = layers();
     const std::int64_t m = std::int64_t(back_.size()), E = row_elems();
     const kv_state st = parse(template_)[0];
@@ -253,7 +274,7 @@ class archive_link {
       }
     }
     for (std::int64_t c = 0; c < m; ++c) {
-      const auto pos = std::int32_t(back_[std::size_t(c)].pos);
+      const auto pos = std::int32_t(at.empty() ? back_[std::size_t(c)].pos : at[std::size_t(c)]);
       std::memcpy(template_.data() + st.pos_at[std::size_t(c)], &pos, sizeof pos);
       for (std::int32_t l = 0; l < L; ++l) {
         const std::int32_t j = state_layer(l);

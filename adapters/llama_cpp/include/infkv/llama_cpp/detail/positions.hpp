@@ -19,14 +19,27 @@
 
 namespace infkv::llama_cpp::detail {
 
-/// The cached tokens of one sequence in slot order, and where the stream goes on.
+/// The cached tokens of one sequence in slot order, and where the stream goes on. Each token also
+/// has its origin: the position it had when decoded plus every compaction's shift before it, i.e.
+/// its position in the stream as keep mode would hold it (equal to its position in keep mode).
 class position_book {
  public:
   std::span<const token> tokens() const { return tokens_; }
+  /// Each cached slot's origin (the stream's position of its token).
+  std::span<const std::int64_t> origins() const { return origins_; }
+  /// The origin of position `pos`: a cached slot's, or for a position past the cache's, as the
+  /// next decoded token's would be.
+  std::int64_t origin_of(std::int64_t pos) const {
+    for (std::size_t s = 0; s < tokens_.size(); ++s)
+      if (tokens_[s].pos == pos) return origins_[s];
+    return pos + drift_;
+  }
   std::int64_t size() const { return std::int64_t(tokens_.size()); }
   bool empty() const { return tokens_.empty(); }
   /// Bytes of the bookkeeping (its capacity).
-  std::int64_t bytes() const { return std::int64_t(tokens_.capacity() * sizeof(token)); }
+  std::int64_t bytes() const {
+    return std::int64_t(tokens_.capacity() * sizeof(token) + origins_.capacity() * sizeof(std::int64_t));
+  }
   /// Oldest and newest cached positions (-1 when nothing is cached).
   std::int64_t min_pos() const { return empty() ? -1 : std::ranges::min_element(tokens_, {}, &token::pos)->pos; }
   std::int64_t max_pos() const { return empty() ? -1 : std::ranges::max_element(tokens_, {}, &token::pos)->pos; }
@@ -40,15 +53,27 @@ class position_book {
   /// The tokens of a successful decode at positions `pos`, appended after the cached ones.
   void append(std::span<const std::int64_t> pos, std::int32_t segment, modality kind,
               std::span<const std::int32_t> segments = {}) {
-    for (std::size_t i = 0; i < pos.size(); ++i)
+    for (std::size_t i = 0; i < pos.size(); ++i) {
       tokens_.push_back({pos[i], segments.empty() ? segment : segments[i], kind});
-    if (!pos.empty()) stream_next_ = std::max(stream_next_, *std::ranges::max_element(pos) + 1);
+      origins_.push_back(pos[i] + drift_);
+    }
+    if (!pos.empty()) {
+      stream_next_ = std::max(stream_next_, *std::ranges::max_element(pos) + 1);
+      origin_next_ = std::max(origin_next_, *std::ranges::max_element(pos) + 1 + drift_);
+    }
   }
   /// Keeps the slots of unit 0 of `keep`, in its (slot) order.
   void keep(const keep_set& keep) {
     std::vector<token> kept;
-    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]);
-    tokens_ = std::move(kept);
+    std::vector<std::int64_t> origins;
+    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]), origins.push_back(origins_[std::size_t(s)]);
+    tokens_ = std::move(kept), origins_ = std::move(origins);
+  }
+  /// Appends tokens that come back into a compacted cache (their `pos` is their origin) and
+  /// compacts (compact()): returns each slot's delta, the appended ones' from their origin.
+  std::vector<std::int64_t> insert(std::span<const token> back) {
+    for (const token& t : back) tokens_.push_back(t), origins_.push_back(t.pos);
+    return compact();
   }
   /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
   bool shares_positions() const {
@@ -58,11 +83,20 @@ class position_book {
     std::ranges::sort(pos);
     return std::ranges::adjacent_find(pos) != pos.end();
   }
-  /// Gives the cached tokens positions 0..n-1 in time order and returns each slot's delta (new -
-  /// old); when anything moved, the stream goes on after the newest.
+  /// Gives the cached tokens positions 0..n-1 in the order of their origins (slots sharing one
+  /// share a position) and returns each slot's delta (new - old); when anything moved, the stream
+  /// goes on after the newest.
   std::vector<std::int64_t> compact() {
-    auto delta = infkv::compact_positions(tokens_, 0);
-    if (std::ranges::any_of(delta, [](std::int64_t d) { return d != 0; })) stream_next_ = max_pos() + 1;
+    std::vector<token> by_origin = tokens_;
+    for (std::size_t s = 0; s < by_origin.size(); ++s) by_origin[s].pos = origins_[s];
+    infkv::compact_positions(by_origin, 0);
+    std::vector<std::int64_t> delta(tokens_.size());
+    for (std::size_t s = 0; s < tokens_.size(); ++s)
+      delta[s] = by_origin[s].pos - tokens_[s].pos, tokens_[s].pos = by_origin[s].pos;
+    if (std::ranges::any_of(delta, [](std::int64_t d) { return d != 0; })) {
+      stream_next_ = max_pos() + 1;
+      drift_ = origin_next_ - next_pos();
+    }
     return delta;
   }
 
@@ -82,6 +116,9 @@ class position_book {
 
  private:
   std::vector<token> tokens_;
+  std::vector<std::int64_t> origins_;  // each slot's origin
+  std::int64_t drift_ = 0;             // origin - position of the next decoded token
+  std::int64_t origin_next_ = 0;       // the stream's next origin
   std::int64_t stream_next_ = 0;
   std::int64_t reserved_ = 0;
 };
