@@ -161,14 +161,17 @@ void bind_archive(nb::module_& m) {
       .def(
           "recall",
           [](infkv::cpu::recaller& r, const infkv::archive& a, nb::handle layers_h,
-             const std::vector<ro_array>& queries, positions_array query_pos, float scale, std::int32_t layer) {
+             const std::vector<ro_array>& queries, positions_array query_pos, float scale, std::int32_t layer,
+             std::optional<positions_array> rotary_pos) {
             const auto in = inputs_of(layers_h);
             const auto q = queries_of(queries);
             infkv::cpu::recall_result res;
             {
               nb::gil_scoped_release unlocked;
               res = r.recall(a, std::span<const infkv::layer_inputs<>>(in), q,
-                             std::span<const std::int64_t>(query_pos.data(), query_pos.shape(0)), scale, layer);
+                             std::span<const std::int64_t>(query_pos.data(), query_pos.shape(0)), scale, layer,
+                             rotary_pos ? std::span<const std::int64_t>(rotary_pos->data(), rotary_pos->shape(0))
+                                        : std::span<const std::int64_t>{});
             }
             std::vector<std::int32_t> recalled;
             for (const auto& t : res.recalled) recalled.push_back(t.page), recalled.push_back(t.index);
@@ -178,11 +181,14 @@ void bind_archive(nb::module_& m) {
                                   to_numpy(std::vector<std::int64_t>(res.displaced.begin(), res.displaced.end())));
           },
           "archive"_a, "layers"_a, "queries"_a, "query_pos"_a, "scale"_a, nb::kw_only(), "layer"_a = 0,
+          "rotary_pos"_a.none() = nb::none(),
           "(pages, recalled, displaced) for `queries` (one [n, q_heads, head_dim] array per archive layer, "
           "positions `query_pos`) against the cache `layers` (one Layer with keys, and values where the policy "
           "weights by them; every layer's for per_token): the pages chosen, the archived tokens that come back "
           "(int32 [m, 2]: page, index among the page's tokens; those the cache does not hold) and the m cached "
-          "slots they displace. The pages stay archived.");
+          "slots they displace. The pages stay archived. `rotary_pos` (compact positions): the cache's tokens and "
+          "query_pos carry the stream's positions, the cache's keys and the queries are rotated at these (one per "
+          "cached slot); candidates' keys are turned to where they would land, with each Layer's `rotary`.");
 }
 
 }  // namespace infkv_py

@@ -67,6 +67,31 @@ def test_archive_errors_name_the_argument():
     assert a.held_pages == 0
 
 
+def test_recall_with_rotary_positions_reaches_the_recaller():
+    """rotary_pos (compact positions) is passed through and checked there: its length, the layers' RoPE."""
+    rng = np.random.default_rng(1)
+    n, h, d = 24, 1, 8
+    a = infkv.Archive(n_layers=1, kv_heads=h, head_dim=d, capacity_bytes=1 << 20, page_tokens=4,
+                      granularity=infkv.granularity.per_token)
+    keys = rng.normal(size=(n, h, d)).astype(np.float32)
+    a.archive(infkv.Layer(infkv.tokens(np.arange(1000, 1000 + n)), keys=keys, values=keys),
+              [np.arange(16, n, dtype=np.int64)])
+    cached = infkv.tokens(np.concatenate([np.arange(1000, 1004), np.arange(1016, 1024)]))
+    ck = rng.normal(size=(12, h, d)).astype(np.float32)
+    rope = infkv.rope(theta=10000.0)
+    r = infkv.Recaller(a, infkv.snapkv(window=2, kernel=1), infkv.budget(capacity=12, sinks=2, recent=2),
+                       budget_tokens=4, max_cache_slots=12, q_heads=1, max_queries=2)
+    q = [rng.normal(size=(2, 1, d)).astype(np.float32)]
+    qpos = np.array([1024, 1025], dtype=np.int64)
+    layer = infkv.Layer(cached, keys=ck, values=ck, rotary=rope)
+    pages, recalled, displaced = r.recall(a, [layer], q, qpos, 0.35, rotary_pos=np.arange(12, dtype=np.int64))
+    assert len(recalled) == len(displaced) <= 4
+    with pytest.raises(ValueError, match="rotary_pos.size\\(\\) = 3: must be 0 or the cache's 12 slots"):
+        r.recall(a, [layer], q, qpos, 0.35, rotary_pos=np.arange(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="cache\\[0\\].rotary = unset"):
+        r.recall(a, [infkv.Layer(cached, keys=ck, values=ck)], q, qpos, 0.35, rotary_pos=np.arange(12, dtype=np.int64))
+
+
 def test_recall_brings_back_what_eviction_lost(smollm2, kjv_text):
     """SmolLM2, a fact stated early in 1,667 tokens of KJV, a 256-slot cache evicted per block of
     128 (SnapKV): the fact is gone and the model answers wrong; with a 4-bit archive and recall

@@ -245,6 +245,10 @@ TEST_CASE("llama archive: the engine refusing the recalled rows loses nothing") 
   auto model = tiny_model(2);
   const setup c;
   auto o = archive_options(c);
+  SUBCASE("keep positions") {}
+  SUBCASE("compact positions: the cached slots already moved up stay where llama.cpp has them") {
+    o.positions = lc::position_mode::compact;
+  }
   bool refuse = true;
   o.memory.state_set = [&](llama_context* ctx, const std::uint8_t* src, std::size_t n, llama_seq_id seq) {
     return refuse ? static_cast<std::size_t>(0) : llama_state_seq_set_data(ctx, src, n, seq);
@@ -272,6 +276,16 @@ TEST_CASE("llama archive: the engine refusing the recalled rows loses nothing") 
   const auto rep = s.recall(policy, {.capacity = 24, .sinks = 2}, {.budget_tokens = 4, .candidates = 8});
   CHECK(rep.tokens <= 4);
   check_memory_matches(s);
+  REQUIRE(s.decode(random_tokens(1, 7)) == 0);  // every cached row in llama.cpp is the session's copy
+  const std::int64_t e = std::int64_t(s.inputs(0).keys.n_heads) * s.inputs(0).keys.head_dim;
+  const auto engine = engine_rows(ctx.get(), 0, s.n_layers(), e);
+  const auto host = host_rows(s);
+  for (std::int32_t l = 0; l < s.n_layers(); ++l)
+    for (const auto& [p, kv] : host[static_cast<std::size_t>(l)])
+      for (std::int64_t j = 0; j < e; ++j)
+        CHECK(std::fabs(engine[static_cast<std::size_t>(l)].at(p).first[static_cast<std::size_t>(j)] -
+                        kv.first[static_cast<std::size_t>(j)]) <=
+              2e-3 * (1 + std::fabs(kv.first[static_cast<std::size_t>(j)])));
 }
 
 TEST_CASE("llama archive: bad settings are refused with the option named") {
