@@ -398,7 +398,7 @@ TEST_CASE("llama archive, sliding-window model: global layers' rows go back into
   check_memory_matches(s);
 }
 
-TEST_CASE("llama archive, compact positions: recall turns archived rows to where they land; the cache stays compact") {
+TEST_CASE("llama archive, compact positions: recall turns archived rows to where they land, the cache stays compact") {
   auto model = tiny_model(2);
   setup c;
   SUBCASE("f32 cache, flash attention off") { c = {false, GGML_TYPE_F32, 8}; }
