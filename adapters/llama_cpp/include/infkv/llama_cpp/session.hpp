@@ -626,16 +626,18 @@ class session {
     const bool compacted = shift_;
     std::vector<token> at_origin;
     std::vector<std::int64_t> rotary, qpos_origin;
-    std::vector<layer_inputs<const_paged_rows>> in = all_in_;
+    std::vector<layer_inputs<const_paged_rows>> in_origin;
     if (compacted) {
       at_origin.assign(tokens().begin(), tokens().end());
       for (std::size_t s = 0; s < at_origin.size(); ++s)
         rotary.push_back(at_origin[s].pos), at_origin[s].pos = origins()[s];
-      for (auto& l : in) l.tokens = at_origin;
+      in_origin = all_in_;
+      for (auto& l : in_origin) l.tokens = at_origin;
       for (const std::int64_t q : qpos) qpos_origin.push_back(book_.origin_of(q));
     }
-    const cpu::recall_result res = rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(in), queries,
-                                             compacted ? qpos_origin : qpos, opt_.scale, 0, rotary);
+    const cpu::recall_result res =
+        rc.recall(store, std::span<const layer_inputs<const_paged_rows>>(compacted ? in_origin : all_in_), queries,
+                  compacted ? qpos_origin : qpos, opt_.scale, 0, rotary);
     recall_report rep;
     if (res.recalled.empty()) return rep;
     const std::int64_t m = res.tokens;

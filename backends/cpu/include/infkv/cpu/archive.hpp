@@ -267,8 +267,9 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
       if (!only.empty() && !std::binary_search(only.begin(), only.end(), pi.layer + lp)) continue;
       const const_tensor_view& Q = queries[std::size_t(pi.layer + lp)];
       const std::int32_t group = Q.n_heads / s.kv_heads;
-      const std::optional<rope>& rp = turn.empty() ? std::nullopt : ropes[std::size_t(pi.layer + lp)];
-      const std::int64_t back = rp && turn[std::size_t(p)] != 0 ? -turn[std::size_t(p)] : 0;
+      const rope* rp =
+          turn.empty() || !ropes[std::size_t(pi.layer + lp)] ? nullptr : &*ropes[std::size_t(pi.layer + lp)];
+      const std::int64_t back = rp != nullptr && turn[std::size_t(p)] != 0 ? -turn[std::size_t(p)] : 0;
       std::int32_t dims = 0;
       if (back != 0) {  // cos / sin of the turn back (interleaved for the normal style)
         dims = rp->checked_dims(d);

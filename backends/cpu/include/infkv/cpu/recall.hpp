@@ -198,10 +198,12 @@ class recaller {
     std::sort(held_at, held_at + n_cache, [&](std::int64_t x, std::int64_t y) {
       return ident(ctoks[std::size_t(x)]) < ident(ctoks[std::size_t(y)]);
     });
+    const auto first_not_before = [&](const token& t) {  // in held_at: the first cached token not before t
+      return std::lower_bound(held_at, held_at + n_cache, t,
+                              [&](std::int64_t x, const token& v) { return ident(ctoks[std::size_t(x)]) < ident(v); });
+    };
     const auto cached = [&](const token& t) {
-      const auto it = std::lower_bound(held_at, held_at + n_cache, t, [&](std::int64_t x, const token& v) {
-        return ident(ctoks[std::size_t(x)]) < ident(v);
-      });
+      const auto it = first_not_before(t);
       return it != held_at + n_cache && ident(ctoks[std::size_t(*it)]) == ident(t);
     };
     // 2. bounds (at the attention scale the scores use), and the best candidates among this layer's pages
@@ -209,9 +211,7 @@ class recaller {
     // with rotary_pos: where the newest cached token before `t` is rotated (-1: none), and each
     // page's turn to where its first token the cache does not hold would land
     const auto lands_after = [&](const token& t) -> std::int64_t {
-      const std::int64_t* it = std::lower_bound(held_at, held_at + n_cache, t, [&](std::int64_t x, const token& v) {
-        return ident(ctoks[std::size_t(x)]) < ident(v);
-      });
+      const auto it = first_not_before(t);
       return it == held_at ? -1 : rotary_pos[std::size_t(*(it - 1))];
     };
     if (!rotary_pos.empty()) {
