@@ -134,20 +134,24 @@ void bind_archive(nb::module_& m) {
       "their bounds, scores the best `candidates` and their `neighbours` on each side beside the cache with the "
       "policy's pipeline and decides which tokens come back (at most budget_tokens) and which cached slots they "
       "displace (never sinks or recent). `below`: only pages whose every token lies below this position come back; "
-      "`layers`: the layers whose scores rank and place (ascending; empty: every layer).")
+      "`layers`: the layers whose scores rank and place (ascending; empty: every layer); `distance`: rank every "
+      "page as if its first token stood this many positions before the newest cached token (position-agnostic; "
+      "needs each Layer's `rotary`; None: where it would land).")
       .def(
           "__init__",
           [](infkv::cpu::recaller* r, const infkv::archive& a, const any_policy& pol, const infkv::budget& b,
              std::int64_t budget_tokens, std::int32_t candidates, std::int64_t max_cache_slots, std::int32_t q_heads,
              std::int64_t max_queries, bool recency_bias, std::int32_t neighbours, int threads,
-             std::optional<std::int64_t> below, std::vector<std::int32_t> layers) {
+             std::optional<std::int64_t> below, std::vector<std::int32_t> layers,
+             std::optional<std::int64_t> distance) {
             (void)infkv::cpu::workers({.threads = threads}, 1);  // checks the thread count
             const infkv::cpu::recall_options o{.budget_tokens = budget_tokens,
                                                .candidates = candidates,
                                                .recency_bias = recency_bias,
                                                .neighbours = neighbours,
                                                .below = below,
-                                               .layers = std::move(layers)};
+                                               .layers = std::move(layers),
+                                               .distance = distance};
             std::visit(
                 [&](const auto& p) {
                   new (r) infkv::cpu::recaller(a, p, b, o, max_cache_slots, q_heads, max_queries,
@@ -157,7 +161,7 @@ void bind_archive(nb::module_& m) {
           },
           "archive"_a, "policy"_a, "budget"_a, nb::kw_only(), "budget_tokens"_a, "candidates"_a = 32,
           "max_cache_slots"_a, "q_heads"_a, "max_queries"_a, "recency_bias"_a = true, "neighbours"_a = 1,
-          "threads"_a = 1, "below"_a = nb::none(), "layers"_a = std::vector<std::int32_t>{})
+          "threads"_a = 1, "below"_a = nb::none(), "layers"_a = std::vector<std::int32_t>{}, "distance"_a = nb::none())
       .def(
           "recall",
           [](infkv::cpu::recaller& r, const infkv::archive& a, nb::handle layers_h,

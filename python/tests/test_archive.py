@@ -67,7 +67,7 @@ def test_archive_errors_name_the_argument():
     assert a.held_pages == 0
 
 
-def test_recall_with_rotary_positions_reaches_the_recaller():
+def test_recall_with_rotary_positions_and_distance_reaches_the_recaller():
     """rotary_pos (compact positions) is passed through and checked there: its length, the layers' RoPE."""
     rng = np.random.default_rng(1)
     n, h, d = 24, 1, 8
@@ -90,6 +90,17 @@ def test_recall_with_rotary_positions_reaches_the_recaller():
         r.recall(a, [layer], q, qpos, 0.35, rotary_pos=np.arange(3, dtype=np.int64))
     with pytest.raises(ValueError, match="cache\\[0\\].rotary = unset"):
         r.recall(a, [infkv.Layer(cached, keys=ck, values=ck)], q, qpos, 0.35, rotary_pos=np.arange(12, dtype=np.int64))
+    # position-agnostic ranking: `distance` reaches the recaller, in either position mode
+    at = dict(budget_tokens=4, max_cache_slots=12, q_heads=1, max_queries=2)
+    far = infkv.Recaller(a, infkv.snapkv(window=2, kernel=1), infkv.budget(capacity=12, sinks=2, recent=2),
+                         distance=8, **at)
+    pages, recalled, displaced = far.recall(a, [layer], q, qpos, 0.35)
+    assert len(recalled) == len(displaced) <= 4
+    with pytest.raises(ValueError, match="cache\\[0\\].rotary = unset: recall_options.distance turns"):
+        far.recall(a, [infkv.Layer(cached, keys=ck, values=ck)], q, qpos, 0.35)
+    with pytest.raises(ValueError, match="recall_options.distance = -1: must be >= 0"):
+        infkv.Recaller(a, infkv.snapkv(window=2, kernel=1), infkv.budget(capacity=12, sinks=2, recent=2),
+                       distance=-1, **at)
 
 
 def test_recall_brings_back_what_eviction_lost(smollm2, kjv_text):

@@ -761,80 +761,112 @@ TEST_CASE("archive: a page's bound with a turn is at least the logits of its key
                     doctest::Contains("ropes.size() = 1"));
 }
 
-TEST_CASE("archive: recall with rotary_pos turns archived keys to where compact positions land them") {
-  // A stream of 96 tokens at positions 0-3, then 28800-28891 (far beyond the cache's compact
-  // positions); pre-RoPE keys u_j, the needle's (28816-28819) along the question's direction in
-  // the slow rotary pairs. The cache holds the sinks and the newest 44, rotated at compact
-  // positions 0-47; the archive holds every token rotated at its own position. The queries sit at
-  // compact positions 48-51. Turned to where it lands (position 4, after the sinks) the needle is
-  // 44 positions from the question, as attention will see it after the recall.
-  std::mt19937 rng(29);
-  const std::int32_t L = 2, H = 2, d = 16, qh = 4;
-  const std::int64_t n = 96, kept = 48, nq = 4, base = 28796;
+namespace {
+
+/// A stream in compact positions: 96 tokens at positions 0-3, then 28800-28891 (far beyond the
+/// cache's compact positions); pre-RoPE keys random, but the planted runs' (slots, magnitude),
+/// which lie along `dir`, the question's direction in channels from `channel` (10: the slow
+/// rotary pairs, 4: faster ones, along which distance matters). The cache holds
+/// `keep_slots` (48), rotated at compact positions 0-47; the archive holds every token rotated at
+/// its own position and pages of 4 what the cache does not. The queries sit at compact positions
+/// 48-51 (stream positions 28892-28895). `compact` false: the cache's keys and the queries
+/// rotated at their stream positions instead (keep mode).
+struct compact_stream {
+  static constexpr std::int32_t L = 2, H = 2, d = 16, qh = 4;
+  static constexpr std::int64_t n = 96, kept = 48, nq = 4, base = 28796;
   const rope r{.theta = 10000.0};
-  std::vector<float> dir(static_cast<std::size_t>(d), 0.f);
-  for (std::int32_t c = 10; c < d; ++c) dir[std::size_t(c)] = 1.f + 0.1f * float(c);
-  cache full(L, H, d, n, rng);  // pre-RoPE keys for now
-  for (std::int64_t j = 0; j < n; ++j) full.tokens[std::size_t(j)].pos = j < 4 ? j : base + j;
-  for (std::int32_t l = 0; l < L; ++l)
-    for (std::int64_t j = 20; j < 24; ++j)
-      for (std::int32_t h = 0; h < H; ++h)
-        for (std::int32_t c = 0; c < d; ++c)
-          full.k[std::size_t(l)][std::size_t((j * H + h) * d + c)] = 5.f * dir[std::size_t(c)];
-  std::vector<std::int64_t> keep_slots{0, 1, 2, 3};
-  for (std::int64_t j = n - (kept - 4); j < n; ++j) keep_slots.push_back(j);
-  const auto rotated = [&](const std::vector<float>& u, std::int64_t j, std::int32_t h, std::int64_t at) {
-    const auto y = ref_turn(std::span(u).subspan(std::size_t((j * H + h) * d), std::size_t(d)), r, at);
-    return std::vector<float>(y.begin(), y.end());
-  };
-  cache cached(L, H, d, kept, rng), archived = full;
-  std::vector<std::int64_t> rotary_pos;
-  for (std::int64_t i = 0; i < kept; ++i) rotary_pos.push_back(i);
-  for (std::int32_t l = 0; l < L; ++l)
-    for (std::int32_t h = 0; h < H; ++h) {
-      for (std::int64_t j = 0; j < n; ++j) {
-        const auto y = rotated(full.k[std::size_t(l)], j, h, full.tokens[std::size_t(j)].pos);
-        std::copy(y.begin(), y.end(), archived.k[std::size_t(l)].begin() + (j * H + h) * d);
-      }
-      for (std::int64_t i = 0; i < kept; ++i) {
-        const std::int64_t j = keep_slots[std::size_t(i)];
-        const auto y = rotated(full.k[std::size_t(l)], j, h, rotary_pos[std::size_t(i)]);
-        std::copy(y.begin(), y.end(), cached.k[std::size_t(l)].begin() + (i * H + h) * d);
-        std::copy_n(full.v[std::size_t(l)].begin() + (j * H + h) * d, d,
-                    cached.v[std::size_t(l)].begin() + (i * H + h) * d);
-      }
-    }
-  for (std::int64_t i = 0; i < kept; ++i)
-    cached.tokens[std::size_t(i)] = full.tokens[std::size_t(keep_slots[std::size_t(i)])];
-  archive a(archive_shape{L, H, d, granularity::per_token}, opts(4, 8, 8, 1 << 20));
-  keep_set keep(n);
-  keep.add_unit(keep_slots);
-  archive_all(a, archived, keep);
+  std::mt19937 rng{29};
+  std::vector<float> dir = std::vector<float>(std::size_t(d), 0.f);
+  cache full{L, H, d, n, rng}, cached{L, H, d, kept, rng};
+  std::vector<std::int64_t> rotary_pos, qpos{base + 96, base + 97, base + 98, base + 99};
+  archive a{archive_shape{L, H, d, granularity::per_token}, opts(4, 8, 8, 1 << 20)};
   std::vector<std::vector<float>> q;
   std::vector<const_tensor_view> qv;
-  for (std::int32_t l = 0; l < L; ++l) {
-    std::vector<float> x(static_cast<std::size_t>(nq * qh * d));
-    const auto noise = random_floats(x.size(), rng, 0.1f);
-    for (std::int64_t i = 0; i < nq; ++i)
-      for (std::int32_t hh = 0; hh < qh; ++hh) {
-        std::vector<float> u(static_cast<std::size_t>(d));
-        for (std::int32_t c = 0; c < d; ++c)
-          u[std::size_t(c)] = dir[std::size_t(c)] + noise[std::size_t((i * qh + hh) * d + c)];
-        const auto y = ref_turn(u, r, kept + i);
-        std::copy(y.begin(), y.end(), x.begin() + (i * qh + hh) * d);
+
+  struct plant {
+    std::int64_t first, count;
+    float magnitude;
+  };
+  compact_stream(const std::vector<std::int64_t>& keep_slots, const std::vector<plant>& planted,
+                 std::int32_t channel = 10, bool compact = true) {
+    for (std::int32_t c = channel; c < channel + 6; ++c) dir[std::size_t(c)] = 1.f + 0.1f * float(c);
+    for (std::int64_t j = 0; j < n; ++j) full.tokens[std::size_t(j)].pos = j < 4 ? j : base + j;
+    for (const plant& pl : planted)
+      for (std::int32_t l = 0; l < L; ++l)
+        for (std::int64_t j = pl.first; j < pl.first + pl.count; ++j)
+          for (std::int32_t h = 0; h < H; ++h)
+            for (std::int32_t c = 0; c < d; ++c)
+              full.k[std::size_t(l)][std::size_t((j * H + h) * d + c)] = pl.magnitude * dir[std::size_t(c)];
+    REQUIRE(std::int64_t(keep_slots.size()) == kept);
+    const auto rotated = [&](const std::vector<float>& u, std::int64_t j, std::int32_t h, std::int64_t at) {
+      const auto y = ref_turn(std::span(u).subspan(std::size_t((j * H + h) * d), std::size_t(d)), r, at);
+      return std::vector<float>(y.begin(), y.end());
+    };
+    cache archived = full;
+    for (std::int64_t i = 0; i < kept; ++i)
+      rotary_pos.push_back(compact ? i : full.tokens[std::size_t(keep_slots[std::size_t(i)])].pos);
+    for (std::int32_t l = 0; l < L; ++l)
+      for (std::int32_t h = 0; h < H; ++h) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          const auto y = rotated(full.k[std::size_t(l)], j, h, full.tokens[std::size_t(j)].pos);
+          std::copy(y.begin(), y.end(), archived.k[std::size_t(l)].begin() + (j * H + h) * d);
+        }
+        for (std::int64_t i = 0; i < kept; ++i) {
+          const std::int64_t j = keep_slots[std::size_t(i)];
+          const auto y = rotated(full.k[std::size_t(l)], j, h, rotary_pos[std::size_t(i)]);
+          std::copy(y.begin(), y.end(), cached.k[std::size_t(l)].begin() + (i * H + h) * d);
+          std::copy_n(full.v[std::size_t(l)].begin() + (j * H + h) * d, d,
+                      cached.v[std::size_t(l)].begin() + (i * H + h) * d);
+        }
       }
-    q.push_back(std::move(x));
+    for (std::int64_t i = 0; i < kept; ++i)
+      cached.tokens[std::size_t(i)] = full.tokens[std::size_t(keep_slots[std::size_t(i)])];
+    keep_set keep(n);
+    keep.add_unit(keep_slots);
+    archive_all(a, archived, keep);
+    for (std::int32_t l = 0; l < L; ++l) {
+      std::vector<float> x(static_cast<std::size_t>(nq * qh * d));
+      const auto noise = random_floats(x.size(), rng, 0.1f);
+      for (std::int64_t i = 0; i < nq; ++i)
+        for (std::int32_t hh = 0; hh < qh; ++hh) {
+          std::vector<float> u(static_cast<std::size_t>(d));
+          for (std::int32_t c = 0; c < d; ++c)
+            u[std::size_t(c)] = dir[std::size_t(c)] + noise[std::size_t((i * qh + hh) * d + c)];
+          const auto y = ref_turn(u, r, compact ? kept + i : qpos[std::size_t(i)]);
+          std::copy(y.begin(), y.end(), x.begin() + (i * qh + hh) * d);
+        }
+      q.push_back(std::move(x));
+    }
+    for (std::int32_t l = 0; l < L; ++l)
+      qv.push_back(nhd(static_cast<const void*>(q[std::size_t(l)].data()), dtype::f32, nq, qh, d));
   }
-  for (std::int32_t l = 0; l < L; ++l)
-    qv.push_back(nhd(static_cast<const void*>(q[std::size_t(l)].data()), dtype::f32, nq, qh, d));
-  const std::vector<std::int64_t> qpos{base + 96, base + 97, base + 98, base + 99};
+  /// The stream positions of what a recall brings back.
+  std::vector<std::int64_t> back(const cpu::recall_result& res) const {
+    std::vector<std::int64_t> out;
+    for (const auto& t : res.recalled) out.push_back(a.tokens(t.page)[std::size_t(t.index)].pos);
+    return out;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("archive: recall with rotary_pos turns archived keys to where compact positions land them") {
+  // The needle (28816-28819) planted at 5; the cache holds the sinks and the newest 44. Turned to
+  // where it lands (position 4, after the sinks) the needle is 44 positions from the question, as
+  // attention will see it after the recall.
+  std::vector<std::int64_t> keep_slots{0, 1, 2, 3};
+  for (std::int64_t j = 52; j < 96; ++j) keep_slots.push_back(j);
+  compact_stream st(keep_slots, {{20, 4, 5.f}});
+  const std::int64_t base = compact_stream::base, kept = compact_stream::kept;
+  const archive& a = st.a;
+  const auto& [rotary_pos, qpos, qv] = std::tie(st.rotary_pos, st.qpos, st.qv);
   snapkv policy;
   policy.window = 4, policy.kernel = 1;
   budget b;
   b.capacity = kept, b.sinks = 4, b.recent = 8;
-  auto in = cached.inputs();
-  for (auto& li : in) li.rotary = r;
-  cpu::recaller rc(a, policy, b, {.budget_tokens = 4, .candidates = 3, .neighbours = 0}, 64, qh, 8);
+  auto in = st.cached.inputs();
+  for (auto& li : in) li.rotary = st.r;
+  cpu::recaller rc(a, policy, b, {.budget_tokens = 4, .candidates = 3, .neighbours = 0}, 64, compact_stream::qh, 8);
   const auto res = rc.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f, 0, rotary_pos);
   REQUIRE(res.tokens == 4);
   for (const auto& t : res.recalled) {  // the needle, and only it
@@ -854,8 +886,55 @@ TEST_CASE("archive: recall with rotary_pos turns archived keys to where compact 
     CHECK_THROWS_WITH(
         rc.recall(a, std::span<const layer_inputs<>>(in), qv, qpos, 0.25f, 0, std::span(rotary_pos).first(3)),
         doctest::Contains("rotary_pos.size() = 3: must be 0 or the cache's 48 slots"));
-    auto plain = cached.inputs();
+    auto plain = st.cached.inputs();
     CHECK_THROWS_WITH(rc.recall(a, std::span<const layer_inputs<>>(plain), qv, qpos, 0.25f, 0, rotary_pos),
                       doctest::Contains("cache[0].rotary = unset"));
+  }
+}
+
+TEST_CASE("archive: recall_options::distance ranks candidates at one distance, not where they land") {
+  // Along faster rotary pairs (channels 4-9) distance matters: dir . R(t) dir = 16.5 at 0, 14.5
+  // near 10, 6 near 44. The needle (28816-28819, magnitude 5) would land after the sinks, 41-47
+  // positions from the queries (logit ~30); a weaker decoy (28880-28883, magnitude 4) between
+  // cached slots near the end, 5-11 from them (~58). Where they land the decoy comes back; at one
+  // common distance (the first token 8 before the newest cached one) the needle does (~72 against
+  // ~58), brought back to where it lands all the same.
+  std::vector<std::int64_t> keep_slots{0, 1, 2, 3};
+  for (std::int64_t j = 48; j < 96; ++j)
+    if (j < 84 || j >= 88) keep_slots.push_back(j);
+  compact_stream st(keep_slots, {{20, 4, 5.f}, {84, 4, 4.f}}, 4);
+  const std::int64_t base = compact_stream::base;
+  snapkv policy;
+  policy.window = 4, policy.kernel = 1;
+  budget b;
+  b.capacity = compact_stream::kept, b.sinks = 4, b.recent = 8;
+  auto in = st.cached.inputs();
+  for (auto& li : in) li.rotary = st.r;
+  const auto recall = [&](std::optional<std::int64_t> distance, std::span<const std::int64_t> rotary_pos,
+                          const std::vector<layer_inputs<>>& inputs) {
+    cpu::recaller rc(st.a, policy, b, {.budget_tokens = 4, .candidates = 3, .neighbours = 0, .distance = distance}, 64,
+                     compact_stream::qh, 8);
+    return st.back(rc.recall(st.a, std::span<const layer_inputs<>>(inputs), st.qv, st.qpos, 0.25f, 0, rotary_pos));
+  };
+  const std::vector<std::int64_t> needle{base + 20, base + 21, base + 22, base + 23},
+      decoy{base + 84, base + 85, base + 86, base + 87};
+  CHECK(recall(std::nullopt, st.rotary_pos, in) == decoy);
+  CHECK(recall(8, st.rotary_pos, in) == needle);
+  // keep mode (keys and queries at the stream's positions, the needle 76 from the queries): the same
+  compact_stream keep(keep_slots, {{20, 4, 5.f}, {84, 4, 4.f}}, 4, false);
+  auto kin = keep.cached.inputs();
+  for (auto& li : kin) li.rotary = keep.r;
+  const auto recall_keep = [&](std::optional<std::int64_t> distance) {
+    cpu::recaller rc(keep.a, policy, b, {.budget_tokens = 4, .candidates = 3, .neighbours = 0, .distance = distance},
+                     64, compact_stream::qh, 8);
+    return keep.back(rc.recall(keep.a, std::span<const layer_inputs<>>(kin), keep.qv, keep.qpos, 0.25f));
+  };
+  CHECK(recall_keep(std::nullopt) == decoy);
+  CHECK(recall_keep(8) == needle);
+
+  SUBCASE("bad input") {
+    CHECK_THROWS_WITH(recall(-1, st.rotary_pos, in), doctest::Contains("recall_options.distance = -1: must be >= 0"));
+    CHECK_THROWS_WITH(recall(8, {}, st.cached.inputs()),
+                      doctest::Contains("cache[0].rotary = unset: recall_options.distance turns"));
   }
 }

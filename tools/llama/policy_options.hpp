@@ -14,7 +14,7 @@ namespace stream {
 
 /// Adds --budget, --threads, --sinks, --recent, --window, --beta, --ea-window, --reduce,
 /// --recent-share, --keydiff-kernel, --archive, --archive-mib, --archive-page, --recall, --recall-candidates,
-/// --prefetch, --recall-neighbours, --recall-bias, --score-layers and
+/// --prefetch, --recall-neighbours, --recall-distance, --recall-bias, --score-layers and
 /// --keep-positions for `s` to `app`.
 inline void add_policy_options(CLI::App& app, settings& s) {
   using infkv_tools::at_least;
@@ -60,6 +60,11 @@ inline void add_policy_options(CLI::App& app, settings& s) {
   app.add_option("--recall-neighbours", s.recall_neighbours,
                  "a recalled page brings this many adjoining pages on each side (0: none)")
       ->check(at_least(0, true, 64));
+  app.add_option("--recall-distance", s.recall_distance,
+                 "rank archived pages as if each stood this many positions before the newest cached token "
+                 "(position-agnostic; default: where each would land)")
+      ->check(nonneg)
+      ->default_str("unset");
   app.add_option("--recall-bias", s.recall_bias,
                  "recall scores with the policy's recency bias (default true; false: without it, for inf_mllm_bias)");
   app.add_option_function<std::string>(

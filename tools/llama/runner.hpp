@@ -49,6 +49,9 @@ struct settings : infkv_tools::policy_knobs {
   std::int64_t recall_tokens = 0;       ///< recall before each question, at most this many slots (0: none)
   std::int32_t recall_candidates = 32;  ///< archive pages scored exactly per recall (the best by their bounds)
   std::int32_t recall_neighbours = 1;   ///< a recalled page brings this many adjoining pages on each side
+  /// Rank candidates at this distance before the newest cached token (recall_options::distance;
+  /// -1: where they land).
+  std::int64_t recall_distance = -1;
   std::int64_t prefetch_tokens = 0;  ///< after each eviction, recall at most this many slots for the window (0: none)
   bool recall_bias = true;           ///< recall scores with the policy's recency bias (inf_mllm_bias)
   /// Single turn: each question's prompt is prefilled with the question known, every eviction
@@ -294,7 +297,11 @@ class session_runner final : public runner {
 
  private:
   infkv::cpu::recall_options recall_options(std::int64_t tokens) const {
-    return {tokens, set_.recall_candidates, set_.recall_bias, set_.recall_neighbours};
+    return {.budget_tokens = tokens,
+            .candidates = set_.recall_candidates,
+            .recency_bias = set_.recall_bias,
+            .neighbours = set_.recall_neighbours,
+            .distance = set_.recall_distance >= 0 ? std::optional(set_.recall_distance) : std::nullopt};
   }
   /// After a recall: the stream tokens cached are the session's origins (a slot's stream index).
   void track_session() {

@@ -263,6 +263,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"recall_tokens", o.s.recall_tokens},
             {"recall_candidates", o.s.recall_candidates},
             {"recall_neighbours", o.s.recall_neighbours},
+            {"recall_distance", o.s.recall_distance},
             {"prefetch_tokens", o.s.prefetch_tokens},
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},

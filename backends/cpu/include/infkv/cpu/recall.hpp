@@ -59,6 +59,14 @@ struct recall_options {
   /// empty: every layer). The llama.cpp session sets a sliding-window model's global layers:
   /// its sliding layers never attend to what recall brings back (below).
   std::vector<std::int32_t> layers{};
+  /// Position-agnostic ranking (as InfLLM and LiveVLM retrieve). Unset: a candidate is scored
+  /// where attention will see it after the recall (keep mode: at its own position; with
+  /// rotary_pos: where it lands among the compacted positions). Set: every candidate page is
+  /// scored, bound and exact scores alike, as if its first token stood `distance` positions before
+  /// the newest cached token (its other tokens at their offsets from the first), so that pages
+  /// compete on what they hold and not on how near the question they would land. Where the
+  /// recalled tokens go does not change. Needs each scored layer's `rotary`; >= 0.
+  std::optional<std::int64_t> distance{};
 };
 
 /// Recall over an archive: ranks the held pages by their bounds (page_bounds), scores the best
@@ -99,6 +107,8 @@ class recaller {
     INFKV_REQUIRE(o.budget_tokens >= 1, "recall_options.budget_tokens", o.budget_tokens, "must be >= 1");
     INFKV_REQUIRE(o.candidates >= 1, "recall_options.candidates", o.candidates, "must be >= 1");
     INFKV_REQUIRE(o.neighbours >= 0, "recall_options.neighbours", o.neighbours, "must be >= 0");
+    INFKV_REQUIRE(!o.distance || *o.distance >= 0, "recall_options.distance", o.distance.value_or(0),
+                  "must be >= 0 (positions before the newest cached token)");
     INFKV_REQUIRE(o.layers.empty() || shape_.g == granularity::per_token, "recall_options.layers.size()",
                   o.layers.size(), "selects the layers of a per_token archive; a per_layer recall takes one layer");
     for (std::size_t i = 0; i < o.layers.size(); ++i)
@@ -154,7 +164,9 @@ class recaller {
   /// stream's positions). Each candidate token's keys, archived rotated at its own position, are
   /// then turned (each layer with its `rotary`) to where it would land: one past the rotary
   /// position of the newest cached token before it, plus its index among the candidate tokens
-  /// between the two; the scores compare what attention would see after the recall.
+  /// between the two; the scores compare what attention would see after the recall. With
+  /// recall_options::distance every candidate is turned to that one distance instead, in either
+  /// mode (keep mode then needs the layers' `rotary` too).
   template <row_source R>
   recall_result recall(const archive& a, std::span<const layer_inputs<R>> cache,
                        std::span<const const_tensor_view> queries, std::span<const std::int64_t> query_pos, float scale,
@@ -214,10 +226,21 @@ class recaller {
       const auto it = first_not_before(t);
       return it == held_at ? -1 : rotary_pos[std::size_t(*(it - 1))];
     };
-    if (!rotary_pos.empty()) {
+    // with recall_options::distance: every page's first token turned to one position, that
+    // distance before the newest cached token's rotary position
+    const bool turned = !rotary_pos.empty() || opt_.distance.has_value();
+    const std::int64_t common = opt_.distance ? (rotary_pos.empty() ? std::ranges::max(ctoks, {}, &token::pos).pos
+                                                                    : std::ranges::max(rotary_pos)) -
+                                                    *opt_.distance
+                                              : 0;
+    if (turned) {
       for (std::int32_t p = 0; p < a.capacity_pages(); ++p) {
         page_turn_[std::size_t(p)] = 0;
         if (!a.holds(p)) continue;
+        if (opt_.distance) {
+          page_turn_[std::size_t(p)] = common - a.tokens(p)[0].pos;
+          continue;
+        }
         for (const token& t : a.tokens(p))
           if (!cached(t)) {
             page_turn_[std::size_t(p)] = lands_after(t) + 1 - t.pos;
@@ -230,8 +253,7 @@ class recaller {
                                                                     : std::nullopt;
     }
     page_bounds(a, queries, detail::effective_scale(scale, shape_.head_dim), bounds_, layer, opt_.layers,
-                rotary_pos.empty() ? std::span<const std::int64_t>{} : std::span<const std::int64_t>(page_turn_),
-                ropes_);
+                turned ? std::span<const std::int64_t>(page_turn_) : std::span<const std::int64_t>{}, ropes_);
     std::int64_t nh = 0, nl = 0;
     for (std::int32_t p = 0; p < a.capacity_pages(); ++p)
       if (a.holds(p) && a.info(p).layer == layer) {
@@ -279,7 +301,11 @@ class recaller {
     }
     const std::int32_t H = shape_.kv_heads, d = shape_.head_dim;
     const std::int64_t layer_floats = n * H * d;
-    if (!rotary_pos.empty()) {  // each candidate token's turn: from its own position to where it lands
+    if (opt_.distance) {  // each candidate token's turn: its page's
+      for (std::int64_t c = 0; c < nc; ++c)
+        for (std::int64_t j = cands_[std::size_t(c)].begin; j < cands_[std::size_t(c)].end; ++j)
+          turn_[std::size_t(j - n_cache)] = page_turn_[std::size_t(cands_[std::size_t(c)].page)];
+    } else if (!rotary_pos.empty()) {  // each candidate token's turn: from its own position to where it lands
       std::int64_t gap = -2, k = 0;
       for (std::int64_t j = n_cache; j < n; ++j) {
         const token& t = tokens_[std::size_t(j)];
@@ -319,9 +345,11 @@ class recaller {
           }
         }
       }
-      if (!rotary_pos.empty() && n > n_cache) {
+      if (turned && n > n_cache) {
         INFKV_REQUIRE(in.rotary.has_value(), at + ".rotary", "unset",
-                      "rotary_pos turns candidates' keys to where they land: the layer's RoPE is needed");
+                      opt_.distance ? "recall_options.distance turns candidates' keys to one distance"
+                                    : "rotary_pos turns candidates' keys to where they land",
+                      ": the layer's RoPE is needed");
         rerotate(nhd(static_cast<void*>(K + n_cache * H * d), dtype::f32, n - n_cache, H, d),
                  std::span<const std::int64_t>(turn_.data(), std::size_t(n - n_cache)), *in.rotary, be_.ex);
       }
