@@ -256,8 +256,11 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
                 "must equal the archive's ", s.n_layers, " layers when turn is given");
   const page_layout& L = a.layout();
   const std::int32_t d = s.head_dim, rmax = (1 << L.k_bits) - 1;
-  float q[4096], lo[4096], hi[4096], tq[4096], c[4096], sn[4096];
+  float q[4096], lo[4096], hi[4096], tq[4096];
   INFKV_REQUIRE(d <= 4096, "archive.head_dim", d, "page_bounds handles head_dim <= 4096");
+  std::vector<std::optional<detail::rope_turner>> turners(turn.empty() ? 0 : std::size_t(s.n_layers));
+  for (std::size_t l = 0; l < turners.size(); ++l)
+    if (ropes[l]) turners[l].emplace(*ropes[l], d);
   for (std::int32_t p = 0; p < a.capacity_pages(); ++p) {
     out[std::size_t(p)] = -std::numeric_limits<float>::infinity();
     if (!a.holds(p) || (layer >= 0 && a.info(p).layer != layer)) continue;
@@ -267,21 +270,11 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
       if (!only.empty() && !std::binary_search(only.begin(), only.end(), pi.layer + lp)) continue;
       const const_tensor_view& Q = queries[std::size_t(pi.layer + lp)];
       const std::int32_t group = Q.n_heads / s.kv_heads;
-      const rope* rp =
-          turn.empty() || !ropes[std::size_t(pi.layer + lp)] ? nullptr : &*ropes[std::size_t(pi.layer + lp)];
-      const std::int64_t back = rp != nullptr && turn[std::size_t(p)] != 0 ? -turn[std::size_t(p)] : 0;
-      std::int32_t dims = 0;
-      if (back != 0) {  // cos / sin of the turn back (interleaved for the normal style)
-        dims = rp->checked_dims(d);
-        for (std::int32_t i = 0; i < dims / 2; ++i) {
-          const double ang = double(back) * rope_frequency(*rp, i, dims);
-          const float cv = float(std::cos(ang)), sv = float(std::sin(ang));
-          if (rp->style == rope_style::normal)
-            c[2 * i] = c[2 * i + 1] = cv, sn[2 * i] = -sv, sn[2 * i + 1] = sv;
-          else
-            c[i] = cv, sn[i] = sv;
-        }
-      }
+      // the turn back, as the queries take it
+      detail::rope_turner* const tr =
+          turn.empty() || !turners[std::size_t(pi.layer + lp)] ? nullptr : &*turners[std::size_t(pi.layer + lp)];
+      const bool back = tr != nullptr && turn[std::size_t(p)] != 0;
+      if (back) tr->set(-turn[std::size_t(p)]);
       float best = -std::numeric_limits<float>::infinity();
       for (std::int32_t hp = 0; hp < s.heads_per_page(); ++hp) {
         const std::int32_t h = s.g == granularity::per_head ? pi.unit : hp;
@@ -293,9 +286,9 @@ inline void page_bounds(const archive& a, std::span<const const_tensor_view> que
         for (std::int64_t i = 0; i < Q.n_slots; ++i)
           for (std::int32_t g = 0; g < group; ++g) {
             to_f32(Q.type, Q.row(i, h * group + g), q, d);
-            if (back != 0) {
+            if (back) {
               std::copy(q, q + d, tq);
-              detail::rope_rotate(rp->style, dims, tq, c, sn, q);
+              tr->turn(tq, q);
             }
             float sum = 0.f;
             for (std::int32_t c = 0; c < d; ++c) sum += std::max(q[c] * lo[c], q[c] * hi[c]);

@@ -102,6 +102,57 @@ inline void rope_rotate(rope_style style, std::int32_t dims, const float* __rest
   }
 }
 
+/// Turns rows of one RoPE by a position delta: the frequencies once, then per delta one cos /
+/// sin table (vectorised polynomials while every angle is below rope_fast_angle, the C library
+/// beyond; interleaved for the normal style, as rope_rotate takes them), kept while the delta
+/// does not change.
+class rope_turner {
+ public:
+  rope_turner(const rope& r, std::int32_t head_dim)
+      : style_(r.style), dims_(r.checked_dims(head_dim)), half_(dims_ / 2), padded_((half_ + 3) / 4 * 4) {
+    freq_.assign(std::size_t(padded_), 0.0);
+    for (std::int32_t i = 0; i < half_; ++i) {
+      freq_[std::size_t(i)] = rope_frequency(r, i, dims_);
+      fmax_ = std::max(fmax_, std::abs(freq_[std::size_t(i)]));
+    }
+    c_.resize(std::size_t(padded_)), s_.resize(std::size_t(padded_));
+    if (style_ == rope_style::normal) ci_.resize(std::size_t(dims_)), si_.resize(std::size_t(dims_));
+  }
+  std::int32_t dims() const { return dims_; }
+  /// The tables for a turn by `dp` positions (nothing to do when they hold it already).
+  void set(std::int64_t dp) {
+    if (ready_ && dp == last_) return;
+    float *c = c_.data(), *s = s_.data();
+    if (std::abs(double(dp)) * fmax_ < rope_fast_angle) {
+      rope_sincos(freq_.data(), half_, dp, c, s);
+    } else {
+      for (std::int32_t i = 0; i < half_; ++i) {
+        const double a = double(dp) * freq_[std::size_t(i)];
+        c[i] = float(std::cos(a)), s[i] = float(std::sin(a));
+      }
+    }
+    if (style_ == rope_style::normal)
+      for (std::int32_t i = 0; i < half_; ++i)
+        ci_[std::size_t(2 * i)] = ci_[std::size_t(2 * i + 1)] = c[i], si_[std::size_t(2 * i)] = -s[i],
+                            si_[std::size_t(2 * i + 1)] = s[i];
+    last_ = dp, ready_ = true;
+  }
+  /// y = x's first dims() turned by the delta of the last set() (x and y distinct).
+  void turn(const float* x, float* y) const {
+    const bool normal = style_ == rope_style::normal;
+    rope_rotate(style_, dims_, x, normal ? ci_.data() : c_.data(), normal ? si_.data() : s_.data(), y);
+  }
+
+ private:
+  rope_style style_;
+  std::int32_t dims_, half_, padded_;
+  double fmax_ = 0.0;
+  std::int64_t last_ = 0;  // the tables' delta
+  bool ready_ = false;
+  std::vector<double> freq_;
+  std::vector<float> c_, s_, ci_, si_;
+};
+
 }  // namespace detail
 
 /// Rotates every head of slot j by delta[j] positions (keys only), in place. Only the first
@@ -114,44 +165,19 @@ void rerotate(const R& keys, std::span<const std::int64_t> delta, const rope& r,
   INFKV_REQUIRE(std::int64_t(delta.size()) == keys.n_slots, "delta.size()", delta.size(), "must equal keys.n_slots (",
                 keys.n_slots, ")");
   const std::int32_t dims = r.checked_dims(keys.head_dim);
-  const std::int32_t half = dims / 2, padded = (half + 3) / 4 * 4;
-  std::vector<double> freq(static_cast<std::size_t>(padded), 0.0);
-  double fmax = 0.0;
-  for (std::int32_t i = 0; i < half; ++i) {
-    freq[std::size_t(i)] = rope_frequency(r, i, dims);
-    fmax = std::max(fmax, std::abs(freq[std::size_t(i)]));
-  }
   const std::int64_t n = keys.n_slots, nw = workers(ex, std::max<std::int64_t>(n, 1));
-  // per worker: cos, sin (padded), interleaved cos, sin (normal style), row in, row out
-  const std::int64_t per_worker = 2 * padded + 2 * dims + 2 * std::int64_t(dims);
-  std::vector<float> scratch(static_cast<std::size_t>(nw * per_worker));
   parallel_for_workers(ex, nw, [&](std::int64_t w, std::int64_t) {
-    float* c = scratch.data() + w * per_worker;
-    float *s = c + padded, *ci = s + padded, *si = ci + dims, *x = si + dims, *y = x + dims;
-    const bool normal = r.style == rope_style::normal;
-    std::int64_t last = 0;  // delta of the tables (0: none yet)
+    detail::rope_turner turner(r, keys.head_dim);
+    std::vector<float> x(static_cast<std::size_t>(dims)), y(x.size());
     for (std::int64_t j = n * w / nw; j < n * (w + 1) / nw; ++j) {
       const std::int64_t dp = delta[std::size_t(j)];
       if (dp == 0) continue;
-      if (dp != last) {
-        if (std::abs(double(dp)) * fmax < detail::rope_fast_angle) {
-          detail::rope_sincos(freq.data(), half, dp, c, s);
-        } else {
-          for (std::int32_t i = 0; i < half; ++i) {
-            const double a = double(dp) * freq[std::size_t(i)];
-            c[i] = float(std::cos(a)), s[i] = float(std::sin(a));
-          }
-        }
-        if (normal)
-          for (std::int32_t i = 0; i < half; ++i)
-            ci[2 * i] = ci[2 * i + 1] = c[i], si[2 * i] = -s[i], si[2 * i + 1] = s[i];
-        last = dp;
-      }
+      turner.set(dp);
       for (std::int32_t h = 0; h < keys.n_heads; ++h) {
         void* row = keys.row(j, h);
-        to_f32(keys.type, row, x, dims);
-        detail::rope_rotate(r.style, dims, x, normal ? ci : c, normal ? si : s, y);
-        from_f32(keys.type, y, row, dims);
+        to_f32(keys.type, row, x.data(), dims);
+        turner.turn(x.data(), y.data());
+        from_f32(keys.type, y.data(), row, dims);
       }
     }
   });
