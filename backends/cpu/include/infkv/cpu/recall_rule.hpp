@@ -1,14 +1,17 @@
 // infkv CPU backend: recall's displacement rule (cpu/recall.hpp runs it): given one decision row
 // of scores over a cache's slots and the candidate pages' slots after them, which candidates come
-// back and which cached slots they displace. A pure function, tested against its definition.
+// back and which cached slots they displace. A pure function, tested against its definition; and
+// the types a recall takes and returns (recall_options, recall_result).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <infkv/budget.hpp>
 #include <infkv/error.hpp>
@@ -123,5 +126,48 @@ inline std::pair<std::int64_t, std::int64_t> decide_recall(
   std::sort(displaced.begin(), displaced.begin() + k);
   return {nch, k};
 }
+
+/// One archived token: its page and its index among the page's tokens.
+struct archived_token {
+  std::int32_t page = 0, index = 0;
+};
+
+/// What a recall decided: the pages chosen (decision order), the archived tokens that come back
+/// (their tokens the cache does not hold, page by page in decision order, each page's in time
+/// order) and the cache slots they displace (increasing, as many); spans into the recaller, valid
+/// until its next call.
+struct recall_result {
+  std::span<const std::int32_t> pages;
+  std::span<const archived_token> recalled;
+  std::span<const std::int64_t> displaced;
+  std::int64_t tokens = 0;  ///< recalled.size() = displaced.size()
+};
+
+struct recall_options {
+  std::int64_t budget_tokens = 0;  ///< most slots one recall brings back (>= 1)
+  std::int32_t candidates = 32;    ///< at most this many pages scored exactly, the best by their bounds (>= 1)
+  /// Score with the policy's attention bias. false: without it (beta 0), since archived pages are
+  /// old by definition and a recency bias ranks every one of them below the cache.
+  bool recency_bias = true;
+  /// A page that comes back brings this many adjoining pages on each side (decide_recall): they
+  /// are candidates too, scored beside the others.
+  std::int32_t neighbours = 1;
+  /// Only pages whose every token lies below this position come back (none: any). The llama.cpp
+  /// session sets it on a model with sliding-window layers to the oldest position those layers
+  /// can still attend to, so that what comes back is what a full cache holds in every layer.
+  std::optional<std::int64_t> below{};
+  /// The layers whose scores rank the pages and place them (ascending; a per_token archive's;
+  /// empty: every layer). The llama.cpp session sets a sliding-window model's global layers:
+  /// its sliding layers never attend to what recall brings back (below).
+  std::vector<std::int32_t> layers{};
+  /// Position-agnostic ranking (as InfLLM and LiveVLM retrieve). Unset: a candidate is scored
+  /// where attention will see it after the recall (keep mode: at its own position; with
+  /// rotary_pos: where it lands among the compacted positions). Set: every candidate page is
+  /// scored, bound and exact scores alike, as if its first token stood `distance` positions before
+  /// the newest cached token (its other tokens at their offsets from the first), so that pages
+  /// compete on what they hold and not on how near the question they would land. Where the
+  /// recalled tokens go does not change. Needs each scored layer's `rotary`; >= 0.
+  std::optional<std::int64_t> distance{};
+};
 
 }  // namespace infkv::cpu

@@ -118,7 +118,6 @@ class rope_turner {
     c_.resize(std::size_t(padded_)), s_.resize(std::size_t(padded_));
     if (style_ == rope_style::normal) ci_.resize(std::size_t(dims_)), si_.resize(std::size_t(dims_));
   }
-  std::int32_t dims() const { return dims_; }
   /// The tables for a turn by `dp` positions (nothing to do when they hold it already).
   void set(std::int64_t dp) {
     if (ready_ && dp == last_) return;
