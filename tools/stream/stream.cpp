@@ -45,6 +45,7 @@ using infkv_tools::at_least;
 
 struct options {
   std::string model, text, json, csv, plot;
+  std::string export_questions;  ///< --export-questions
   std::vector<std::string> policy_names;
   stream::settings s;
   std::int64_t tokens = 0, skip = 0, trials = 10, gen = 8, smooth = 8, progress = 10, needles = 1, needle_gap = 1024,
@@ -87,6 +88,10 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--json", o.json, "write the per-block (or per-trial) records as JSON to FILE")
       ->check(infkv_tools::writable_file());
   app.add_option("--csv", o.csv, "write the per-block (or per-trial) records as CSV to FILE")
+      ->check(infkv_tools::writable_file());
+  app.add_option("--export-questions", o.export_questions,
+                 "retrieval: write every question's prompt (the stream up to it), question and candidate answers as "
+                 "token ids, JSON, to FILE and exit without running a policy (for other engines on the same prompts)")
       ->check(infkv_tools::writable_file());
   app.add_option("--plot", o.plot, "plot windowed perplexity vs tokens, one line per policy, to FILE.png (gnuplot)")
       ->check(infkv_tools::writable_file());
@@ -151,6 +156,8 @@ std::vector<stream::policy_info> check(const options& o) {
     usage_error("--skip = " + std::to_string(o.skip) + ": only for the text stream, not " + mode);
   if (o.tokens > 0 && retrieval)
     usage_error("--tokens = " + std::to_string(o.tokens) + ": only for the text stream, not " + mode);
+  if (!o.export_questions.empty() && !retrieval)
+    usage_error("--export-questions = " + o.export_questions + ": only with --needle or --passkey");
   if (!o.plot.empty() && retrieval) usage_error("--plot = " + o.plot + ": plots are for the text stream, not " + mode);
   if (!o.needle_kinds.empty() && o.needle.empty()) usage_error("--needle-kind: only with --needle DISTANCE");
   if (o.needles > 1 && o.needle.empty())
@@ -408,6 +415,49 @@ std::vector<stream::retrieval_stream> retrieval_streams(const options& o, const 
   return streams;
 }
 
+/// The retrieval settings recorded in --json and --export-questions.
+nlohmann::json retrieval_settings(const options& o) {
+  nlohmann::json j = {{"distances", o.passkey.empty() ? o.needle : o.passkey},
+                      {"trials", o.trials},
+                      {"gen", o.gen},
+                      {"seed", o.seed},
+                      {"needles_per_stream", o.needles},
+                      {"needle_gap", o.needle_gap},
+                      {"people", o.people}};
+  if (o.passkey.empty()) j["protocol"] = stream::needle_protocol;
+  return j;
+}
+
+/// --export-questions: every question as the runners would ask it, in token ids: `prompt` (the
+/// stream's first `at` tokens, what a single-turn prompt holds before the question), `question`
+/// (asked right after it), `choices` (each candidate's value and suffix, teacher-forced after the
+/// question) with `truth` the true one, and where the statement lies in the prompt.
+int export_questions(const options& o, const llama_model* m) {
+  const double load0 = load_average();
+  nlohmann::json qs = nlohmann::json::array();
+  for (const auto& rs : retrieval_streams(o, m))
+    for (const auto& p : rs.probes)
+      qs.push_back({{"trial", p.trial},
+                    {"stream", p.stream},
+                    {"kind", p.kind},
+                    {"person", p.person},
+                    {"needle", p.needle},
+                    {"candidates", p.candidates},
+                    {"truth", p.truth},
+                    {"key_at", p.key_at},
+                    {"key_end", p.key_end},
+                    {"at", p.at},
+                    {"prompt", std::vector<llama_token>(rs.tokens.begin(), rs.tokens.begin() + p.at)},
+                    {"question", p.question},
+                    {"choices", p.choices}});
+  auto j = head(o, m, load0);
+  j[o.passkey.empty() ? "needle" : "passkey"] = retrieval_settings(o);
+  j["questions"] = std::move(qs);
+  infkv_tools::write_json("--export-questions", o.export_questions, j);
+  fmt::print(stderr, "infkv-stream: {} questions written to {}\n", j["questions"].size(), o.export_questions);
+  return 0;
+}
+
 int run_retrieval(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const double load0 = load_average();
   const stream::model_shape sh(m);
@@ -456,10 +506,7 @@ int run_retrieval(const options& o, const std::vector<stream::policy_info>& chos
   stream::print_passkey_table(runs);
   if (!o.json.empty()) {
     auto j = stream::passkey_json(head(o, m, load0), runs);
-    j[o.passkey.empty() ? "needle" : "passkey"] = {
-        {"distances", distances},          {"trials", o.trials},         {"gen", o.gen},      {"seed", o.seed},
-        {"needles_per_stream", o.needles}, {"needle_gap", o.needle_gap}, {"people", o.people}};
-    if (o.passkey.empty()) j["needle"]["protocol"] = stream::needle_protocol;
+    j[o.passkey.empty() ? "needle" : "passkey"] = retrieval_settings(o);
     j["load_average_end"] = stream::num(load_average());
     infkv_tools::write_json("--json", o.json, j);
   }
@@ -497,6 +544,7 @@ int main(int argc, char** argv) {
   try {
     const auto model = stream::load_model(o.model);
     check_memory(o, chosen, model.get());
+    if (!o.export_questions.empty()) return export_questions(o, model.get());
     return o.retrieval() ? run_retrieval(o, chosen, model.get()) : run_text(o, chosen, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-stream: error: " << e.what() << '\n';
