@@ -44,6 +44,9 @@ Generators:
                     64-token blocks (bootstrap interval), slots at the end
   prefill_memory    scripts/prefill_memory.py's JSON: cache bytes and resident-set growth of plain
                     and block-wise prefill per prompt length
+  peers_single_turn DATA is A.json+B.json+C.csv: scripts/peers_single_turn.py's JSONs (OpenVINO GenAI,
+                    kvpress) beside infkv-stream's single-turn sweeps on the same questions: per
+                    budget and setting, answers, the full cache's kept, KV held, tokens/s
   needles_archive   a needle sweep with an archive: per model, distance and policy, the statement
                     tokens cached before and after the recall, the recall's seconds per question
                     (mean and largest) and the largest share of the stream's own decoding so far
@@ -482,11 +485,68 @@ def needles_archive(rows, record):
                   "archive + cache / full f16 K and V"], body)
 
 
+def peers_single_turn(datas, records):
+    """The single-turn side by side (DATA: JSONs of scripts/peers_single_turn.py + infkv-stream
+    CSVs of eval_sweep.py, SmolLM2 at distance 2048): per budget and engine setting the forced-choice
+    and greedy successes, the share of the same engine's full-cache successes kept (forced choice;
+    greedy where the engine gives no forced choice), the most KV tokens held while the prompt went
+    in and what was held after it, prefill and decode tokens/s. infkv's evicting rows hold at most
+    budget + block by construction (the runner checks it after every block); their prefill time
+    includes the question's proxy decodes; the full cache's rows stream every question in one
+    run, so their prefill rate is not given."""
+    groups = OrderedDict()
+    for d, rec in zip(datas, records):
+        if isinstance(d, dict):
+            for r in d["records"]:
+                full = r["setting"].endswith(" full")  # the same whatever the budget
+                groups.setdefault(("-" if full else str(d["budget"]), r["setting"]), []).append(dict(
+                    key=(str(r["seed"]), str(r["trial"])), success=r["success"], forced=r.get("forced_success"),
+                    peak=r["peak_tokens"], after=r["after_tokens"], tokens=r["prompt_tokens"],
+                    prefill=r["prefill_s"], decoded=r["decoded"], decode=r["decode_s"]))
+            continue
+        settings = rec["protocol"]["settings"]
+        for r in d:
+            if r["model"] != "smollm2" or r["distance"] != "2048":
+                continue
+            opts = dict(o.split("=", 1) for o in r["policy"].split(":")[1:] if "=" in o)
+            budget = int(opts.get("budget", settings["budget"]))
+            at = int(r["key_at"]) + int(r["key_tokens"]) + int(r["distance"])
+            full = r["policy"] == "full"
+            held = int(r["cache_bytes"]) * at // int(r["full_bytes"])
+            groups.setdefault(("-" if full else str(budget), f"infkv {r['policy']}"), []).append(dict(
+                key=(r["seed"], r["trial"]), success=r["success"] == "1", forced=r["forced_success"] == "1",
+                peak=int(r["prompt_tokens"]) if full else budget + settings["block"], after=held,
+                tokens=int(r["prompt_tokens"]), prefill=None if full else float(r["decode_seconds"]),
+                decoded=0, decode=0.0))
+    fulls = {s.split()[0]: g for (b, s), g in groups.items() if s.split()[-1] == "full"}
+    fulls["kvpress"] = fulls.get("transformers")  # kvpress's presses run in transformers
+    body = []
+    order = sorted(groups, key=lambda k: (k[0] != "-", -int(k[0]) if k[0] != "-" else 0, k[1].split()[-1] != "full"))
+    for budget, setting in order:
+        g = groups[(budget, setting)]
+        n = len(g)
+        has_forced = g[0]["forced"] is not None
+        kept = "-"
+        full = fulls.get(setting.split()[0])
+        if full is not None and setting.split()[-1] != "full":
+            field = "forced" if has_forced else "success"
+            won = {x["key"] for x in full if x[field]}
+            kept = rate(sum(1 for x in g if x["key"] in won and x[field]), len(won)) + ("" if has_forced else " (greedy)")
+        pre = (f"{sum(x['tokens'] for x in g) / sum(x['prefill'] for x in g):.0f}" if g[0]["prefill"] is not None
+               else "-")
+        dec = f"{sum(x['decoded'] for x in g) / sum(x['decode'] for x in g):.1f}" if sum(x["decode"] for x in g) else "-"
+        body.append([budget, f"`{setting}`", rate(sum(x["forced"] for x in g), n) if has_forced else "-",
+                     rate(sum(x["success"] for x in g), n), kept, f"{max(x['peak'] for x in g):,}",
+                     f"{sum(x['after'] for x in g) / n:,.0f}", pre, dec])
+    return table(["budget", "engine and setting", "forced choice", "greedy", "of the full cache's successes",
+                  "KV tokens held, most", "held after the prompt, mean", "prefill tok/s", "decode tok/s"], body)
+
+
 GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies, "ppl_slices": ppl_slices,
               "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
               "targets": targets, "needles_cached": needles_cached, "kvpress_prefill": kvpress_prefill,
               "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory,
-              "needles_archive": needles_archive}
+              "needles_archive": needles_archive, "peers_single_turn": peers_single_turn}
 
 
 def generate(doc_path):

@@ -246,7 +246,7 @@ def main():
     ov.add_argument("--no-full", dest="full", action="store_false", help="only the eviction modes")
     ov.add_argument("--ov-modes", default="NORM_SUM:w8,SUM:w8,SUM:w32,SUM:w0", help="eviction modes (see above)")
     ov.add_argument("--start", type=int, default=32, help="CacheEvictionConfig start_size (a multiple of 32)")
-    ov.add_argument("--recent", type=int, default=128, help="CacheEvictionConfig recent_size (a multiple of 32)")
+    ov.add_argument("--recent", type=int, default=32, help="CacheEvictionConfig recent_size (a multiple of 32; infkv's recent: 32)")
     ov.add_argument("--block", type=int, default=128, help="prompt tokens per step (max_num_batched_tokens)")
     ov.add_argument("--kv-precision", default="f16", help="the CPU plugin's KV_CACHE_PRECISION (its default: u8)")
     ov.add_argument("--precision", default="f32", help="INFERENCE_PRECISION_HINT (its default here: bf16)")
