@@ -4,7 +4,7 @@
 # torch: OpenVINO GenAI reads the GGUF file llama.cpp reads), and prints its path. Idempotent. Not
 # on CI's critical path: CI's smoke of the peers script runs only the kvpress side.
 set -euo pipefail
-versions="openvino-genai==2026.4.1.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 numpy==2.4.6"
+versions="openvino-genai==2026.4.1.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 numpy==2.4.6 tokenizers==0.22.2"
 key=$(echo "$versions" | sha1sum | cut -c1-12)
 root=${INFKV_CACHE:-$HOME/.cache/infkv}
 env=$root/openvino-$key

@@ -28,7 +28,9 @@ step() {  # step NAME PYTHON ARGS...: writes OUT/NAME.json unless it exists
   local name=$1 python=$2; shift 2
   if [[ -s "$out/$name.json" ]]; then echo "peers: $out/$name.json exists, kept" >&2; return; fi
   echo "peers: $name (load $(cut -d' ' -f1 /proc/loadavg))" >&2
-  "$python" scripts/peers_single_turn.py "$@" --questions "${files[@]}" --model "$model" --out "$out/$name.json.tmp"
+  # the GGUF first: a --model among ARGS (the OpenVINO IR) comes later and wins
+  "$python" scripts/peers_single_turn.py "$1" --model "$model" "${@:2}" --questions "${files[@]}" \
+    --out "$out/$name.json.tmp"
   python3 scripts/provenance.py "$out/$name.json.tmp" "scripts/peers.sh $* (seeds $seeds)"
   mv "$out/$name.json.tmp" "$out/$name.json"
 }
@@ -36,7 +38,8 @@ first=1
 for b in ${budgets//,/ }; do
   if [ "${ONLY:-openvino}" = openvino ]; then
     full=(); [ $first = 1 ] || full=(--no-full)
-    step "openvino_$b" "$(scripts/openvino_env.sh | tail -n 1)/bin/python" openvino --budget "$b" "${full[@]}"
+    step "openvino_$b" "$(scripts/openvino_env.sh | tail -n 1)/bin/python" openvino --budget "$b" "${full[@]}" \
+      --model "$(scripts/openvino_model.sh | tail -n 1)"
   fi
   if [ "${ONLY:-kvpress}" = kvpress ]; then
     presses=full,snapkv,chunkkv,kvzip; [ $first = 1 ] || presses=snapkv,chunkkv,kvzip

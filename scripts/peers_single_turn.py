@@ -5,8 +5,9 @@ A single-turn prompt is a question's context (the stream up to it) followed by t
 one prefill; `infkv-stream --needle ... --export-questions Q.json` writes them as token ids
 (version 2 of the needle protocol, docs/evaluation.md), with each question's candidate answers.
 
-  openvino   OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF file llama.cpp reads
-             (scripts/openvino_env.sh's Python): the full cache, and its cache eviction
+  openvino   OpenVINO GenAI's ContinuousBatchingPipeline (scripts/openvino_env.sh's Python) on the
+             IR scripts/openvino_model.sh exports from the same weights (or a GGUF file, which it
+             also reads): the full cache, and its cache eviction
              (CacheEvictionConfig) with max_cache_size = --budget in each --ov-modes mode
              (AGGREGATION:wWINDOW: SUM or NORM_SUM scores, SnapKV window of WINDOW prompt tokens,
              0: scores accumulated over the whole prompt). The prompt is prefilled in chunks of
@@ -25,7 +26,7 @@ Both print progress on stderr and write one JSON (--out): settings, versions, on
 value as whole words, ignoring case), the forced-choice grade where there is one, the most KV
 tokens held during the request, prefill and decode seconds.
   $(scripts/openvino_env.sh | tail -n1)/bin/python scripts/peers_single_turn.py openvino --questions Q.json \\
-      --model "$(scripts/model.sh | tail -n1)" --budget 1024 --out ov.json
+      --model "$(scripts/openvino_model.sh | tail -n1)" --budget 1024 --out ov.json
   $(scripts/python_env.sh | tail -n1)/bin/python scripts/peers_single_turn.py kvpress --questions Q.json \\
       --model "$(scripts/model.sh | tail -n1)" --budget 1024 --out kvpress.json
   python3 scripts/peers_single_turn.py table ov.json kvpress.json"""
@@ -107,7 +108,10 @@ def run_openvino(a, questions):
                 start_size=a.start, recent_size=a.recent, max_cache_size=a.budget,
                 aggregation_mode=getattr(g.AggregationMode, mode[0]), snapkv_window_size=mode[1])
         pipe = g.ContinuousBatchingPipeline(a.model, sc, "CPU", props)
-        tok = pipe.get_tokenizer()
+        decode = pipe.get_tokenizer().decode
+        if os.path.isdir(a.model):  # an exported IR: its tokenizer.json (OpenVINO's converter fails on this one)
+            from tokenizers import Tokenizer
+            decode = Tokenizer.from_file(os.path.join(a.model, "tokenizer.json")).decode
         gc = g.GenerationConfig()
         gc.max_new_tokens = a.gen
         for i, q in enumerate(questions):
@@ -122,7 +126,7 @@ def run_openvino(a, questions):
             gen = list(h.read_all()[0].generated_ids)
             chunks = math.ceil(len(ids) / a.block)  # the steps that prefill; the last one yields the first token
             tokens = [u / 100 * blocks * 32 for u in usage]
-            out.append(record(name if mode else "openvino full", q, tok.decode(gen), None,
+            out.append(record(name if mode else "openvino full", q, decode(gen), None,
                               round(max(tokens)), round(tokens[-1]), sum(steps[:chunks]), sum(steps[chunks:]),
                               len(gen) - 1))
             r = out[-1]
@@ -236,7 +240,7 @@ def main():
     for name in ("openvino", "kvpress"):
         s = sub.add_parser(name)
         s.add_argument("--questions", required=True, nargs="+", help="infkv-stream --export-questions JSONs")
-        s.add_argument("--model", required=True, help="the GGUF file infkv-stream read")
+        s.add_argument("--model", required=True, help="the GGUF file infkv-stream read (openvino: or the exported IR)")
         s.add_argument("--budget", type=int, default=1024, help="KV slots kept (max_cache_size / kept slots)")
         s.add_argument("--gen", type=int, default=8, help="greedy answer tokens (infkv-stream's --gen)")
         s.add_argument("--threads", type=int, default=1)
