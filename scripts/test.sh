@@ -4,7 +4,8 @@
 # sm_80 and sm_90 when nvcc is installed, its GPU tests reported skipped without a device) and the
 # ASan + UBSan build (portable paths, the CUDA backend's steps run on the host), every fuzz target
 # briefly (clang, libFuzzer), then the Python package's tests (its parity with kvpress's presses on
-# SmolLM2 included). Installs what it needs first; llama.cpp is built once into ~/.cache/infkv
+# SmolLM2 included, and one question of the side by side with OpenVINO GenAI, whose small
+# environment, scripts/openvino_env.sh, it creates). Installs what it needs first; llama.cpp is built once into ~/.cache/infkv
 # (about 6 minutes on 2 cores) and the Python environment (torch, transformers, kvpress: about
 # 3 GB, downloaded while the C++ builds) is created once there; the model and text are fetched
 # once (SmolLM2 and Gemma 3 270M); all are reused afterwards. vLLM's environment (about 6 GB,
