@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates (once) the Python environment of the OpenVINO GenAI peer (scripts/peers_single_turn.py
 # openvino) under ~/.cache/infkv (outside the clone, keyed by the pinned versions; about 300 MB, no
-# torch: OpenVINO GenAI reads the GGUF file llama.cpp reads), and prints its path. Idempotent. Not
-# on CI's critical path: CI's smoke of the peers script runs only the kvpress side.
+# torch: it runs the IR scripts/openvino_model.sh exports, or a GGUF file), and prints its path.
+# Idempotent. python/tests/test_peers.py creates it (seconds) and runs one question on the GGUF.
 set -euo pipefail
 versions="openvino-genai==2026.4.1.0 openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 numpy==2.4.6 tokenizers==0.22.2"
 key=$(echo "$versions" | sha1sum | cut -c1-12)
