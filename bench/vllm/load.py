@@ -1,6 +1,8 @@
 """A bounded load test of `vllm serve` with infkv's plugin (run by bench/vllm/load.sh; loopback only):
-`clients` threads, each a multi-turn chat of `turns` turns whose history grows with every answer,
-every request evicting (SnapKV, a budget of `budget`); the server's resident memory sampled every
+`clients` threads, each a multi-turn chat of `turns` turns whose history grows with every answer
+until it reaches `history_chars` characters, after which the client drops its oldest exchanges, as
+chat clients do to stay within a model's context (SmolLM2 has 8192 positions: a history that only
+grows ends a 100-turn chat near turn 65); every request evicting (SnapKV, a budget of `budget`); the server's resident memory sampled every
 second (with its child processes), every error kept. Writes JSON: per-turn latencies, RSS over time, errors, the plugin's peak
 slots per request."""
 import argparse
@@ -39,6 +41,8 @@ def main():
     ap.add_argument("--turns", type=int, default=100)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--history-chars", type=int, default=2400,
+                    help="the most characters of history a client resends (oldest exchanges dropped first)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     load_start = os.getloadavg()
@@ -89,6 +93,8 @@ def main():
                 messages.append({"role": "assistant", "content": r.choices[0].message.content})
                 messages.append({"role": "user", "content": text[c * 50000 + 2000 + turn * 400:
                                                                   c * 50000 + 2400 + turn * 400]})
+                while sum(len(m["content"]) for m in messages) > a.history_chars and len(messages) > 2:
+                    del messages[:2]  # the oldest exchange: the history still starts with a user turn
             except Exception as e:  # noqa: BLE001
                 errors.append((c, turn, repr(e)))
                 return

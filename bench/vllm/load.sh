@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The bounded load test of `vllm serve` with infkv's plugin (load.py): CLIENTS (16) multi-turn chats
-# of TURNS (100) turns over loopback, every request evicting; writes bench/results/vllm/load.json
-# (latencies, the server's RSS every second, errors) with provenance. Outside CI: hours on 2 cores
-# at 100 turns.
+# of TURNS (100) turns over loopback, each client resending at most 2,400 characters of history (its
+# oldest exchanges dropped first), every request evicting; writes bench/results/vllm/load.json
+# (latencies, the server's RSS every second, errors) with provenance. Outside CI: about an hour on
+# one core at 100 turns.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/vllm_common.sh
