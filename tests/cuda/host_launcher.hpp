@@ -5,12 +5,22 @@
 // for cuBLAS's strided batched GEMM: the same arguments, checked as cuBLAS checks them, the
 // referenced sub-matrices of A and B (exactly those the transposes, leading dimensions and
 // strides name) converted to f32 and multiplied by OpenBLAS's column-major cblas_sgemm, one call
-// per batch entry.
+// per batch entry. Block-level steps (for_blocks, cuda/detail/block_steps.hpp) run block by
+// block, last block first, every CUDA thread of a block a fiber with real barriers (fiber_block),
+// the block's shared memory one buffer filled with 0xff bytes before each block (ASan sees every
+// access past it).
 #pragma once
 
 #include <cblas.h>
 
+#include <ucontext.h>
 #include <algorithm>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -70,6 +80,173 @@ inline void host_gemm_strided_batched(infkv::cuda::blas_op transa, infkv::cuda::
   }
 }
 
+/// One block of CUDA threads emulated on the calling thread: every CUDA thread a fiber
+/// (ucontext) with a stack of its own, run until it reaches a barrier or returns, the highest
+/// thread first; a barrier releases its waiters when every thread of the block (ctx.sync) or of
+/// the warp (ctx.warp_sync) that has not returned has arrived. So a body that reads what another
+/// thread writes before a barrier separates them reads the 0xff bytes shared memory starts with
+/// (NaN as floats), deterministically. Threads all waiting at barriers that can no longer open
+/// raise logic_error, and so does a block whose threads passed different numbers of block
+/// barriers (a barrier in divergent code: undefined on a GPU). ASan is told of every stack switch.
+class fiber_block {
+ public:
+  struct context {
+    std::int64_t block;
+    int thread, threads;
+    std::byte* shared;
+    fiber_block* self;
+    void sync() const { self->wait(0); }
+    void warp_sync() const { self->wait(1 + thread / 32); }
+  };
+
+  fiber_block(int threads, std::size_t shared) : threads_(threads), shared_(shared), fibers_(std::size_t(threads)) {
+    if (threads < 32 || threads > 1024 || threads % 32 != 0)
+      throw std::invalid_argument("for_blocks: threads = " + std::to_string(threads) +
+                                  " (a multiple of 32 up to 1024)");
+    for (fiber& f : fibers_) f.stack.reset(new std::byte[stack_bytes]);  // untouched pages stay unmapped
+  }
+
+  template <class F>
+  void run(std::int64_t block, F& body) {
+    std::fill(shared_.begin(), shared_.end(), std::byte{0xff});
+    bars_.assign(std::size_t(1 + threads_ / 32), barrier{});
+    bars_[0].expected = threads_;
+    for (std::size_t w = 1; w < bars_.size(); ++w) bars_[w].expected = 32;
+    struct call {
+      F* body;
+      std::int64_t block;
+      static void enter(void* p, fiber_block* self, int t) {
+        const auto* c = static_cast<const call*>(p);
+        (*c->body)(context{c->block, t, self->threads_, self->shared_.data(), self});
+      }
+    } c{&body, block};
+    body_ = &c;
+    enter_ = &call::enter;
+    for (int t = 0; t < threads_; ++t) {
+      fiber& f = fibers_[std::size_t(t)];
+      f.state = phase::runnable, f.syncs = 0, f.waiting = -1, f.fake = nullptr;
+      getcontext(&f.uc);
+      f.uc.uc_stack.ss_sp = f.stack.get();
+      f.uc.uc_stack.ss_size = stack_bytes;
+      f.uc.uc_link = nullptr;
+      makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_block::trampoline), 0);
+    }
+    for (int done = 0; done < threads_;) {
+      bool ran = false;
+      for (int t = threads_ - 1; t >= 0; --t) {
+        if (fibers_[std::size_t(t)].state != phase::runnable) continue;
+        ran = true;
+        switch_to(t);
+        if (fibers_[std::size_t(t)].state == phase::done) ++done;
+      }
+      if (!ran && done < threads_)
+        throw std::logic_error("for_blocks: in block " + std::to_string(block) +
+                               " every thread left waits at a barrier the others no longer reach");
+    }
+    for (const fiber& f : fibers_)
+      if (f.syncs != fibers_[0].syncs)
+        throw std::logic_error("for_blocks: the threads of block " + std::to_string(block) +
+                               " passed different numbers of block barriers");
+  }
+
+ private:
+  static constexpr std::size_t stack_bytes = std::size_t(256) << 10;
+  enum class phase { runnable, waiting, done };
+  struct fiber {
+    ucontext_t uc{};
+    std::unique_ptr<std::byte[]> stack;
+    phase state = phase::runnable;
+    int syncs = 0, waiting = -1;
+    void* fake = nullptr;  ///< ASan's fake stack of this fiber while switched away
+  };
+  struct barrier {
+    int expected = 0, arrived = 0;
+  };
+
+  static inline thread_local fiber_block* current_ = nullptr;
+  int threads_, running_ = -1;
+  std::vector<std::byte> shared_;
+  std::vector<fiber> fibers_;
+  std::vector<barrier> bars_;
+  ucontext_t main_{};
+  void* body_ = nullptr;
+  void (*enter_)(void*, fiber_block*, int) = nullptr;
+
+  static void trampoline() {
+    fiber_block* self = current_;
+    self->resumed();
+    const int t = self->running_;
+    self->enter_(self->body_, self, t);
+    fiber& f = self->fibers_[std::size_t(t)];
+    f.state = phase::done;
+    self->leave(0);
+    self->leave(1 + t / 32);
+    self->yield(true);
+  }
+
+  /// Arrives at barrier b (0: the block's, 1 + w: warp w's); returns when it opens.
+  void wait(int b) {
+    fiber& f = fibers_[std::size_t(running_)];
+    if (b == 0) ++f.syncs;
+    barrier& bar = bars_[std::size_t(b)];
+    if (++bar.arrived == bar.expected) {
+      open(b);
+      return;
+    }
+    f.state = phase::waiting, f.waiting = b;
+    yield(false);
+  }
+  /// A returned thread leaves barrier b: the others no longer wait for it.
+  void leave(int b) {
+    barrier& bar = bars_[std::size_t(b)];
+    --bar.expected;
+    if (bar.arrived > 0 && bar.arrived == bar.expected) open(b);
+  }
+  void open(int b) {
+    bars_[std::size_t(b)].arrived = 0;
+    for (fiber& g : fibers_)
+      if (g.state == phase::waiting && g.waiting == b) g.state = phase::runnable, g.waiting = -1;
+  }
+
+  void switch_to(int t) {
+    running_ = t;
+    current_ = this;
+    fiber& f = fibers_[std::size_t(t)];
+    start_switch(&main_fake_, f.stack.get(), stack_bytes);
+    swapcontext(&main_, &f.uc);
+    finish_switch(main_fake_, nullptr, nullptr);
+  }
+  /// Back to the scheduler (`last`: the fiber has returned and is never resumed).
+  void yield(bool last) {
+    fiber& f = fibers_[std::size_t(running_)];
+    start_switch(last ? nullptr : &f.fake, main_bottom_, main_size_);
+    if (last) {
+      setcontext(&main_);
+    } else {
+      swapcontext(&f.uc, &main_);
+      resumed();
+    }
+  }
+  /// In a fiber that has just been switched to: tells ASan, and learns the scheduler's stack.
+  void resumed() { finish_switch(fibers_[std::size_t(running_)].fake, &main_bottom_, &main_size_); }
+
+  // ASan's fiber annotations (nothing without ASan).
+  void* main_fake_ = nullptr;
+  const void* main_bottom_ = nullptr;
+  std::size_t main_size_ = 0;
+#if defined(__SANITIZE_ADDRESS__)
+  static void start_switch(void** fake, const void* bottom, std::size_t size) {
+    __sanitizer_start_switch_fiber(fake, bottom, size);
+  }
+  static void finish_switch(void* fake, const void** bottom, std::size_t* size) {
+    __sanitizer_finish_switch_fiber(fake, bottom, size);
+  }
+#else
+  static void start_switch(void**, const void*, std::size_t) {}
+  static void finish_switch(void*, const void**, std::size_t*) {}
+#endif
+};
+
 struct host_launcher {
   std::int64_t block = 37;
 
@@ -79,6 +256,20 @@ struct host_launcher {
     for (std::int64_t b = blocks - 1; b >= 0; --b)
       for (std::int64_t t = 0; t < block; ++t)
         if (const std::int64_t i = b * block + t; i < n) f(i);
+  }
+
+  using block_context = fiber_block::context;
+
+  /// Block-level launches made so far (the tests check which path a step takes).
+  static inline std::int64_t block_launches = 0;
+
+  /// f(ctx) for every thread of `blocks` blocks of `threads` threads (fiber_block).
+  template <class F>
+  void for_blocks(std::int64_t blocks, int threads, std::size_t shared, F f) const {
+    ++block_launches;
+    if (blocks <= 0) return;
+    fiber_block fb(threads, shared);
+    for (std::int64_t b = blocks - 1; b >= 0; --b) fb.run(b, f);
   }
 
   struct temp_space {

@@ -47,16 +47,18 @@ void expect_queued_only(const char* what, bool launches_expected = true) {
   stub::clear();
 }
 
-/// A layer of device tensors: n slots, 2 KV heads, 4 query heads, head_dim 16, f16.
+/// A layer of device tensors: n slots, 2 KV heads, 4 query heads, head_dim 16, f16 (window
+/// attention through the fused block-level steps) or f32 (through cuBLAS).
 struct device_layer {
   std::int64_t n, nq = 8;
   const_tensor_view k, v, q;
   std::span<const std::int64_t> qpos;
   std::span<const token> tokens;
-  explicit device_layer(std::int64_t slots) : n(slots) {
-    k = nhd(dev<std::uint16_t>(n * 2 * 16), dtype::f16, n, 2, 16);
-    v = nhd(dev<std::uint16_t>(n * 2 * 16), dtype::f16, n, 2, 16);
-    q = nhd(dev<std::uint16_t>(nq * 4 * 16), dtype::f16, nq, 4, 16);
+  explicit device_layer(std::int64_t slots, dtype t = dtype::f16) : n(slots) {
+    const std::int64_t e = std::int64_t(size_of(t));
+    k = nhd(dev<std::byte>(n * 2 * 16 * e), t, n, 2, 16);
+    v = nhd(dev<std::byte>(n * 2 * 16 * e), t, n, 2, 16);
+    q = nhd(dev<std::byte>(nq * 4 * 16 * e), t, nq, 4, 16);
     qpos = {dev<std::int64_t>(nq), std::size_t(nq)};
     tokens = {dev<token>(n), std::size_t(n)};
   }
@@ -70,7 +72,7 @@ struct device_layer {
 TEST_CASE("cuda (stub runtime): the cuBLAS handle is created when planning, once, runs only use it") {
   auto* status = dev<cuda::status_word>(1);
   const cuda::backend be{stream, status};
-  const device_layer ly(3000);
+  const device_layer ly(3000, dtype::f32);  // f16 keys take the fused steps, no GEMM
   const budget b{.capacity = 1024, .sinks = 4, .recent = 32};
   stub::clear();
   const plan p = make_plan(be, snapkv{.window = 8}, b, shape_of(ly.in()));
@@ -91,6 +93,17 @@ TEST_CASE("cuda (stub runtime): the cuBLAS handle is created when planning, once
   CHECK(std::ranges::count_if(calls, [](const stub::call& c) { return c.name == "cublasGemmStridedBatchedEx"; }) == 2);
   CHECK(std::ranges::count_if(calls, [](const stub::call& c) { return c.name == "cublasSetWorkspace"; }) == 2);
   expect_queued_only("snapkv through cuBLAS");
+  // f16 keys: two fused launches of 128-thread blocks (2 KV heads x 3 blocks of 1,024 keys), no GEMM.
+  const device_layer half(3000);
+  const plan ph = make_plan(be, snapkv{.window = 8}, b, shape_of(half.in()));
+  auto* wh = dev<std::byte>(std::int64_t(ph.workspace_bytes));
+  stub::clear();
+  run(ph, be, half.in(), {wh, ph.workspace_bytes}, out);
+  const auto fused = stub::calls();
+  CHECK(std::ranges::count_if(fused, [](const stub::call& c) { return c.name == "launch" && c.detail == "6 x 128"; }) ==
+        2);
+  CHECK(std::ranges::none_of(fused, [](const stub::call& c) { return c.name.starts_with("cublasGemm"); }));
+  expect_queued_only("snapkv through the fused steps");
 }
 
 TEST_CASE("cuda (stub runtime): infkv::run of every score source only queues work on the caller's stream") {

@@ -837,7 +837,7 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
           const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
           for (const policy_spec& spec :
                {snapkv{.window = 5, .kernel = 3}.spec(), tova{}.spec(), inf_mllm{.window = 7, .kernel = 1}.spec()}) {
-            const std::int64_t before = host_launcher::gemm_calls;
+            const std::int64_t before = host_launcher::gemm_calls, blocks_before = host_launcher::block_launches;
             const auto got = finished(gpu_be, spec, in);
             const std::int64_t calls = host_launcher::gemm_calls - before;
             const std::int64_t w = std::min<std::int64_t>(spec.score.queries, p.nq), rows = p.hq * w;
@@ -845,7 +845,10 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
             const std::string what =
                 std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " limit " + std::to_string(limit);
             INFO(what);
-            CHECK(calls == (lay == layout::paged ? 0 : 2 * tiles));  // paged keys: the scalar path
+            // 16-bit keys: the fused steps, any layout; f32: GEMM tiles, paged keys the scalar path.
+            const bool fused = t != dtype::f32;
+            CHECK(host_launcher::block_launches - blocks_before == (fused ? 2 : 0));
+            CHECK(calls == (fused || lay == layout::paged ? 0 : 2 * tiles));
             if (limit == 4096) CHECK(tiles >= 4);
             check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6, what);
           }
@@ -863,6 +866,65 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
     const auto got = finished(gpu_be, snapkv{.window = 6}.spec(), in);
     CHECK(host_launcher::gemm_calls == before);
     check_close(got, as_ref(finished(cpu_be, snapkv{.window = 6}.spec(), in)), 2e-4, 2e-6, "mixed types");
+  }
+}
+
+TEST_CASE("cuda steps (host): the fused window attention matches the CPU: 16-bit keys, every layout, rows up to 128") {
+  const cpu::backend cpu_be{};
+  struct shape {
+    std::int64_t n;
+    std::int32_t hkv, group, d;
+    std::int64_t window;
+    bool fused;
+  };
+  // 128 query rows per KV head (4 x 32) over 2,500 keys: three blocks of 1,024 per head, the last
+  // one and its last tile partial; 15 rows padded to 16 at head_dim 128; 130 rows, or head_dim 24,
+  // take the GEMM.
+  for (const shape sh : {shape{2500, 2, 4, 16, 32, true}, shape{300, 1, 3, 128, 5, true},
+                         shape{700, 2, 5, 16, 26, false}, shape{400, 2, 2, 24, 8, false}})
+    for (const dtype t : {dtype::f16, dtype::bf16})
+      for (const layout lay : {layout::nhd, layout::strided, layout::paged}) {
+        if (sh.n > 1000 && lay == layout::strided) continue;  // time under ASan: the small shapes cover it
+        const problem p = make_problem(7000 + std::uint64_t(sh.n + sh.d), sh.n, sh.hkv, sh.group, sh.d, 40, t);
+        const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay), queries = store_queries(p);
+        keys.visit([&](const auto& k) {
+          using R = std::decay_t<decltype(k)>;
+          const layer_inputs<R> in{k, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+          // Average pooling scores per KV head, max pooling per query head first.
+          for (const policy_spec& spec : {snapkv{.window = sh.window, .kernel = 3}.spec(),
+                                          snapkv{.window = sh.window, .kernel = 3, .pool = pooling::max}.spec()}) {
+            const std::int64_t before = host_launcher::block_launches;
+            const auto got = finished(host_cuda_backend{}, spec, in);
+            const std::string what = to_string(t) + std::string(" ") + to_string(lay) + " n " + std::to_string(sh.n) +
+                                     " d " + std::to_string(sh.d) + " rows " + std::to_string(sh.group * sh.window);
+            INFO(what);
+            CHECK(host_launcher::block_launches - before == (sh.fused ? 2 : 0));
+            check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6, what);
+          }
+        });
+      }
+}
+
+TEST_CASE("cuda steps (host): the fused window attention records a non-finite key as the other paths do") {
+  for (const dtype t : {dtype::f16, dtype::bf16}) {
+    problem p = make_problem(7100, 1500, 2, 2, 32, 8, t);
+    p.k[std::size_t((1234 * 2 + 1) * 32 + 17)] =
+        std::numeric_limits<float>::infinity();  // slot 1234, head 1, element 17
+    p.k[std::size_t((1300 * 2 + 1) * 32 + 3)] = std::numeric_limits<float>::quiet_NaN();
+    const layer ly(p);
+    cuda::status_word word;
+    const auto be = with_status(host_cuda_backend{}, word);
+    const policy_spec spec = snapkv{.window = 8}.spec();
+    const plan pl = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(ly.in()));
+    cpu::workspace ws(pl.workspace_bytes);
+    const std::int64_t before = host_launcher::block_launches;
+    (void)run_scores(pl, be, ly.in(), ws.span());
+    CHECK(host_launcher::block_launches - before == 2);
+    const cuda::status st = cuda::decode(word);
+    CHECK(st.kind == cuda::fault::key_not_finite);
+    CHECK(st.a == 1);
+    CHECK(st.e == 3);  // the smallest code: element 3 of slot 1300 before element 17 of slot 1234
+    CHECK(st.b == 1300);
   }
 }
 

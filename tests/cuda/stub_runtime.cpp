@@ -148,6 +148,9 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void*) {
   attr->numRegs = 32;
   return cudaSuccess;
 }
+// A kernel's shared memory limit (the fused window attention's above 48 KiB): a property of the
+// function, not stream work; it waits for nothing and is allowed under capture (not recorded).
+cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* blocks, const void*, int, size_t,
                                                                    unsigned int) {
   *blocks = 4;

@@ -52,8 +52,46 @@ __global__ void __launch_bounds__(256) for_each_kernel(std::int64_t n, F f) {
   if (i < n) f(i);
 }
 
+/// What a block-level body sees on a GPU (cuda/detail/block_steps.hpp).
+struct device_block {
+  std::int64_t block;
+  int thread, threads;
+  std::byte* shared;
+  INFKV_HOST_DEVICE void sync() const {
+#if defined(__CUDA_ARCH__)
+    __syncthreads();
+#endif
+  }
+  INFKV_HOST_DEVICE void warp_sync() const {
+#if defined(__CUDA_ARCH__)
+    __syncwarp();
+#endif
+  }
+};
+
+template <class F>
+__global__ void __launch_bounds__(256) block_kernel(F f) {
+  extern __shared__ __align__(128) std::byte block_shared[];
+  f(device_block{std::int64_t(blockIdx.x), int(threadIdx.x), int(blockDim.x), block_shared});
+}
+
 struct device_launcher {
   cudaStream_t stream = nullptr;
+  using block_context = device_block;
+
+  /// One kernel of `blocks` blocks of `threads` (at most 256) threads with `shared` bytes of
+  /// dynamic shared memory each (the kernel's limit raised to it above the default 48 KiB).
+  template <class F>
+  void for_blocks(std::int64_t blocks, int threads, std::size_t shared, F f) const {
+    if (blocks <= 0) return;
+    INFKV_REQUIRE(blocks < (std::int64_t(1) << 31), "blocks", blocks, "exceed one launch's grid");
+    INFKV_REQUIRE(threads >= 1 && threads <= 256, "threads", threads, "must be in [1, 256] (the kernel's bounds)");
+    if (shared > 48 * 1024)
+      check_cuda(cudaFuncSetAttribute(block_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)),
+                 "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    block_kernel<<<unsigned(blocks), unsigned(threads), shared, stream>>>(f);
+    check_cuda(cudaGetLastError(), "kernel launch");
+  }
 
   template <class F>
   void for_each(std::int64_t n, F f) const {

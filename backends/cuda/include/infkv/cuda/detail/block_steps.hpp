@@ -1,0 +1,95 @@
+// infkv CUDA backend: what steps that cooperate within a block share. A launcher L runs such a
+// step with
+//   l.for_blocks(blocks, threads, shared_bytes, f)
+// which calls f(ctx) once per thread of every block, ctx an `L::block_context` with
+//   ctx.block, ctx.thread, ctx.threads   the block's index, the thread's, the block's size
+//   ctx.shared                           shared_bytes of the block's shared memory (128-byte
+//                                        aligned, uninitialised: the host emulation fills it with
+//                                        0xff bytes, NaN as floats)
+//   ctx.sync()                           a barrier of the block (__syncthreads)
+//   ctx.warp_sync()                      a barrier of the thread's warp (__syncwarp)
+// On a GPU one kernel (device_launcher, src/launcher.cuh); in the tests a host emulation runs
+// every thread of a block as a thread of its own, with real barriers and the block's shared
+// memory in one buffer (tests/cuda/host_launcher.hpp), so the bodies and their barriers are run,
+// under ASan / UBSan, as written. Warp-level matrix products go through warp_tile_product:
+// tensor cores (WMMA) on a GPU, the same product in f32 on the host.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#endif
+
+#include "common.hpp"
+
+namespace infkv::cuda::detail {
+
+/// Shared memory one block may use on every GPU the library is built for (compute capability 8.6
+/// and 8.9 allow 99 KiB per block with the opt-in, 8.0 163 KiB, 9.0 227 KiB).
+inline constexpr std::size_t block_shared_limit = 99 * 1024;
+
+/// Copies 16 bytes between 16-byte aligned addresses (one vector load and store on a GPU).
+INFKV_HOST_DEVICE inline void copy16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__)
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#else
+  std::memcpy(dst, src, 16);
+#endif
+}
+
+/// Whether 2-byte element bits are finite (f16: exponent not all ones; bf16 likewise).
+template <dtype T>
+INFKV_HOST_DEVICE inline bool finite_bits(std::uint16_t b) {
+  static_assert(T == dtype::f16 || T == dtype::bf16);
+  return T == dtype::f16 ? (b & 0x7c00u) != 0x7c00u : (b & 0x7f80u) != 0x7f80u;
+}
+
+/// C = A B^T for one 16 x 16 tile, A 16 x k and B 16 x k (both row-major, element type T = f16 or
+/// bf16 as bits, lda / ldb elements apart), C f32 row-major (ldc floats apart); k a multiple of
+/// 16 up to 256. A warp-collective: all 32 lanes of a warp call it with the same arguments. Pointers to
+/// shared memory, 32-byte aligned; lda and ldb multiples of 8, ldc of 4 (WMMA's rules). On a GPU
+/// WMMA's 16 x 16 x 16 tiles (f32 accumulation on tensor cores); on the host lane 0 computes the
+/// tile in f32 (products exact, sums in element order) and the warp waits for it.
+template <dtype T, class Ctx>
+INFKV_HOST_DEVICE void warp_tile_product(const Ctx& ctx, const std::uint16_t* a, int lda, const std::uint16_t* b,
+                                         int ldb, int k, float* c, int ldc) {
+  static_assert(T == dtype::f16 || T == dtype::bf16);
+#if defined(__CUDA_ARCH__)
+  (void)ctx;
+  namespace wmma = nvcuda::wmma;
+  using E = std::conditional_t<T == dtype::f16, __half, __nv_bfloat16>;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fb;  // B^T: column j is B's row j
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+  wmma::fill_fragment(fc, 0.f);
+  for (int kk = 0; kk < k; kk += 16) {
+    wmma::load_matrix_sync(fa, reinterpret_cast<const E*>(a + kk), unsigned(lda));
+    wmma::load_matrix_sync(fb, reinterpret_cast<const E*>(b + kk), unsigned(ldb));
+    wmma::mma_sync(fc, fa, fb, fc);
+  }
+  wmma::store_matrix_sync(c, fc, unsigned(ldc), wmma::mem_row_major);
+#else
+  if (ctx.thread % 32 == 0) {
+    float af[16][256], bf[16][256];  // k <= 256 (the callers' head_dim)
+    for (int i = 0; i < 16; ++i)
+      for (int e = 0; e < k; ++e) af[i][e] = load(T, a + i * lda, e), bf[i][e] = load(T, b + i * ldb, e);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        float s = 0.f;
+        for (int e = 0; e < k; ++e) s += af[i][e] * bf[j][e];
+        c[i * ldc + j] = s;
+      }
+  }
+  ctx.warp_sync();
+#endif
+}
+
+/// `bytes` rounded up to a multiple of 128 (each piece of a block's shared memory starts there).
+INFKV_HOST_DEVICE constexpr std::size_t shared_round(std::size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+}  // namespace infkv::cuda::detail
