@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kv-gib", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", help="the model's and the KV cache's type (bfloat16: AMX kernels where the CPU has them)")
     ap.add_argument("--capacity", action="store_true",
                     help="one run only: the most requests running at once and KV blocks in use (no rate)")
     ap.add_argument("--out", required=True)
@@ -44,7 +45,7 @@ def main():
     extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker",
                  scheduler_cls="infkv.vllm.engine.InfkvScheduler") if plugin else {}
     histories = [int(h) for h in a.history.split(",")]
-    llm = LLM(model=a.model, dtype="float32", max_model_len=max(histories) + a.gen + 8, enforce_eager=True,
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=max(histories) + a.gen + 8, enforce_eager=True,
               enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0, **extra)
     ids = AutoTokenizer.from_pretrained(a.model)(open(a.text).read()[:2_000_000]).input_ids
     xargs = {"infkv_policy": "snapkv", "infkv_budget": a.budget, "infkv_block": 128} if a.mode == "infkv" else {}

@@ -33,6 +33,9 @@
 //                                       B, Btype, ldb, strideB, beta, C, Ctype, ldc,
 //                                       strideC, batch) is cublasGemmStridedBatchedEx's
 //                                       (Ctype f32, f32 compute; strides in elements)
+//   l.for_blocks(blocks, threads, shared_bytes, f), L::block_context
+//                                       block-level steps (block_steps.hpp): f(ctx) per thread
+//                                       of every block, with shared memory and barriers
 //
 // Per eviction the time order is the one sort; the selection and AdaKV's allocation find their
 // thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
