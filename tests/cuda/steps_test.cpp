@@ -599,6 +599,14 @@ TEST_CASE("cuda steps (host): re-rotation matches the CPU backend within roundin
     }
 }
 
+TEST_CASE("cuda steps (host): KeyDiff refuses head_dim above 256 when planning, naming it") {
+  const layer_shape shape{.n_slots = 100, .kv_heads = 2, .q_heads = 2, .head_dim = 264, .n_queries = 1};
+  CHECK_THROWS_WITH_AS(make_plan(host_cuda_backend{}, keydiff{}.spec(), budget{.capacity = 50}, shape),
+                       doctest::Contains("keys.head_dim"), invalid_argument);
+  CHECK_NOTHROW(make_plan(host_cuda_backend{}, keydiff{}.spec(), budget{.capacity = 50},
+                          layer_shape{.n_slots = 100, .kv_heads = 2, .q_heads = 2, .head_dim = 256, .n_queries = 1}));
+}
+
 TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the cache as it was") {
   const host_cuda_backend be{};
   const layer ly(make_problem(9, 80, 2, 2, 8, 4));

@@ -4,7 +4,7 @@
 // basic_backend::score calls them.
 #pragma once
 
-#include "common.hpp"
+#include "block_steps.hpp"
 
 namespace infkv::cuda::detail {
 
@@ -14,45 +14,139 @@ INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el
   return s == rope_style::normal ? std::int32_t(el / 2) : std::int32_t(el % (dims / 2));
 }
 
-/// -cos(k_j, mean unit key) per KV head (KeyDiff): inverse norms, chunk sums of unit keys,
-/// the anchor, its norm, then the cosines.
+/// Elements [e0, e0 + count) of a row of type T as f32, count = min(per16, d - e0) where per16
+/// elements fill 16 bytes: one 16-byte load when the address is aligned and the chunk whole,
+/// element loads otherwise. Returns count.
+template <dtype T>
+INFKV_HOST_DEVICE int load_chunk(const void* row, std::int64_t e0, std::int64_t d, float* x) {
+  constexpr int per16 = T == dtype::f32 ? 4 : 8;
+  const int count = d - e0 < per16 ? int(d - e0) : per16;
+  const auto* p = static_cast<const std::byte*>(row) + e0 * std::int64_t(size_of(T));
+  if (count == per16 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
+    alignas(16) std::byte raw[16];
+    copy16(raw, p);
+    for (int i = 0; i < per16; ++i) x[i] = load(T, raw, i);
+  } else {
+    for (int i = 0; i < count; ++i) x[i] = load(T, p, i);
+  }
+  return count;
+}
+
+/// KeyDiff's blocks (T: the keys' type): per KV head and chunk of 256 keys, a block of 128
+/// threads reads each key once (vectorised), writes its inverse norm to out and adds its unit
+/// key into the chunk's sums (per element, keys in order); a block per KV head adds the chunks'
+/// sums in order into the anchor and its inverse norm.
+template <dtype T, row_source R>
+struct keydiff_blocks {
+  static constexpr int threads = 128, tile = 64;  ///< keys of a chunk are read in tiles
+  R keys;
+  score_view out;
+  float *part, *anchor, *inv_an;
+  std::int64_t n, d, nc;
+
+  /// Shared memory: a tile of keys as f32 ([key][d]) and their inverse norms.
+  static std::size_t shared_bytes(std::int64_t d) {
+    return shared_round(std::size_t(tile * d) * 4) + shared_round(std::size_t(tile) * 4);
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void chunk_sums(const Ctx& c, status_word* st) const {
+    const auto h = std::int32_t(c.block / nc);
+    const std::int64_t cc = c.block % nc, begin = cc * chunk, end = begin + chunk < n ? begin + chunk : n;
+    float* k = reinterpret_cast<float*>(c.shared);
+    float* inv = reinterpret_cast<float*>(c.shared + shared_round(std::size_t(tile * d) * 4));
+    float acc[256 / threads] = {};  // elements thread, thread + threads, ... (d <= 256)
+    const std::int64_t per16 = T == dtype::f32 ? 4 : 8, pieces = (d + per16 - 1) / per16;
+    for (std::int64_t j0 = begin; j0 < end; j0 += tile) {
+      const std::int64_t m = end - j0 < tile ? end - j0 : tile;
+      for (std::int64_t x = c.thread; x < m * pieces; x += c.threads) {  // adjacent threads: adjacent bytes
+        const std::int64_t jl = x / pieces, e0 = (x % pieces) * per16;
+        load_chunk<T>(keys.row(j0 + jl, h), e0, d, k + jl * d + e0);
+      }
+      c.sync();
+      if (c.thread < m) {  // the key's norm, its elements in order (and the check)
+        const std::int64_t jl = c.thread;
+        float norm = 0.f;
+        for (std::int64_t e = 0; e < d; ++e) {
+          const float v = k[jl * d + e];
+          if (!finite(v)) record(st, encode(fault::key_not_finite, h, e, j0 + jl));
+          norm += v * v;
+        }
+        inv[jl] = norm > 0.f ? 1.f / sqrtf(norm) : 0.f;
+        out(h, j0 + jl) = inv[jl];
+      }
+      c.sync();
+      for (std::int64_t e = c.thread, i = 0; e < d; e += c.threads, ++i)
+        for (std::int64_t jl = 0; jl < m; ++jl) acc[i] += k[jl * d + e] * inv[jl];
+      c.sync();  // the next tile overwrites the keys and their norms
+    }
+    for (std::int64_t e = c.thread, i = 0; e < d; e += c.threads, ++i) part[(h * nc + cc) * d + e] = acc[i];
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void anchors(const Ctx& c) const {
+    const std::int64_t h = c.block;
+    for (std::int64_t e = c.thread; e < d; e += c.threads) {
+      float s = 0.f;
+      for (std::int64_t cc = 0; cc < nc; ++cc) s += part[(h * nc + cc) * d + e];
+      anchor[h * d + e] = s;
+    }
+    c.sync();
+    if (c.thread == 0) {
+      float s = 0.f;
+      for (std::int64_t e = 0; e < d; ++e) s += anchor[h * d + e] * anchor[h * d + e];
+      inv_an[h] = s > 0.f ? 1.f / sqrtf(s) : 0.f;
+    }
+  }
+};
+
+/// -cos(k_j, mean unit key) per KV head (KeyDiff), in three launches over the keys read twice:
+/// per (KV head, chunk) block the inverse norms and the chunk's sums of unit keys
+/// (keydiff_blocks), per KV head block the anchor and its inverse norm, then per key its cosine
+/// with the anchor (a thread per key, vectorised loads). Every sum runs in the order of the
+/// one-thread-per-index steps it replaces (elements in order, keys in order, chunks in order).
+template <dtype T, class L, row_source R>
+void keydiff_typed(const L& launch, status_word* st, const R& keys, score_view out, const keydiff_scratch& w) {
+  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = chunks(n);
+  using B = keydiff_blocks<T, R>;
+  const B b{keys, out, w.part, w.anchor, w.inv_an, n, d, nc};
+  launch.for_blocks(hkv * nc, B::threads, B::shared_bytes(d),
+                    [=] INFKV_HOST_DEVICE(const typename L::block_context& c) { b.chunk_sums(c, st); });
+  launch.for_blocks(hkv, B::threads, 0, [=] INFKV_HOST_DEVICE(const typename L::block_context& c) { b.anchors(c); });
+  const float *anchor = w.anchor, *inv_an = w.inv_an;
+  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    const auto h = std::int32_t(i / n);
+    const std::int64_t j = i % n;
+    const void* row = keys.row(j, h);
+    float dot = 0.f, x[8];
+    for (std::int64_t e0 = 0; e0 < d;) {
+      const int count = load_chunk<T>(row, e0, d, x);
+      for (int t = 0; t < count; ++t) dot += x[t] * anchor[h * d + e0 + t];
+      e0 += count;
+    }
+    out(h, j) = -dot * out(h, j) * inv_an[h];
+  });
+}
+
+/// KeyDiff's blocks hold a tile of 64 keys as f32 in shared memory and each thread at most two
+/// elements' sums: head_dim up to 256 (raised when planning, and again by a run).
+inline void check_keydiff_shape(std::int64_t head_dim) {
+  INFKV_REQUIRE(head_dim <= 256, "keys.head_dim", head_dim, "KeyDiff on the CUDA backend takes head_dim <= 256");
+}
+
+/// KeyDiff (keydiff_typed for the keys' type).
 template <class L, row_source R>
 void keydiff_steps(const L& launch, status_word* st, const R& keys, score_view out, std::span<std::byte> scratch) {
   validate(keys, "keys");
-  const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = detail::chunks(n);
+  check_keydiff_shape(keys.head_dim);
   detail::carver c{scratch.data(), 0};
-  const auto w = detail::keydiff_scratch::carve(c, hkv, n, d);
-  float *part = w.part, *anchor = w.anchor, *inv_an = w.inv_an;
-  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    const auto h = std::int32_t(i / n);
-    const std::int64_t j = i % n;
-    const float norm = detail::squared_norm<float>(keys.type, keys.row(j, h), d, st, fault::key_not_finite, h, j);
-    out(h, j) = norm > 0.f ? 1.f / sqrtf(norm) : 0.f;
-  });
-  launch.for_each(hkv * nc * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    const std::int64_t e = i % d, cc = (i / d) % nc;
-    const auto h = std::int32_t(i / (d * nc));
-    float s = 0.f;
-    for (std::int64_t j = cc * detail::chunk; j < std::min(n, (cc + 1) * detail::chunk); ++j)
-      s += detail::load(keys.type, keys.row(j, h), e) * out(h, j);
-    part[i] = s;
-  });
-  launch.for_each(hkv * d, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    const std::int64_t h = i / d, e = i % d;
-    float s = 0.f;
-    for (std::int64_t cc = 0; cc < nc; ++cc) s += part[(h * nc + cc) * d + e];
-    anchor[i] = s;
-  });
-  launch.for_each(hkv, [=] INFKV_HOST_DEVICE(std::int64_t h) {
-    float s = 0.f;
-    for (std::int64_t e = 0; e < d; ++e) s += anchor[h * d + e] * anchor[h * d + e];
-    inv_an[h] = s > 0.f ? 1.f / sqrtf(s) : 0.f;
-  });
-  launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    const auto h = std::int32_t(i / n);
-    const std::int64_t j = i % n;
-    out(h, j) = -detail::dot(keys.type, keys.row(j, h), dtype::f32, anchor + h * d, d) * out(h, j) * inv_an[h];
-  });
+  const auto w = detail::keydiff_scratch::carve(c, keys.n_heads, keys.n_slots, keys.head_dim);
+  if (keys.n_slots == 0) return;
+  switch (keys.type) {
+    case dtype::f32: keydiff_typed<dtype::f32>(launch, st, keys, out, w); break;
+    case dtype::f16: keydiff_typed<dtype::f16>(launch, st, keys, out, w); break;
+    case dtype::bf16: keydiff_typed<dtype::bf16>(launch, st, keys, out, w); break;
+  }
 }
 
 /// Expected Attention (cpu::expected_attention_into's semantics) over every query of `in`: the

@@ -31,6 +31,7 @@ template <>
 struct source_steps<score_source::key_diversity> {
   template <class B>
   static void carve(const B&, carver& c, const score_spec&, const layer_shape& shape) {
+    check_keydiff_shape(shape.head_dim);  // when planning: a run never meets a shape it cannot take
     keydiff_scratch::carve(c, shape.kv_heads, shape.n_slots, shape.head_dim);
   }
   template <class B, row_source R>
