@@ -33,15 +33,6 @@ namespace infkv::cuda::detail {
 /// and 8.9 allow 99 KiB per block with the opt-in, 8.0 163 KiB, 9.0 227 KiB).
 inline constexpr std::size_t block_shared_limit = 99 * 1024;
 
-/// Copies 16 bytes between 16-byte aligned addresses (one vector load and store on a GPU).
-INFKV_HOST_DEVICE inline void copy16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__)
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#else
-  std::memcpy(dst, src, 16);
-#endif
-}
-
 /// Whether 2-byte element bits are finite (f16: exponent not all ones; bf16 likewise).
 template <dtype T>
 INFKV_HOST_DEVICE inline bool finite_bits(std::uint16_t b) {

@@ -83,18 +83,56 @@ INFKV_HOST_DEVICE inline float dot(dtype ta, const void* a, dtype tb, const void
   return s;
 }
 
-/// Sum of the squares of a row's d elements, accumulated in Acc in element order; a non-finite
-/// element records `kind` (a = head, e = element, b = slot).
+/// Copies 16 bytes between 16-byte aligned addresses (one vector load and store on a GPU).
+INFKV_HOST_DEVICE inline void copy16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__)
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#else
+  std::memcpy(dst, src, 16);
+#endif
+}
+
+/// Elements [e0, e0 + count) of a row of type T as f32, count = min(per16, d - e0) where per16
+/// elements fill 16 bytes: one 16-byte load when the address is aligned and the chunk whole,
+/// element loads otherwise. Returns count.
+template <dtype T>
+INFKV_HOST_DEVICE int load_chunk(const void* row, std::int64_t e0, std::int64_t d, float* x) {
+  constexpr int per16 = T == dtype::f32 ? 4 : 8;
+  const int count = d - e0 < per16 ? int(d - e0) : per16;
+  const auto* p = static_cast<const std::byte*>(row) + e0 * std::int64_t(size_of(T));
+  if (count == per16 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
+    alignas(16) std::byte raw[16];
+    copy16(raw, p);
+    for (int i = 0; i < per16; ++i) x[i] = load(T, raw, i);
+  } else {
+    for (int i = 0; i < count; ++i) x[i] = load(T, p, i);
+  }
+  return count;
+}
+
+/// Sum of the squares of a row's d elements, accumulated in Acc in element order (16-byte loads:
+/// load_chunk); a non-finite element records `kind` (a = head, e = element, b = slot).
+template <dtype T, class Acc>
+INFKV_HOST_DEVICE Acc squared_norm_of(const void* row, std::int64_t d, status_word* st, fault kind, std::int64_t head,
+                                      std::int64_t slot) {
+  Acc s = 0;
+  float x[8];
+  for (std::int64_t e0 = 0; e0 < d;) {
+    const int count = load_chunk<T>(row, e0, d, x);
+    for (int i = 0; i < count; ++i) {
+      if (!finite(x[i])) record(st, encode(kind, head, e0 + i, slot));
+      s += Acc(x[i]) * Acc(x[i]);
+    }
+    e0 += count;
+  }
+  return s;
+}
 template <class Acc>
 INFKV_HOST_DEVICE Acc squared_norm(dtype t, const void* row, std::int64_t d, status_word* st, fault kind,
                                    std::int64_t head, std::int64_t slot) {
-  Acc s = 0;
-  for (std::int64_t e = 0; e < d; ++e) {
-    const float x = load(t, row, e);
-    if (!finite(x)) record(st, encode(kind, head, e, slot));
-    s += Acc(x) * Acc(x);
-  }
-  return s;
+  if (t == dtype::f32) return squared_norm_of<dtype::f32, Acc>(row, d, st, kind, head, slot);
+  if (t == dtype::f16) return squared_norm_of<dtype::f16, Acc>(row, d, st, kind, head, slot);
+  return squared_norm_of<dtype::bf16, Acc>(row, d, st, kind, head, slot);
 }
 
 /// Unsigned bits in the order of the float's value (-0 and +0 equal; NaN excluded by the caller),

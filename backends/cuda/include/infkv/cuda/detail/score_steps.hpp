@@ -14,24 +14,6 @@ INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el
   return s == rope_style::normal ? std::int32_t(el / 2) : std::int32_t(el % (dims / 2));
 }
 
-/// Elements [e0, e0 + count) of a row of type T as f32, count = min(per16, d - e0) where per16
-/// elements fill 16 bytes: one 16-byte load when the address is aligned and the chunk whole,
-/// element loads otherwise. Returns count.
-template <dtype T>
-INFKV_HOST_DEVICE int load_chunk(const void* row, std::int64_t e0, std::int64_t d, float* x) {
-  constexpr int per16 = T == dtype::f32 ? 4 : 8;
-  const int count = d - e0 < per16 ? int(d - e0) : per16;
-  const auto* p = static_cast<const std::byte*>(row) + e0 * std::int64_t(size_of(T));
-  if (count == per16 && reinterpret_cast<std::uintptr_t>(p) % 16 == 0) {
-    alignas(16) std::byte raw[16];
-    copy16(raw, p);
-    for (int i = 0; i < per16; ++i) x[i] = load(T, raw, i);
-  } else {
-    for (int i = 0; i < count; ++i) x[i] = load(T, p, i);
-  }
-  return count;
-}
-
 /// KeyDiff's blocks (T: the keys' type): per KV head and chunk of 256 keys, a block of 128
 /// threads reads each key once (vectorised), writes its inverse norm to out and adds its unit
 /// key into the chunk's sums (per element, keys in order); a block per KV head adds the chunks'
