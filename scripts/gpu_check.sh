@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything infkv checks on a machine with an NVIDIA GPU, in one command of at most ~6.5 minutes:
-# the GPU, a Release build of only what runs (for its architecture, every core), the GPU parity
-# tests (REQUIRE_GPU=1: a missing device fails), the no-sync test (stub runtime), compute-sanitizer
-# memcheck, initcheck and synccheck on small shapes (INFKV_GPU_SMALL=1), the paged-engine example
-# and the benchmarks (medians of 3 beside a device copy and a cuBLAS GEMM).
+# the GPU, a Release build of only what runs (for its architecture, every core), the benchmarks
+# (medians of 3 beside a device copy and a cuBLAS GEMM), the GPU parity tests (REQUIRE_GPU=1: a
+# missing device fails), the no-sync test (stub runtime), the paged-engine example, and
+# compute-sanitizer memcheck, racecheck, initcheck and synccheck on small shapes
+# (INFKV_GPU_SMALL=1).
 #
 #   scripts/gpu_check.sh OUT_DIR [CUDA_ARCH]        (CUDA_ARCH: 90 for an H200, the default)
 #
@@ -257,6 +258,10 @@ step configure 60 cmake -S . -B "$b" -G "$gen" -DCMAKE_BUILD_TYPE=Release -DINFK
 requires build
 step build "${GPU_CHECK_BUILD_LIMIT_S:-200}" cmake --build "$b" -j "$jobs" --target infkv_gpu_tests infkv_nosync_tests infkv_bench_cuda infkv_example_cuda_paged ||
   build_blocked="build ${statuses[-1]}"
+# The benchmarks first: the step most likely to be cut by the budget is a sanitizer's, not them.
+requires gpu build
+step bench 120 "$b"/bench/infkv_bench_cuda --benchmark_out="$logs/bench_cuda.json" --benchmark_out_format=json \
+  --benchmark_min_time=0.01 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 requires gpu build
 step gpu_tests 60 "${gpu[@]}" "$b"/tests/infkv_gpu_tests --duration=true
 requires build  # the library built here against the stub runtime: runs without a GPU too
@@ -265,11 +270,10 @@ requires gpu build
 step example 20 "${gpu[@]}" "$b"/examples/infkv-example-cuda-paged 8192
 requires gpu build sanitizer
 step memcheck 75 "${small[@]}" "${san[@]}" --tool memcheck "$b"/tests/infkv_gpu_tests
+requires gpu build sanitizer  # shared-memory hazards of the block-level kernels (fused window attention, KeyDiff)
+step racecheck 45 "${small[@]}" "${san[@]}" --tool racecheck --racecheck-report hazard "$b"/tests/infkv_gpu_tests
 requires gpu build sanitizer
 step initcheck 75 "${small[@]}" "${san[@]}" --tool initcheck "$b"/tests/infkv_gpu_tests
 requires gpu build sanitizer
 step synccheck 45 "${small[@]}" "${san[@]}" --tool synccheck "$b"/tests/infkv_gpu_tests
-requires gpu build
-step bench 120 "$b"/bench/infkv_bench_cuda --benchmark_out="$logs/bench_cuda.json" --benchmark_out_format=json \
-  --benchmark_min_time=0.01 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 finish "$failed"
