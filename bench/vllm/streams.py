@@ -32,6 +32,11 @@ def main():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--kv-gib", type=int, default=4)
     ap.add_argument("--dtype", default="float32", help="the model's and the KV cache's type (bfloat16: AMX kernels where the CPU has them)")
+    ap.add_argument("--positions", type=int, default=0,
+                    help="raise the model's max_position_embeddings to this: histories past the positions it was "
+                         "trained on, for time and memory only (the answers are not looked at)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=0,
+                    help="skip (and record as skipped) the settings whose streams x history exceed this")
     ap.add_argument("--capacity", action="store_true",
                     help="one run only: the most requests running at once and KV blocks in use (no rate)")
     ap.add_argument("--out", required=True)
@@ -45,6 +50,8 @@ def main():
     extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker",
                  scheduler_cls="infkv.vllm.engine.InfkvScheduler") if plugin else {}
     histories = [int(h) for h in a.history.split(",")]
+    if a.positions:
+        extra["hf_overrides"] = {"max_position_embeddings": a.positions}
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=max(histories) + a.gen + 8, enforce_eager=True,
               enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0, **extra)
     ids = AutoTokenizer.from_pretrained(a.model)(open(a.text).read()[:2_000_000]).input_ids
@@ -52,6 +59,10 @@ def main():
     rows = []
     for history in histories:
         for streams in [int(s) for s in a.streams.split(",")]:
+            if a.max_prompt_tokens and streams * history > a.max_prompt_tokens:
+                rows.append({"history": history, "streams": streams, "mode": a.mode, "skipped":
+                             f"{streams} x {history} prompt tokens exceed --max-prompt-tokens {a.max_prompt_tokens}"})
+                continue
             prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
             times = {}
             for n in ((1 + a.gen,) if a.capacity else (1, 1 + a.gen)):

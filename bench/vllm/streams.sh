@@ -2,12 +2,27 @@
 # Measures concurrent streams in vLLM's CPU engine with and without infkv's plugin (streams.py) and
 # writes bench/results/vllm/{streams,capacity}_{full,infkv}.json with provenance. Run on an idle
 # machine; about 45 minutes on 2 cores. `streams.sh capacity` (or `streams`) runs one part only.
+# `streams.sh bf16`: the model and KV in bf16 (AMX kernels where the CPU has them), histories of
+# 4,096 and 16,384 tokens (the second past SmolLM2's 8,192 trained positions: time and memory
+# only, the answers are not read), settings up to 65,536 prompt tokens, vLLM without the plugin
+# beside the plugin's two modes: bench/results/vllm/streams_bf16_{full,infkv,plain}.json, about
+# 35 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/vllm_common.sh
 out=bench/results/vllm
 mkdir -p "$out"
 part=${1:-all}
+if [ "$part" = bf16 ]; then
+  for mode in full infkv plain; do
+    args="--mode $mode --streams 1,4,16 --history 4096,16384 --gen 64 --kv-gib 8 --dtype bfloat16 --positions 16896 --max-prompt-tokens 65536"
+    # shellcheck disable=SC2086  # the arguments are words
+    (cd /tmp && OMP_NUM_THREADS=1 "$env/bin/python" "$OLDPWD/bench/vllm/streams.py" --model "$model" --text "$text" \
+      $args --out "$OLDPWD/$out/streams_bf16_$mode.json")
+    python3 scripts/provenance.py "$out/streams_bf16_$mode.json" "bench/vllm/streams.py $args"
+  done
+  exit 0
+fi
 for mode in full infkv; do
   if [ "$part" != capacity ]; then
   cmd="bench/vllm/streams.py --mode $mode --streams 1,4,16 --history 4096 --gen 64 --kv-gib 4"
