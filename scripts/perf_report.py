@@ -454,6 +454,34 @@ def vllm_section(vdir, md):
               f"tokens): at most **{a['peak_running']} running at once with the full cache** (vLLM queues the "
               f"rest), **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run {fmt(a['total_s'])} s "
               f"against {fmt(b['total_s'])} s; preemptions {a['preemptions']} and {b['preemptions']}.\n")
+    if all(os.path.exists(os.path.join(vdir, f"streams_bf16_{m}.json")) for m in ("plain", "full", "infkv")):
+        vllm_bf16_section(vdir, md)
+
+
+def vllm_bf16_section(vdir, md):
+    """The same in bf16 at 4K and 16K tokens of history, beside vLLM without the plugin
+    (bench/vllm/streams.sh bf16: bench/results/vllm/streams_bf16_{full,infkv,plain}.json)."""
+    runs = {m: load(os.path.join(vdir, f"streams_bf16_{m}.json")) for m in ("plain", "full", "infkv")}
+    p = runs["infkv"]["protocol"]
+    md.append(f"In bf16 (`bench/vllm/streams.sh bf16`; vLLM's AMX kernels on this CPU), histories of "
+              f"{p['history'].replace(',', ' and ')} tokens, the model's positions raised to {p['positions']} (SmolLM2 was "
+              f"trained on 8,192: past them this measures time and memory, not answers), \"plain\" vLLM without the "
+              f"plugin (its own scheduler and defaults), settings of at most {p['max_prompt_tokens']} prompt tokens"
+              f"{commits(*runs.values())}; load average (1 min) at the end of each run: "
+              + ", ".join(f"{m} {runs[m]['load_average_end'][0]:.2f}" for m in runs) + ".\n")
+    rows, skipped = [], []
+    for a, f, b in zip(runs["plain"]["rows"], runs["full"]["rows"], runs["infkv"]["rows"]):
+        if "skipped" in f:
+            skipped.append(f"{f['streams']} x {f['history']}")
+            continue
+        rows.append([str(f["streams"]), str(f["history"]), f"{f['peak_running']} / {b['peak_running']}",
+                     fmt(a["decode_tokens_per_s"]), fmt(f["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
+                     fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x", str(f["peak_blocks"]),
+                     str(b["peak_blocks"])])
+    md.append(table(["streams", "history", "running at once (full / infkv)", "plain vLLM tok/s", "full tok/s",
+                     "infkv tok/s", "infkv / full", "full KV blocks (peak)", "infkv KV blocks (peak)"], rows) + "\n")
+    if skipped:
+        md.append("Not run (over the prompt-token limit): " + ", ".join(skipped) + " (streams x history).\n")
 
 
 def main():
