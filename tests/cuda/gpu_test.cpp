@@ -491,6 +491,48 @@ TEST_CASE("gpu: one CUDA graph of h2o_observe, run, compact, h2o_evict and rerot
   ok(cudaGraphExecDestroy(exec)), ok(cudaGraphDestroy(graph)), ok(cudaStreamDestroy(stream));
 }
 
+TEST_CASE("gpu: window policies and Expected Attention captured in a CUDA graph keep what a direct run keeps") {
+  // f16 keys of 2 KV heads x 4 query heads, head_dim 128, a window of 32: 128 query rows per KV
+  // head, the fused window attention with 88 KiB of shared memory (its opt-in inside the capture);
+  // Expected Attention through cuBLAS. Each plan runs once before the capture (warm-up), then the
+  // captured graph is replayed and its keep set compared with the direct run's.
+  const std::int64_t n = small() ? 600 : 5000;
+  const problem p = make_problem(91, n, 2, 4, 128, 32, dtype::f16);
+  const stored ks = store(p.k, n, 2, 128, p.type, layout::nhd), qs = store_queries(p);
+  const device_tensor dk(ks), dq(qs);
+  const device_meta meta(p.tokens, p.qpos, {});
+  const layer_inputs<> in{dk.tensor, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
+  cudaStream_t stream = nullptr;
+  ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const device_status status;
+  const cuda::backend be{stream, status.p()};
+  const budget b{.capacity = n / 4, .sinks = 4, .recent = 32};
+  for (const auto& [name, spec] : std::vector<std::pair<std::string, policy_spec>>{
+           {"snapkv", snapkv{.window = 32}.spec()},
+           {"inf_mllm", inf_mllm{.window = 32}.spec()},
+           {"tova", tova{}.spec()},
+           {"keydiff", keydiff{}.spec()},
+           {"expected_attention", expected_attention{.window = 32}.spec()}}) {
+    INFO(name);
+    const plan pl = make_plan(be, spec, b, shape_of(in));
+    device_run direct(pl), captured(pl);
+    status.reset(stream);
+    run(pl, be, in, direct.ws.span(), direct.out);  // the warm-up, and the reference
+    cuda::check(status.p(), stream, "direct run");
+    cudaGraph_t graph = nullptr;
+    ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    run(pl, be, in, captured.ws.span(), captured.out);
+    ok(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    ok(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 10; ++replay) ok(cudaGraphLaunch(exec, stream));
+    cuda::check(status.p(), stream, "graph");
+    CHECK(captured.keep() == direct.keep());
+    ok(cudaGraphExecDestroy(exec)), ok(cudaGraphDestroy(graph));
+  }
+  ok(cudaStreamDestroy(stream));
+}
+
 TEST_CASE("gpu: faults found on the device raise by name and leave the cache as it was") {
   const device_status status;
   const cuda::backend be{nullptr, status.p()};
