@@ -273,16 +273,20 @@ struct fused_window_block {
       c.sync();
       tile_logits(c);
       c.sync();
-      if (mine) {
+      if (mine) {  // the tile's max, then its sum (independent exponentials), merged into the row's
         const float* lr = logits(c) + rr * f.lds;
-        for (std::int64_t jl = 0; jl < std::min<std::int64_t>(fused_window::key_tile, end - j0); ++jl) {
-          if (tok[j0 + jl].pos > qp) continue;
-          const float l = g.scale * lr[jl];
-          if (l > m) {
-            sum = sum * expf(m - l) + 1.f;
-            m = l;
+        const std::int64_t m_tile = std::min<std::int64_t>(fused_window::key_tile, end - j0);
+        float tm = -INFINITY, ts = 0.f;
+        for (std::int64_t jl = 0; jl < m_tile; ++jl)
+          if (tok[j0 + jl].pos <= qp) tm = fmaxf(tm, g.scale * lr[jl]);
+        if (tm > -INFINITY) {
+          for (std::int64_t jl = 0; jl < m_tile; ++jl)
+            if (tok[j0 + jl].pos <= qp) ts += expf(g.scale * lr[jl] - tm);
+          if (tm > m) {
+            sum = sum * expf(m - tm) + ts;
+            m = tm;
           } else {
-            sum += expf(l - m);
+            sum += ts * expf(tm - m);
           }
         }
       }
