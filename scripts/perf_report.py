@@ -482,6 +482,18 @@ def vllm_bf16_section(vdir, md):
                      "infkv tok/s", "infkv / full", "full KV blocks (peak)", "infkv KV blocks (peak)"], rows) + "\n")
     if skipped:
         md.append("Not run (over the prompt-token limit): " + ", ".join(skipped) + " (streams x history).\n")
+    caps = {m: os.path.join(vdir, f"capacity_bf16_{m}.json") for m in ("full", "infkv")}
+    if all(os.path.exists(f) for f in caps.values()):
+        caps = {m: load(f) for m, f in caps.items()}
+        a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
+        cp = caps["infkv"]["protocol"]
+        md.append(f"The same fixed KV space at {a['history']} tokens of history in bf16: {a['streams']} requests "
+                  f"decoding {cp['gen']} tokens each, submitted at once to {cp['kv_gib']} GiB of KV "
+                  f"({a['pool_blocks']} blocks of 128 tokens): at most **{a['peak_running']} running at once with "
+                  f"the full cache**, **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run "
+                  f"{fmt(a['total_s'])} s against {fmt(b['total_s'])} s; peak blocks {a['peak_blocks']} and "
+                  f"{b['peak_blocks']}; preemptions {a['preemptions']} and {b['preemptions']}"
+                  f"{commits(*caps.values())}.\n")
 
 
 def main():

@@ -122,7 +122,7 @@ void window_attention_scalar(const L& launch, status_word* st, const layer_input
 
 /// The fused window attention's geometry: blocks of `threads` threads, each over `span` keys of
 /// one KV head in tiles of `key_tile`; per block in shared memory the KV head's window queries
-/// (rows padded to 16 with zeros, `ldq` elements apart), one tile of keys (`ldk` apart), the tile's
+/// (rows padded to 16 with zeros) and one tile of keys, rows `ldq` elements apart, the tile's
 /// logits (rows x key_tile f32, `lds` apart), the mass epilogue's partial sums, and per row its
 /// maximum, normaliser's inverse and query position. Rows of 16-bit elements are 8 elements
 /// longer than head_dim (16 bytes: WMMA's alignment, and rows land on other banks).
