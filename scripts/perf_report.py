@@ -425,6 +425,20 @@ def cuda_cost_section(gpu_dir, md):
     md.append(f"Whole eviction: {review['eviction_target']}.\n")
 
 
+def capacity_sentence(caps):
+    """How many requests ran at once in a fixed KV space with the full cache and with infkv
+    (streams.py --capacity runs of both modes)."""
+    a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
+    cp = caps["infkv"]["protocol"]
+    return (f"Conversations in a fixed KV space ({cp.get('dtype', 'float32')}): {a['streams']} requests of "
+            f"{a['history']} tokens of history decoding {cp['gen']} tokens each, submitted at once to an engine with "
+            f"{cp['kv_gib']} GiB of KV ({a['pool_blocks']} blocks of 128 tokens): at most **{a['peak_running']} running "
+            f"at once with the full cache** (vLLM queues the rest), **{b['peak_running']} with infkv** (budget "
+            f"{cp['budget']}), whole run {fmt(a['total_s'])} s against {fmt(b['total_s'])} s; peak blocks "
+            f"{a['peak_blocks']} and {b['peak_blocks']}; preemptions {a['preemptions']} and {b['preemptions']}"
+            f"{commits(*caps.values())}.\n")
+
+
 def vllm_section(vdir, md):
     """Concurrent streams in vLLM's CPU engine with and without infkv's plugin
     (bench/vllm/streams.sh: bench/results/vllm/{streams,capacity}_{full,infkv}.json)."""
@@ -447,13 +461,7 @@ def vllm_section(vdir, md):
     md.append(table(["streams", "history", "running at once (full / infkv)", "full tok/s", "infkv tok/s",
                      "infkv / full", "full KV blocks (peak)", "infkv KV blocks (peak)", "blocks full / infkv"], rows)
               + "\n")
-    a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
-    cp = caps["infkv"]["protocol"]
-    md.append(f"Conversations in a fixed KV space: {a['streams']} requests of {a['history']} tokens of history "
-              f"submitted at once to an engine with {cp['kv_gib']} GiB of KV ({a['pool_blocks']} blocks of 128 "
-              f"tokens): at most **{a['peak_running']} running at once with the full cache** (vLLM queues the "
-              f"rest), **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run {fmt(a['total_s'])} s "
-              f"against {fmt(b['total_s'])} s; preemptions {a['preemptions']} and {b['preemptions']}.\n")
+    md.append(capacity_sentence(caps))
     if all(os.path.exists(os.path.join(vdir, f"streams_bf16_{m}.json")) for m in ("plain", "full", "infkv")):
         vllm_bf16_section(vdir, md)
 
@@ -492,16 +500,7 @@ def vllm_bf16_section(vdir, md):
         md.append("Not run (over the prompt-token limit): " + ", ".join(skipped) + " (streams x history).\n")
     caps = {m: os.path.join(vdir, f"capacity_bf16_{m}.json") for m in ("full", "infkv")}
     if all(os.path.exists(f) for f in caps.values()):
-        caps = {m: load(f) for m, f in caps.items()}
-        a, b = caps["full"]["rows"][0], caps["infkv"]["rows"][0]
-        cp = caps["infkv"]["protocol"]
-        md.append(f"The same fixed KV space at {a['history']} tokens of history in bf16: {a['streams']} requests "
-                  f"decoding {cp['gen']} tokens each, submitted at once to {cp['kv_gib']} GiB of KV "
-                  f"({a['pool_blocks']} blocks of 128 tokens): at most **{a['peak_running']} running at once with "
-                  f"the full cache**, **{b['peak_running']} with infkv** (budget {cp['budget']}), whole run "
-                  f"{fmt(a['total_s'])} s against {fmt(b['total_s'])} s; peak blocks {a['peak_blocks']} and "
-                  f"{b['peak_blocks']}; preemptions {a['preemptions']} and {b['preemptions']}"
-                  f"{commits(*caps.values())}.\n")
+        md.append(capacity_sentence({m: load(f) for m, f in caps.items()}))
 
 
 def main():
