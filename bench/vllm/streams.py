@@ -2,9 +2,12 @@
 bench/vllm/streams.sh in vLLM's environment, on an idle machine).
 
 For each (streams, history) and each mode, in one engine process per mode:
-- decode tokens/s over all streams: `streams` requests of `history` prompt tokens (the KJV), run
-  once for 1 token and once for 1 + `gen` tokens; the difference of the two wall times is the
-  decode time of streams * gen tokens (the prefill is the same in both runs);
+- decode tokens/s over all streams: `streams` requests of `history` prompt tokens (the KJV).
+  --method difference: run once for 1 token and once for 1 + `gen` tokens; the difference of the
+  two wall times is taken as the decode time of streams * gen tokens (it is within the two runs'
+  own variation when prefills are long). --method direct: one run for 1 + `gen` tokens with vLLM's
+  per-request statistics on; the tokens after each request's first, over the time at least one
+  request was between its first and its last token (the union of those intervals);
 - the most KV blocks in use at once and the most requests running at once (infkv's scheduler
   records both after each step).
 Modes: "full" is the plugin's engine with no request evicting (vLLM's own cache handling with
@@ -35,6 +38,8 @@ def main():
     ap.add_argument("--positions", type=int, default=0,
                     help="raise the model's max_position_embeddings to this: histories past the positions it was "
                          "trained on, for time and memory only (the answers are not looked at)")
+    ap.add_argument("--method", choices=["difference", "direct"], default="difference",
+                    help="how decode tokens/s are measured (see the module's docstring)")
     ap.add_argument("--max-prompt-tokens", type=int, default=0,
                     help="skip (and record as skipped) the settings whose streams x history exceed this")
     ap.add_argument("--capacity", action="store_true",
@@ -53,7 +58,8 @@ def main():
     if a.positions:
         extra["hf_overrides"] = {"max_position_embeddings": a.positions}
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=max(histories) + a.gen + 8, enforce_eager=True,
-              enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0, **extra)
+              enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0,
+              disable_log_stats=a.method != "direct", **extra)
     ids = AutoTokenizer.from_pretrained(a.model)(open(a.text).read()[:2_000_000]).input_ids
     xargs = {"infkv_policy": "snapkv", "infkv_budget": a.budget, "infkv_block": 128} if a.mode == "infkv" else {}
     rows = []
@@ -64,8 +70,8 @@ def main():
                              f"{streams} x {history} prompt tokens exceed --max-prompt-tokens {a.max_prompt_tokens}"})
                 continue
             prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
-            times = {}
-            for n in ((1 + a.gen,) if a.capacity else (1, 1 + a.gen)):
+            times, stats = {}, []
+            for n in ((1 + a.gen,) if a.capacity or a.method == "direct" else (1, 1 + a.gen)):
                 if plugin:
                     from infkv.vllm.engine import channel
                     channel.peak_running = channel.peak_blocks = channel.preemptions = 0
@@ -74,9 +80,20 @@ def main():
                 out = llm.generate(prompts, sp, use_tqdm=False)
                 times[n] = time.perf_counter() - t
                 assert all(len(o.outputs[0].token_ids) == n for o in out)
+                stats = [o.metrics for o in out]
             row = {"history": history, "streams": streams, "mode": a.mode, "gen": a.gen,
                    "total_s": round(times[1 + a.gen], 3)}
-            if not a.capacity:
+            if a.method == "direct" and not a.capacity:
+                spans = sorted((m.first_token_ts, m.last_token_ts) for m in stats)
+                busy, end = 0.0, float("-inf")  # the union of the [first, last] token intervals
+                for lo, hi in spans:
+                    busy += max(0.0, hi - max(lo, end))
+                    end = max(end, hi)
+                row.update(first_tokens_s=round(max(m.first_token_ts for m in stats) - min(m.queued_ts for m in stats), 3),
+                           decode_s=round(busy, 3), decode_tokens_per_s=round(streams * a.gen / busy, 2),
+                           stream_decode_tokens_per_s=sorted(round(a.gen / (m.last_token_ts - m.first_token_ts), 2)
+                                                             for m in stats))
+            elif not a.capacity:
                 row.update(prefill_s=round(times[1], 3),
                            decode_tokens_per_s=round(streams * a.gen / (times[1 + a.gen] - times[1]), 2))
             if plugin:
