@@ -37,7 +37,8 @@ struct keydiff_blocks {
     const std::int64_t cc = c.block % nc, begin = cc * chunk, end = begin + chunk < n ? begin + chunk : n;
     float* k = reinterpret_cast<float*>(c.shared);
     float* inv = reinterpret_cast<float*>(c.shared + shared_round(std::size_t(tile * d) * 4));
-    float acc[256 / threads] = {};  // elements thread, thread + threads, ... (d <= 256)
+    const std::int64_t e0 = c.thread, e1 = c.thread + c.threads;  // this thread's elements (d <= 256)
+    float acc0 = 0.f, acc1 = 0.f;                                 // in registers, not an indexed array
     const std::int64_t per16 = T == dtype::f32 ? 4 : 8, pieces = (d + per16 - 1) / per16;
     for (std::int64_t j0 = begin; j0 < end; j0 += tile) {
       const std::int64_t m = end - j0 < tile ? end - j0 : tile;
@@ -58,11 +59,14 @@ struct keydiff_blocks {
         out(h, j0 + jl) = inv[jl];
       }
       c.sync();
-      for (std::int64_t e = c.thread, i = 0; e < d; e += c.threads, ++i)
-        for (std::int64_t jl = 0; jl < m; ++jl) acc[i] += k[jl * d + e] * inv[jl];
+      for (std::int64_t jl = 0; jl < m; ++jl) {
+        if (e0 < d) acc0 += k[jl * d + e0] * inv[jl];
+        if (e1 < d) acc1 += k[jl * d + e1] * inv[jl];
+      }
       c.sync();  // the next tile overwrites the keys and their norms
     }
-    for (std::int64_t e = c.thread, i = 0; e < d; e += c.threads, ++i) part[(h * nc + cc) * d + e] = acc[i];
+    if (e0 < d) part[(h * nc + cc) * d + e0] = acc0;
+    if (e1 < d) part[(h * nc + cc) * d + e1] = acc1;
   }
 
   template <class Ctx>
