@@ -23,6 +23,22 @@ import time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+def direct_rates(out, gen):
+    """One run's figures from vLLM's per-request statistics (see the module's docstring)."""
+    stats = [o.metrics for o in out]
+    if any(m is None for m in stats):
+        return {}
+    spans = sorted((m.first_token_ts, m.last_token_ts) for m in stats)
+    busy, end = 0.0, float("-inf")  # the union of the [first, last] token intervals
+    for lo, hi in spans:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return dict(first_tokens_s=round(max(m.first_token_ts for m in stats) - min(m.queued_ts for m in stats), 3),
+                decode_s=round(busy, 3), decode_tokens_per_s=round(len(stats) * gen / busy, 2),
+                stream_decode_tokens_per_s=sorted(round(gen / (m.last_token_ts - m.first_token_ts), 2)
+                                                  for m in stats))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -42,10 +58,16 @@ def main():
                     help="how decode tokens/s are measured (see the module's docstring)")
     ap.add_argument("--max-prompt-tokens", type=int, default=0,
                     help="skip (and record as skipped) the settings whose streams x history exceed this")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="--method direct: run each setting of at most --repeat-tokens prompt tokens this many times "
+                         "(the row gives the median and every run's rate)")
+    ap.add_argument("--repeat-tokens", type=int, default=16384)
     ap.add_argument("--capacity", action="store_true",
                     help="one run only: the most requests running at once and KV blocks in use (no rate)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {a.repeats}")
     load_start = os.getloadavg()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(a.kv_gib))
     from transformers import AutoTokenizer
@@ -70,8 +92,9 @@ def main():
                              f"{streams} x {history} prompt tokens exceed --max-prompt-tokens {a.max_prompt_tokens}"})
                 continue
             prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
-            times, stats = {}, []
-            for n in ((1 + a.gen,) if a.capacity or a.method == "direct" else (1, 1 + a.gen)):
+            times, runs = {}, []
+            repeats = a.repeats if a.method == "direct" and streams * history <= a.repeat_tokens else 1
+            for n in ((1 + a.gen,) * repeats if a.capacity or a.method == "direct" else (1, 1 + a.gen)):
                 if plugin:
                     from infkv.vllm.engine import channel
                     channel.peak_running = channel.peak_blocks = channel.preemptions = 0
@@ -80,19 +103,15 @@ def main():
                 out = llm.generate(prompts, sp, use_tqdm=False)
                 times[n] = time.perf_counter() - t
                 assert all(len(o.outputs[0].token_ids) == n for o in out)
-                stats = [o.metrics for o in out]
+                runs.append(direct_rates(out, a.gen))
             row = {"history": history, "streams": streams, "mode": a.mode, "gen": a.gen,
                    "total_s": round(times[1 + a.gen], 3)}
             if a.method == "direct" and not a.capacity:
-                spans = sorted((m.first_token_ts, m.last_token_ts) for m in stats)
-                busy, end = 0.0, float("-inf")  # the union of the [first, last] token intervals
-                for lo, hi in spans:
-                    busy += max(0.0, hi - max(lo, end))
-                    end = max(end, hi)
-                row.update(first_tokens_s=round(max(m.first_token_ts for m in stats) - min(m.queued_ts for m in stats), 3),
-                           decode_s=round(busy, 3), decode_tokens_per_s=round(streams * a.gen / busy, 2),
-                           stream_decode_tokens_per_s=sorted(round(a.gen / (m.last_token_ts - m.first_token_ts), 2)
-                                                             for m in stats))
+                rates = sorted(r["decode_tokens_per_s"] for r in runs)
+                middle = min(runs, key=lambda r: abs(r["decode_tokens_per_s"] - rates[len(rates) // 2]))
+                row.update(middle)  # the median run (the upper one of an even count)
+                if repeats > 1:
+                    row.update(runs=repeats, decode_tokens_per_s_runs=rates)
             elif not a.capacity:
                 row.update(prefill_s=round(times[1], 3),
                            decode_tokens_per_s=round(streams * a.gen / (times[1 + a.gen] - times[1]), 2))

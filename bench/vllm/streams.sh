@@ -4,11 +4,11 @@
 # machine; about 45 minutes on 2 cores. `streams.sh capacity` (or `streams`) runs one part only.
 # `streams.sh bf16`: the model and KV in bf16 (AMX kernels where the CPU has them), histories of
 # 4,096 and 16,384 tokens (the second past SmolLM2's 8,192 trained positions: time and memory
-# only, the answers are not read), settings up to 65,536 prompt tokens, decode tokens/s from vLLM's
-# per-request token times (streams.py --method direct), vLLM without the plugin
+# only, the answers are not read), decode tokens/s from vLLM's per-request token times
+# (streams.py --method direct; settings of at most 16,384 prompt tokens three times), vLLM without the plugin
 # beside the plugin's two modes (bench/results/vllm/streams_bf16_{full,infkv,plain}.json), then six
 # 16K-token requests in 1 GiB of KV with and without the plugin (capacity_bf16_{full,infkv}.json);
-# about 30 minutes (`streams.sh bf16-capacity`: the second part only).
+# about 75 minutes (`streams.sh bf16-capacity`: the second part only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/vllm_common.sh
@@ -18,7 +18,7 @@ part=${1:-all}
 if [ "$part" = bf16 ] || [ "$part" = bf16-capacity ]; then
   for mode in full infkv plain; do
     [ "$part" = bf16-capacity ] && break
-    args="--mode $mode --streams 1,4,16 --history 4096,16384 --gen 64 --kv-gib 8 --dtype bfloat16 --positions 16896 --max-prompt-tokens 65536 --method direct"
+    args="--mode $mode --streams 1,4,16 --history 4096,16384 --gen 64 --kv-gib 8 --dtype bfloat16 --positions 16896 --method direct --repeats 3"
     # shellcheck disable=SC2086  # the arguments are words
     (cd /tmp && OMP_NUM_THREADS=1 "$env/bin/python" "$OLDPWD/bench/vllm/streams.py" --model "$model" --text "$text" \
       $args --out "$OLDPWD/$out/streams_bf16_$mode.json")
