@@ -5,9 +5,13 @@ For each (streams, history) and each mode, in one engine process per mode:
 - decode tokens/s over all streams: `streams` requests of `history` prompt tokens (the KJV).
   --method difference: run once for 1 token and once for 1 + `gen` tokens; the difference of the
   two wall times is taken as the decode time of streams * gen tokens (it is within the two runs'
-  own variation when prefills are long). --method direct: one run for 1 + `gen` tokens with vLLM's
-  per-request statistics on; the tokens after each request's first, over the time at least one
-  request was between its first and its last token (the union of those intervals);
+  own variation when prefills are long). --method direct: one run for 1 + `gen` tokens, the engine
+  stepped here (LLMEngine.step, new tokens per step): decode tokens/s are the tokens of the steps
+  in which every request not yet finished decoded one token (none waiting, none prefilling) over
+  those steps' wall time, at the batch the engine ran them with (recorded); beside it, from vLLM's
+  per-request statistics, the time to every stream's first token and the "served" rate: the
+  tokens after each request's first over the time at least one request was between its first and
+  its last token (with several streams that time also holds other streams' prefill chunks);
 - the most KV blocks in use at once and the most requests running at once (infkv's scheduler
   records both after each step).
 Modes: "full" is the plugin's engine with no request evicting (vLLM's own cache handling with
@@ -23,20 +27,41 @@ import time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def direct_rates(out, gen):
-    """One run's figures from vLLM's per-request statistics (see the module's docstring)."""
-    stats = [o.metrics for o in out]
-    if any(m is None for m in stats):
-        return {}
+def stepped(llm, prompts, sp, tag):
+    """Runs the prompts by stepping the engine; returns each request's final output and the
+    steps in which every unfinished request decoded one token, as (seconds, tokens)."""
+    eng, live, final, pure = llm.llm_engine, {}, [], []
+    for k, p in enumerate(prompts):
+        eng.add_request(f"{tag}-{k}", p, sp)
+        live[f"{tag}-{k}"] = 0
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        now = time.perf_counter()
+        new = {o.request_id: len(o.outputs[0].token_ids) for o in outs}
+        if set(new) == set(live) and all(live.values()) and all(v == 1 for v in new.values()):
+            pure.append((now - t, len(new)))
+        for o in outs:
+            live[o.request_id] += new[o.request_id]
+            if o.finished:
+                final.append((o, live.pop(o.request_id)))
+        t = now
+    return final, pure
+
+
+def direct_rates(final, pure, gen):
+    """One run's figures (see the module's docstring)."""
+    stats = [o.metrics for o, _ in final]
     spans = sorted((m.first_token_ts, m.last_token_ts) for m in stats)
     busy, end = 0.0, float("-inf")  # the union of the [first, last] token intervals
     for lo, hi in spans:
         busy += max(0.0, hi - max(lo, end))
         end = max(end, hi)
+    seconds, tokens = sum(s for s, _ in pure), sum(k for _, k in pure)
     return dict(first_tokens_s=round(max(m.first_token_ts for m in stats) - min(m.queued_ts for m in stats), 3),
-                decode_s=round(busy, 3), decode_tokens_per_s=round(len(stats) * gen / busy, 2),
-                stream_decode_tokens_per_s=sorted(round(gen / (m.last_token_ts - m.first_token_ts), 2)
-                                                  for m in stats))
+                decode_tokens_per_s=round(tokens / seconds, 2), decode_steps=len(pure),
+                decode_batch=round(tokens / len(pure), 2),
+                served_s=round(busy, 3), served_tokens_per_s=round(len(stats) * gen / busy, 2))
 
 
 def main():
@@ -72,6 +97,7 @@ def main():
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(a.kv_gib))
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     plugin = a.mode != "plain"
     extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker",
@@ -94,16 +120,22 @@ def main():
             prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
             times, runs = {}, []
             repeats = a.repeats if a.method == "direct" and streams * history <= a.repeat_tokens else 1
-            for n in ((1 + a.gen,) * repeats if a.capacity or a.method == "direct" else (1, 1 + a.gen)):
+            for r, n in enumerate((1 + a.gen,) * repeats if a.capacity or a.method == "direct" else (1, 1 + a.gen)):
                 if plugin:
                     from infkv.vllm.engine import channel
                     channel.peak_running = channel.peak_blocks = channel.preemptions = 0
-                sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, extra_args=xargs)
+                step_here = a.method == "direct" and not a.capacity
+                sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0, extra_args=xargs,
+                                    output_kind=RequestOutputKind.DELTA if step_here else RequestOutputKind.CUMULATIVE)
                 t = time.perf_counter()
-                out = llm.generate(prompts, sp, use_tqdm=False)
+                if step_here:
+                    final, pure = stepped(llm, prompts, sp, f"{history}-{streams}-{r}")
+                    assert len(final) == streams and all(k == n for _, k in final), final
+                    runs.append(direct_rates(final, pure, a.gen))
+                else:
+                    out = llm.generate(prompts, sp, use_tqdm=False)
+                    assert all(len(o.outputs[0].token_ids) == n for o in out)
                 times[n] = time.perf_counter() - t
-                assert all(len(o.outputs[0].token_ids) == n for o in out)
-                runs.append(direct_rates(out, a.gen))
             row = {"history": history, "streams": streams, "mode": a.mode, "gen": a.gen,
                    "total_s": round(times[1 + a.gen], 3)}
             if a.method == "direct" and not a.capacity:
