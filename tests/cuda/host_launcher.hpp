@@ -250,8 +250,12 @@ class fiber_block {
 struct host_launcher {
   std::int64_t block = 37;
 
+  /// One-thread-per-index launches made so far.
+  static inline std::int64_t each_launches = 0;
+
   template <class F>
   void for_each(std::int64_t n, F f) const {
+    ++each_launches;
     const std::int64_t blocks = (n + block - 1) / block;
     for (std::int64_t b = blocks - 1; b >= 0; --b)
       for (std::int64_t t = 0; t < block; ++t)

@@ -319,6 +319,45 @@ TEST_CASE("cuda steps (host): heavy ties, caps of the protected count and of all
   }
 }
 
+TEST_CASE(
+    "cuda steps (host): the selection's blocks keep the CPU's sets whatever their buffer and size, in two launches") {
+  // Buffers of 0 and 7 candidate keys send every radix pass through global memory (or gather
+  // late), 8,192 gathers in the first; blocks of 32 to 256 threads; slot counts past a tile of the
+  // emission (threads x 16); distinct scores (done within the score digits), heavy ties (rank
+  // digits), -inf (a first digit of 255) and single levels.
+  const cpu::backend cpu_be{};
+  std::mt19937_64 gen(41);
+  const float levels[] = {-std::numeric_limits<float>::infinity(), -0.f, 0.f, 1.f, 1.5f};
+  for (int round = 0; round < 24; ++round) {
+    CAPTURE(round);
+    host_cuda_backend gpu_be{host_launcher{.block = 1 + std::int64_t(gen() % 300)}};
+    gpu_be.select_buffer = std::vector<std::int64_t>{0, 7, 100, 8192}[std::size_t(round % 4)];
+    gpu_be.select_threads = std::vector<int>{32, 64, 256}[std::size_t(round % 3)];
+    const std::int64_t n = std::vector<std::int64_t>{1, 40, 700, 1100, 5000, 9000}[std::size_t(round % 6)];
+    CAPTURE(n);
+    const auto units = std::int64_t(1 + gen() % 3);
+    const auto tokens = random_tokens(gen, n);
+    const budget keep{.sinks = std::int64_t(gen() % 4), .recent = std::int64_t(gen() % 9)};
+    const std::int64_t guarded = std::min(n, keep.sinks + keep.recent);
+    std::vector<std::int64_t> caps(static_cast<std::size_t>(units));
+    for (auto& c : caps)
+      c = std::vector<std::int64_t>{guarded, n, guarded + std::int64_t(gen() % std::uint64_t(n - guarded + 1)),
+                                    std::max(guarded, n - 1)}[gen() % 4];
+    score_matrix s(units, n);
+    const int kind = round / 4 % 3;
+    for (float& x : s.data)
+      x = kind == 0   ? std::ldexp(float(gen() % 1'000'000) + 1.f, -int(gen() % 30))  // mostly distinct
+          : kind == 1 ? levels[gen() % 5]
+                      : 0.25f;
+    cuda::status st;
+    const std::int64_t before = host_launcher::block_launches, each = host_launcher::each_launches;
+    CHECK(select_direct(gpu_be, s, tokens, caps, keep, &st) == select_direct(cpu_be, s, tokens, caps, keep));
+    CHECK(st.ok());
+    CHECK(host_launcher::block_launches - before == 1);  // a block per unit
+    CHECK(host_launcher::each_launches - each == 2);     // the time order's keys, the tie ranks
+  }
+}
+
 TEST_CASE("cuda steps (host): AdaKV over many heads: capacities and keep sets are the CPU's, tied remainders too") {
   const cpu::backend cpu_be{};
   std::mt19937_64 gen(31);

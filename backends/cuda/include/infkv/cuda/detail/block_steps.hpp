@@ -80,6 +80,16 @@ INFKV_HOST_DEVICE void warp_tile_product(const Ctx& ctx, const std::uint16_t* a,
 #endif
 }
 
+/// Adds v to a counter in the block's shared memory (atomicAdd on a GPU; on the host the block's
+/// threads run one at a time between barriers).
+INFKV_HOST_DEVICE inline void shared_add(std::uint32_t* c, std::uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(c, v);
+#else
+  *c += v;
+#endif
+}
+
 /// `bytes` rounded up to a multiple of 128 (each piece of a block's shared memory starts there).
 INFKV_HOST_DEVICE constexpr std::size_t shared_round(std::size_t bytes) { return (bytes + 127) / 128 * 128; }
 

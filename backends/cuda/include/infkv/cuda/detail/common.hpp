@@ -292,19 +292,10 @@ struct radix_scratch {
             c.take<counter>(segments * select_bins)};
   }
 };
-/// The selection: per time index the group-start flags, their exclusive scan, each group's first
-/// time index (and n), per slot the tie rank; per (unit, time index) the keys; per (unit, slot)
-/// the kept flags and their exclusive scan; the radix select's state. The launcher's temp follows.
+/// The selection: per slot its tie rank (top_blocks; protected slots marked).
 struct select_scratch {
-  std::int64_t *start, *group, *first, *rank;
-  std::uint64_t* keys;
-  std::int64_t *kept, *index;
-  radix_scratch radix;
-  static select_scratch carve(carver& c, std::int64_t items, std::int64_t n, std::int64_t units) {
-    return {c.take<std::int64_t>(n),     c.take<std::int64_t>(n),       c.take<std::int64_t>(n + 1),
-            c.take<std::int64_t>(n),     c.take<std::uint64_t>(items),  c.take<std::int64_t>(items),
-            c.take<std::int64_t>(items), radix_scratch::carve(c, units)};
-  }
+  std::uint32_t* rank;
+  static select_scratch carve(carver& c, std::int64_t n) { return {c.take<std::uint32_t>(n)}; }
 };
 /// AdaKV: per (row, time index) the keys, the radix select's state (one segment), per row the
 /// wins, the blended share and its floor.

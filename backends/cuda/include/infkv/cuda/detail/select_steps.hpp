@@ -1,12 +1,170 @@
 // infkv CUDA backend: the selection steps of basic_backend (steps.hpp declares them, with the
-// scoring steps): the radix select that finds a keep set's threshold (MSB-first 8-bit digit
-// histograms), AdaKV's allocation, the per-unit selection that emits the kept slots by flags and
-// a scan, and a union's mark. Included at the end of steps.hpp.
+// scoring steps): the radix select that finds AdaKV's threshold over all rows (MSB-first 8-bit
+// digit histograms over many blocks), AdaKV's allocation, the per-unit selection (a block per unit
+// that finds its threshold and emits its kept slots: top_blocks) and a union's mark. Included at
+// the end of steps.hpp.
 #pragma once
 
 #include <limits>
 
+#include "block_steps.hpp"
 #include "steps.hpp"
+
+namespace infkv::cuda::detail {
+
+/// keep_top's selection, a block per unit u: the unit keeps its protected slots and the `need`
+/// candidates of smallest key, key(j) = descending score bits << 32 | tie rank << (32 - rank
+/// bits) (unique per slot: the rank is), and writes them in slot order at its offset. Radix select
+/// MSB-first with 8-bit digits over the keys formed on the fly from the score row and the rank
+/// (no key array): per pass a histogram in shared memory of the digit of the candidates that share
+/// the digits found so far, then thread 0 finds the digit holding the wanted rank; it stops as
+/// soon as that digit's candidates are exactly the ones still wanted (distinct scores: within the
+/// four score digits). Once the candidates that share the found digits fit in shared memory
+/// (`buffer` keys), the pass that reads them from global memory also copies them there and the
+/// later passes read only those. The emission reads the row again in tiles of threads x per
+/// slots: each thread counts its `per` slots, thread 0 scans the counts, each thread writes its
+/// kept slots.
+struct top_blocks {
+  static constexpr int per = 16, bins = 256;
+  static constexpr std::uint32_t guarded_rank = ~std::uint32_t{0};  ///< a protected slot's rank
+  score_view s;
+  const std::uint32_t* rank;  ///< per slot, guarded_rank when protected
+  const std::int64_t* caps;   ///< per unit, or null: `cap` each
+  std::int64_t cap, n, guarded, room, units;
+  int rb;
+  std::int64_t *offsets, *slots;
+  status_word* st;
+  std::int64_t buffer;  ///< candidate keys the block can hold in shared memory
+  int threads;          ///< the block's threads
+
+  /// Shared memory: the histogram, the tile's counts, the state, the candidate buffer.
+  std::size_t shared_bytes() const {
+    return shared_round(bins * 4) + shared_round(std::size_t(threads) * 8) + shared_round(sizeof(state)) +
+           shared_round(std::size_t(buffer) * 8);
+  }
+
+  struct state {
+    std::uint64_t prefix, bound;  ///< the digits found so far; the exclusive bound once done
+    std::int64_t want, candidates, fill, base;
+    int done, buffered;
+  };
+
+  INFKV_HOST_DEVICE std::uint64_t key(std::int64_t u, std::int64_t j) const {
+    const std::uint32_t r = rank[j];
+    if (r == guarded_rank) return no_key;
+    return (std::uint64_t(descending_bits(s(u, j))) << 32) | (std::uint64_t(r) << (32 - rb));
+  }
+
+  /// Slots unit u keeps: the protected ones and min(need, candidates) others.
+  INFKV_HOST_DEVICE std::int64_t kept_count(std::int64_t u) const {
+    const std::int64_t want = caps ? caps[u] : cap, m = want < n ? want : n;
+    return m > guarded ? m : guarded;
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void operator()(const Ctx& c) const {
+    const std::int64_t u = c.block;
+    auto* hist = reinterpret_cast<std::uint32_t*>(c.shared);
+    auto* counts = reinterpret_cast<std::int64_t*>(c.shared + shared_round(bins * 4));
+    auto* z = reinterpret_cast<state*>(c.shared + shared_round(bins * 4) + shared_round(std::size_t(threads) * 8));
+    auto* held = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::byte*>(z) + shared_round(sizeof(state)));
+    if (c.thread == 0) {
+      const std::int64_t want = caps ? caps[u] : cap;
+      z->want = (want < n ? want : n) - guarded, z->candidates = n - guarded;
+      z->prefix = 0, z->bound = 0, z->fill = 0, z->buffered = 0, z->done = z->want <= 0 ? 1 : 0;
+      std::int64_t before = 0;  // the units before u keep this many
+      for (std::int64_t v = 0; v < u; ++v) before += kept_count(v);
+      z->base = before;
+      offsets[u] = before;
+      if (u == units - 1) offsets[units] = before + kept_count(u);
+    }
+    const auto check = [&](std::int64_t j) {  // every score is checked, kept or not
+      if (const float v = s(u, j); v != v) record(st, encode(fault::nan_score, u, 0, j));
+    };
+    c.sync();
+    if (z->done)  // no pass reads the row: check it here
+      for (std::int64_t j = c.thread; j < n; j += c.threads) check(j);
+    for (int shift = 56; !z->done; shift -= 8) {
+      for (int b = c.thread; b < bins; b += c.threads) hist[b] = 0;
+      c.sync();
+      const int above = shift + 8;
+      const std::uint64_t pre = z->prefix;
+      const bool from_buffer = z->buffered != 0, gather = !from_buffer && z->candidates <= buffer;
+      const auto count = [&](std::uint64_t k) {
+        if (k == no_key || (above < 64 && k >> above != pre)) return false;
+        shared_add(hist + (std::uint32_t(k >> shift) & std::uint32_t(bins - 1)), 1);
+        return true;
+      };
+      if (from_buffer) {
+        for (std::int64_t x = c.thread; x < z->fill; x += c.threads) count(held[x]);
+      } else {
+        for (std::int64_t j = c.thread; j < n; j += c.threads) {
+          if (shift == 56) check(j);
+          const std::uint64_t k = key(u, j);
+          if (count(k) && gather) {
+#if defined(__CUDA_ARCH__)
+            held[atomicAdd(reinterpret_cast<unsigned long long*>(&z->fill), 1ull)] = k;
+#else
+            held[z->fill++] = k;
+#endif
+          }
+        }
+      }
+      c.sync();
+      if (c.thread == 0) {
+        std::int64_t before = 0, digit = bins;  // candidates of smaller digits; the digit found
+        for (std::int64_t d = 0; d < bins && digit == bins; ++d)
+          if (before + std::int64_t(hist[d]) >= z->want)
+            digit = d;
+          else
+            before += hist[d];
+        if (digit == bins) {  // fewer candidates than wanted (first pass only): all of them
+          z->bound = no_key, z->done = 1;
+        } else {
+          const std::uint64_t found = (above < 64 ? pre << 8 : 0) | std::uint64_t(digit);
+          const std::int64_t in_digit = hist[digit];
+          if (const std::uint64_t next = found + 1; before + in_digit == z->want || shift == 0) {
+            // exactly the ones wanted (or the last digit); a first digit of 255 bounds nothing
+            z->bound = shift == 0 ? next : next >> (64 - shift) != 0 ? no_key : next << shift;
+            z->done = 1;
+          } else {
+            z->prefix = found, z->want -= before, z->candidates = in_digit;
+          }
+          z->buffered = z->buffered || gather ? 1 : 0;
+        }
+      }
+      c.sync();
+    }
+    // Emission in slot order: per tile, each thread counts its slots, thread 0 turns the counts
+    // into offsets (its running base carried across tiles), each thread writes its kept slots.
+    const std::uint64_t bound = z->bound;
+    const auto kept = [&](std::int64_t j) { return rank[j] == guarded_rank || key(u, j) < bound; };
+    const std::int64_t tile = std::int64_t(c.threads) * per;
+    std::int64_t base = z->base;
+    for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
+      const std::int64_t lo = t0 + std::int64_t(c.thread) * per, hi = lo + per < n ? lo + per : n;
+      std::int64_t mine = 0;
+      for (std::int64_t j = lo; j < hi; ++j) mine += kept(j) ? 1 : 0;
+      counts[c.thread] = mine;
+      c.sync();
+      if (c.thread == 0)
+        for (int t = 0; t < c.threads; ++t) {
+          const std::int64_t k = counts[t];
+          counts[t] = base, base += k;
+        }
+      c.sync();
+      std::int64_t at = counts[c.thread];
+      for (std::int64_t j = lo; j < hi; ++j)
+        if (kept(j)) {
+          if (at < room) slots[at] = j;
+          ++at;
+        }
+      c.sync();  // the next tile's counts overwrite these
+    }
+  }
+};
+
+}  // namespace infkv::cuda::detail
 
 namespace infkv::cuda {
 
@@ -147,52 +305,33 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
   }
   status_word* st = checked_status();
   const token* t = tokens.data();
-  // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
-  const std::int64_t items = units * n, room = units * cap, guarded = std::min(n, sinks + recent);
   detail::carver c{scratch.data(), 0};
-  const auto w = detail::select_scratch::carve(c, items, n, units);
-  const auto temp = launch.temp(scratch.subspan(c.size()));
-  std::int64_t *start = w.start, *group = w.group, *first = w.first, *rank = w.rank;
-  std::int64_t *kept = w.kept, *index = w.index, *need = w.radix.need;
-  std::uint64_t* keys = w.keys;
-  // Tie rank, newer position first, then the lower slot: the slot at time index i, whose group of
-  // equal positions spans [b, e) of the time order, ranks (n - e) + (i - b).
+  const auto w = detail::select_scratch::carve(c, n);
+  std::uint32_t* rank = w.rank;
+  // Tie rank, newer position first, then the lower slot: the slot at time index i, whose
+  // positions' run spans [b, e) of the time order (found by binary search: positions do not
+  // decrease along it), ranks (n - e) + (i - b); protected slots are marked instead.
   launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    start[i] = i == 0 || t[order[i]].pos != t[order[i - 1]].pos ? 1 : 0;
+    const std::int64_t p = t[order[i]].pos;
+    std::int64_t b = 0, e = i + 1, hi = i;
+    while (b < hi)
+      if (const std::int64_t m = (b + hi) / 2; t[order[m]].pos < p)
+        b = m + 1;
+      else
+        hi = m;
+    for (hi = n; e < hi;)
+      if (const std::int64_t m = (e + hi) / 2; t[order[m]].pos <= p)
+        e = m + 1;
+      else
+        hi = m;
+    rank[order[i]] = i < sinks || i >= n - recent ? detail::top_blocks::guarded_rank : std::uint32_t((n - e) + (i - b));
   });
-  temp.exclusive_scan(start, group, n);  // time index i is in group group[i] + start[i] - 1
-  launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    if (start[i]) first[group[i]] = i;
-    if (i == n - 1) first[group[i] + start[i]] = n;  // the end of the last group
-  });
-  launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-    const std::int64_t g = group[i] + start[i] - 1;
-    rank[order[i]] = (n - first[g + 1]) + (i - first[g]);
-  });
-  launch.for_each(units, [=] INFKV_HOST_DEVICE(std::int64_t u) {  // candidates wanted: <= 0 is none
-    const std::int64_t want = caps ? caps[u] : cap;
-    need[u] = (want < n ? want : n) - guarded;
-  });
-  launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    const std::int64_t u = x / n, i = x % n, slot = order[i];
-    const float v = s(u, slot);
-    if (v != v) detail::record(st, encode(fault::nan_score, u, 0, slot));
-    keys[x] = i < sinks || i >= n - recent
-                  ? detail::no_key
-                  : (std::uint64_t(detail::descending_bits(v)) << rb) | std::uint64_t(rank[slot]);
-  });
-  radix_select(keys, units, n, 32 + rb, w.radix);
-  const std::uint64_t* bound = w.radix.bound;
-  launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    const std::int64_t u = x / n, i = x % n;
-    kept[u * n + order[i]] = i < sinks || i >= n - recent || keys[x] < bound[u] ? 1 : 0;
-  });
-  temp.exclusive_scan(kept, index, items);
-  launch.for_each(items, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (x % n == 0) offsets[x / n] = index[x];
-    if (x == items - 1) offsets[units] = index[x] + kept[x];
-    if (kept[x] && index[x] < room) slots[index[x]] = x % n;
-  });
+  // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
+  const detail::top_blocks top{
+      s,     rank, caps,          cap,           n, std::min(n, sinks + recent), units * cap, units, rb, offsets,
+      slots, st,   select_buffer, select_threads};
+  launch.for_blocks(units, top.threads, top.shared_bytes(),
+                    [=] INFKV_HOST_DEVICE(const typename L::block_context& ctx) { top(ctx); });
 }
 
 template <class L>

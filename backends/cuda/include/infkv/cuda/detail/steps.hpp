@@ -37,8 +37,9 @@
 //                                       block-level steps (block_steps.hpp): f(ctx) per thread
 //                                       of every block, with shared memory and barriers
 //
-// Per eviction the time order is the one sort; the selection and AdaKV's allocation find their
-// thresholds by radix select (MSB-first 8-bit digit histograms) and emit by flags and a scan.
+// Per eviction the time order is the one sort; the selection finds each unit's threshold by a
+// radix select in one block per unit and emits its kept slots there (top_blocks), AdaKV's
+// allocation by a radix select over all rows in launches of many blocks.
 // This file holds the scoring steps; select_steps.hpp (included at its end) the selection steps.
 #pragma once
 
@@ -57,6 +58,10 @@ struct basic_backend {
   /// Bytes of f32 logits per GEMM tile of the window attention and Expected Attention (smaller in
   /// tests: several tiles).
   std::int64_t window_tile_limit = detail::window_tile_limit;
+  /// The selection's blocks: candidate keys held in shared memory (64 KiB), threads (smaller in
+  /// tests: every pass through global memory, and faster host emulation).
+  std::int64_t select_buffer = 8192;
+  int select_threads = 256;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape`.
   std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
@@ -80,10 +85,7 @@ struct basic_backend {
       detail::order_scratch::carve(c, n);
       c.take<std::byte>(std::int64_t(L::temp_bytes(n)));
     });
-    consider([&](detail::carver& c) {
-      detail::select_scratch::carve(c, units * n, n, units);
-      c.take<std::byte>(std::int64_t(L::temp_bytes(units * n)));
-    });
+    consider([&](detail::carver& c) { detail::select_scratch::carve(c, n); });
     consider([&](detail::carver& c) { detail::allocate_scratch::carve(c, units * n, units); });
     return need;
   }
@@ -298,10 +300,10 @@ struct basic_backend {
                 std::int64_t* caps, std::span<std::byte> scratch) const;
 
   /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
-  /// best by `keep_before`, found per unit by a radix select of (descending score bits, tie rank)
-  /// keys; the tie rank comes from the time order (no sort). The kept slots are flagged per (unit,
-  /// slot) and an exclusive scan of the flags places them, increasing, in out.slots. s.data null
-  /// keeps every slot.
+  /// best by `keep_before`, by (descending score bits, tie rank) keys; the tie rank comes from the
+  /// time order (binary searches, no sort). Two launches: the ranks, then a block per unit that
+  /// finds its threshold by radix select and writes its kept slots, increasing, at its offset in
+  /// out.slots (detail::top_blocks). s.data null keeps every slot.
   void keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
                 std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
 
