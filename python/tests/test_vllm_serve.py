@@ -38,9 +38,8 @@ def server(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                INFKV_VLLM_STATS=str(stats))
     log = open(work / "server.log", "w")
-    # vLLM's OpenAI server; `vllm serve` itself stops at importlib.metadata.version("vllm"), which
-    # the vllm-cpu distribution does not answer, so its module is started directly.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1", "--port",
+    # `vllm serve`, vLLM's own CLI, from the environment's scripts (scripts/vllm_env.sh).
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", MODEL, "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
            "--worker-cls", "infkv.vllm.engine.InfkvCPUWorker", "--scheduler-cls", "infkv.vllm.engine.InfkvScheduler",
