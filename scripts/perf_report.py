@@ -474,16 +474,28 @@ def vllm_bf16_section(vdir, md):
     md.append(f"In bf16 (`bench/vllm/streams.sh bf16`; vLLM's AMX kernels on this CPU), histories of "
               f"{p['history'].replace(',', ' and ')} tokens, the model's positions raised to {p['positions']} (SmolLM2 was "
               f"trained on 8,192: past them this measures time and memory, not answers), \"plain\" vLLM without the "
-              f"plugin (its own scheduler and defaults), settings of at most {p['max_prompt_tokens']} prompt tokens"
-              f"{commits(*runs.values())}; load average (1 min) at the end of each run: "
+              f"plugin (its own scheduler and defaults)"
+              + (f", settings of at most {p['max_prompt_tokens']} prompt tokens" if p.get("max_prompt_tokens") else "")
+              + f"{commits(*runs.values())}; load average (1 min) at the end of each run: "
               + ", ".join(f"{m} {runs[m]['load_average_end'][0]:.2f}" for m in runs) + ".\n")
-    direct = p.get("method", "difference") == "direct"  # else two runs each, whose difference measures nothing
+    method = "stepped" if "decode_steps" in next((x for x in runs["full"]["rows"] if "skipped" not in x), {}) else (
+        p.get("method", "difference"))  # direct runs before the engine was stepped here give no decode-only rate
     rows, skipped, spread = [], [], []
+
+    def rate(x):  # the median run's rate, with every run's range where the setting was repeated
+        r = x.get("decode_tokens_per_s_runs")
+        return fmt(x["decode_tokens_per_s"]) + (f" [{fmt(r[0])}, {fmt(r[-1])}]" if r else "")
+
     for a, f, b in zip(runs["plain"]["rows"], runs["full"]["rows"], runs["infkv"]["rows"]):
         if "skipped" in f:
             skipped.append(f"{f['streams']} x {f['history']}")
             continue
-        if direct:
+        if method == "stepped":
+            timing = [" / ".join(fmt(x["first_tokens_s"]) for x in (a, f, b)), rate(a), rate(f), rate(b),
+                      fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x",
+                      " / ".join(fmt(x["decode_batch"]) for x in (a, f, b)),
+                      " / ".join(fmt(x["served_tokens_per_s"]) for x in (a, f, b))]
+        elif method == "direct":
             timing = [" / ".join(fmt(x["first_tokens_s"]) for x in (a, f, b)), fmt(a["decode_tokens_per_s"]),
                       fmt(f["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
                       fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x"]
@@ -492,13 +504,26 @@ def vllm_bf16_section(vdir, md):
                       " / ".join(fmt(x["total_s"] - x["prefill_s"]) for x in (a, f, b))]
             spread += [x["total_s"] - x["prefill_s"] for x in (a, f, b)]
         rows.append([str(f["streams"]), str(f["history"]), f"{f['peak_running']} / {b['peak_running']}"] + timing +
-                    [str(f["peak_blocks"]), str(b["peak_blocks"]), fmt(f["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
-    timing = (["every stream's first token, s (plain / full / infkv)", "plain vLLM tok/s", "full tok/s", "infkv tok/s",
-               "infkv / full"] if direct else
-              ["run to the first token, s (plain / full / infkv)", "second run less the first, s (plain / full / infkv)"])
+                    [f"{f['peak_blocks']} / {b['peak_blocks']}", fmt(f["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
+    timing = {"stepped": ["every stream's first token, s (plain / full / infkv)", "plain vLLM decode tok/s",
+                          "full decode tok/s", "infkv decode tok/s", "infkv / full",
+                          "streams decoding together (plain / full / infkv)",
+                          "served tok/s (plain / full / infkv)"],
+              "direct": ["every stream's first token, s (plain / full / infkv)", "plain vLLM tok/s", "full tok/s",
+                         "infkv tok/s", "infkv / full"],
+              "difference": ["run to the first token, s (plain / full / infkv)",
+                             "second run less the first, s (plain / full / infkv)"]}[method]
     md.append(table(["streams", "history", "running at once (full / infkv)"] + timing +
-                    ["full KV blocks (peak)", "infkv KV blocks (peak)", "blocks full / infkv"], rows) + "\n")
-    if direct:
+                    ["KV blocks, peak (full / infkv)", "blocks full / infkv"], rows) + "\n")
+    if method == "stepped":
+        md.append(f"One run of 1 + {p['gen']} tokens per setting, the engine stepped by the script; settings of at most "
+                  f"{p.get('repeat_tokens', 0)} prompt tokens {p.get('repeats', 1)} times (the median run, [lowest, "
+                  "highest]). Decode tok/s: the tokens of the steps in which every stream not yet finished decoded "
+                  "(none waiting, none prefilling) over those steps' wall time, at the mean batch shown; served tok/s: "
+                  "every stream's tokens after its first over the time at least one stream was between its first and "
+                  "last token (vLLM's per-request statistics), which with several streams also holds other streams' "
+                  "prefill chunks.\n")
+    elif method == "direct":
         md.append(f"Decode tokens/s here come from one run of 1 + {p['gen']} tokens per setting with vLLM's "
                   "per-request statistics: every stream's tokens after its first, over the time at least one stream "
                   "was between its first and its last token (with several streams that time also holds other "
@@ -511,6 +536,17 @@ def vllm_bf16_section(vdir, md):
                   "variation is as large as the decode, so their difference does not measure it.\n")
     if skipped:
         md.append("Not run (over the prompt-token limit): " + ", ".join(skipped) + " (streams x history).\n")
+    alt = os.path.join(vdir, "streams_bf16_alternate.json")
+    if os.path.exists(alt):  # full and infkv requests alternated in one engine
+        d = load(alt)
+        parts = []
+        for r in d["rows"]:
+            f, b = r["full"]["decode_tokens_per_s"], r["infkv"]["decode_tokens_per_s"]
+            parts.append(f"{r['streams']} stream of {r['history']} tokens: full {fmt(med(f))} tok/s [{fmt(min(f))}, "
+                         f"{fmt(max(f))}], infkv {fmt(med(b))} [{fmt(min(b))}, {fmt(max(b))}], infkv / full per pair "
+                         + ", ".join(fmt(x, 2) for x in r["ratio"]))
+        md.append(f"The same engine alternating full and infkv requests ({d['protocol']['repeats']} of each, the order "
+                  f"swapped every pair; `streams.sh bf16-alternate`{commits(d)}): " + "; ".join(parts) + ".\n")
     caps = {m: os.path.join(vdir, f"capacity_bf16_{m}.json") for m in ("full", "infkv")}
     if all(os.path.exists(f) for f in caps.values()):
         md.append(capacity_sentence({m: load(f) for m, f in caps.items()}))

@@ -68,7 +68,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--text", required=True)
-    ap.add_argument("--mode", choices=["plain", "full", "infkv"], required=True)
+    ap.add_argument("--mode", choices=["plain", "full", "infkv", "both"], required=True,
+                    help="both: full and infkv requests alternated in one plugin engine, repeat by repeat (--method direct)")
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--history", default="4096")
     ap.add_argument("--gen", type=int, default=64)
@@ -99,6 +100,8 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    if a.mode == "both" and (a.method != "direct" or a.capacity):
+        ap.error("--mode both alternates rate runs: it needs --method direct and no --capacity")
     plugin = a.mode != "plain"
     extra = dict(worker_cls="infkv.vllm.engine.InfkvCPUWorker",
                  scheduler_cls="infkv.vllm.engine.InfkvScheduler") if plugin else {}
@@ -109,9 +112,30 @@ def main():
               enable_prefix_caching=False, max_num_batched_tokens=a.chunk, max_num_seqs=64, seed=0,
               disable_log_stats=a.method != "direct", **extra)
     ids = AutoTokenizer.from_pretrained(a.model)(open(a.text).read()[:2_000_000]).input_ids
-    xargs = {"infkv_policy": "snapkv", "infkv_budget": a.budget, "infkv_block": 128} if a.mode == "infkv" else {}
+    evict = {"infkv_policy": "snapkv", "infkv_budget": a.budget, "infkv_block": 128}
+    xargs = evict if a.mode == "infkv" else {}
     rows = []
-    for history in histories:
+    if a.mode == "both":  # the same engine, full and infkv requests alternated: no drift between the modes
+        from vllm.sampling_params import RequestOutputKind
+        for history in histories:
+            for streams in [int(s) for s in a.streams.split(",")]:
+                prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
+                runs = {"full": [], "infkv": []}
+                for r in range(a.repeats):
+                    for mode in ("full", "infkv") if r % 2 == 0 else ("infkv", "full"):
+                        sp = SamplingParams(max_tokens=1 + a.gen, min_tokens=1 + a.gen, temperature=0,
+                                            extra_args=evict if mode == "infkv" else {},
+                                            output_kind=RequestOutputKind.DELTA)
+                        final, pure = stepped(llm, prompts, sp, f"{history}-{streams}-{r}-{mode}")
+                        runs[mode].append(direct_rates(final, pure, a.gen))
+                row = {"history": history, "streams": streams, "gen": a.gen, "runs": a.repeats}
+                for mode, rs in runs.items():
+                    row[mode] = {k: [x[k] for x in rs] for k in ("decode_tokens_per_s", "first_tokens_s", "decode_batch")}
+                row["ratio"] = [round(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 3)
+                                for f, b in zip(runs["full"], runs["infkv"])]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    for history in histories if a.mode != "both" else []:
         for streams in [int(s) for s in a.streams.split(",")]:
             if a.max_prompt_tokens and streams * history > a.max_prompt_tokens:
                 rows.append({"history": history, "streams": streams, "mode": a.mode, "skipped":

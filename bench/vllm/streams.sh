@@ -8,13 +8,24 @@
 # (streams.py --method direct; settings of at most 16,384 prompt tokens three times), vLLM without the plugin
 # beside the plugin's two modes (bench/results/vllm/streams_bf16_{full,infkv,plain}.json), then six
 # 16K-token requests in 1 GiB of KV with and without the plugin (capacity_bf16_{full,infkv}.json);
-# about 75 minutes (`streams.sh bf16-capacity`: the second part only).
+# about 75 minutes (`streams.sh bf16-capacity`: the second part only). `streams.sh bf16-alternate`:
+# one stream, full and infkv alternated in one engine (about 7 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/vllm_common.sh
 out=bench/results/vllm
 mkdir -p "$out"
 part=${1:-all}
+if [ "$part" = bf16-alternate ]; then
+  # One stream, full and infkv requests alternated in one engine, four times each: the ratio
+  # without the drift between runs minutes apart (bench/results/vllm/streams_bf16_alternate.json).
+  args="--mode both --streams 1 --history 4096,16384 --gen 64 --kv-gib 8 --dtype bfloat16 --positions 16896 --method direct --repeats 4"
+  # shellcheck disable=SC2086
+  (cd /tmp && OMP_NUM_THREADS=1 "$env/bin/python" "$OLDPWD/bench/vllm/streams.py" --model "$model" --text "$text" \
+    $args --out "$OLDPWD/$out/streams_bf16_alternate.json")
+  python3 scripts/provenance.py "$out/streams_bf16_alternate.json" "bench/vllm/streams.py $args"
+  exit 0
+fi
 if [ "$part" = bf16 ] || [ "$part" = bf16-capacity ]; then
   for mode in full infkv plain; do
     [ "$part" = bf16-capacity ] && break
