@@ -45,7 +45,7 @@ struct top_blocks {
 
   struct state {
     std::uint64_t prefix, bound;  ///< the digits found so far; the exclusive bound once done
-    std::int64_t want, candidates, fill, base;
+    std::int64_t want, candidates, fill;
     int done, buffered;
   };
 
@@ -68,15 +68,14 @@ struct top_blocks {
     auto* counts = reinterpret_cast<std::int64_t*>(c.shared + shared_round(bins * 4));
     auto* z = reinterpret_cast<state*>(c.shared + shared_round(bins * 4) + shared_round(std::size_t(threads) * 8));
     auto* held = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::byte*>(z) + shared_round(sizeof(state)));
+    std::int64_t base = 0;  // thread 0's: the slots the units before u keep, then its running offset
     if (c.thread == 0) {
       const std::int64_t want = caps ? caps[u] : cap;
       z->want = (want < n ? want : n) - guarded, z->candidates = n - guarded;
       z->prefix = 0, z->bound = 0, z->fill = 0, z->buffered = 0, z->done = z->want <= 0 ? 1 : 0;
-      std::int64_t before = 0;  // the units before u keep this many
-      for (std::int64_t v = 0; v < u; ++v) before += kept_count(v);
-      z->base = before;
-      offsets[u] = before;
-      if (u == units - 1) offsets[units] = before + kept_count(u);
+      for (std::int64_t v = 0; v < u; ++v) base += kept_count(v);
+      offsets[u] = base;
+      if (u == units - 1) offsets[units] = base + kept_count(u);
     }
     const auto check = [&](std::int64_t j) {  // every score is checked, kept or not
       if (const float v = s(u, j); v != v) record(st, encode(fault::nan_score, u, 0, j));
@@ -140,7 +139,6 @@ struct top_blocks {
     const std::uint64_t bound = z->bound;
     const auto kept = [&](std::int64_t j) { return rank[j] == guarded_rank || key(u, j) < bound; };
     const std::int64_t tile = std::int64_t(c.threads) * per;
-    std::int64_t base = z->base;
     for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
       const std::int64_t lo = t0 + std::int64_t(c.thread) * per, hi = lo + per < n ? lo + per : n;
       std::int64_t mine = 0;
