@@ -478,9 +478,7 @@ def vllm_bf16_section(vdir, md):
               + (f", settings of at most {p['max_prompt_tokens']} prompt tokens" if p.get("max_prompt_tokens") else "")
               + f"{commits(*runs.values())}; load average (1 min) at the end of each run: "
               + ", ".join(f"{m} {runs[m]['load_average_end'][0]:.2f}" for m in runs) + ".\n")
-    method = "stepped" if "decode_steps" in next((x for x in runs["full"]["rows"] if "skipped" not in x), {}) else (
-        p.get("method", "difference"))  # direct runs before the engine was stepped here give no decode-only rate
-    rows, skipped, spread = [], [], []
+    rows, skipped = [], []
 
     def rate(x):  # the median run's rate, with every run's range where the setting was repeated
         r = x.get("decode_tokens_per_s_runs")
@@ -490,50 +488,24 @@ def vllm_bf16_section(vdir, md):
         if "skipped" in f:
             skipped.append(f"{f['streams']} x {f['history']}")
             continue
-        if method == "stepped":
-            timing = [" / ".join(fmt(x["first_tokens_s"]) for x in (a, f, b)), rate(a), rate(f), rate(b),
-                      fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x",
-                      " / ".join(fmt(x["decode_batch"]) for x in (a, f, b)),
-                      " / ".join(fmt(x["served_tokens_per_s"]) for x in (a, f, b))]
-        elif method == "direct":
-            timing = [" / ".join(fmt(x["first_tokens_s"]) for x in (a, f, b)), fmt(a["decode_tokens_per_s"]),
-                      fmt(f["decode_tokens_per_s"]), fmt(b["decode_tokens_per_s"]),
-                      fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x"]
-        else:
-            timing = [" / ".join(fmt(x["prefill_s"]) for x in (a, f, b)),
-                      " / ".join(fmt(x["total_s"] - x["prefill_s"]) for x in (a, f, b))]
-            spread += [x["total_s"] - x["prefill_s"] for x in (a, f, b)]
-        rows.append([str(f["streams"]), str(f["history"]), f"{f['peak_running']} / {b['peak_running']}"] + timing +
-                    [f"{f['peak_blocks']} / {b['peak_blocks']}", fmt(f["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
-    timing = {"stepped": ["every stream's first token, s (plain / full / infkv)", "plain vLLM decode tok/s",
-                          "full decode tok/s", "infkv decode tok/s", "infkv / full",
-                          "streams decoding together (plain / full / infkv)",
-                          "served tok/s (plain / full / infkv)"],
-              "direct": ["every stream's first token, s (plain / full / infkv)", "plain vLLM tok/s", "full tok/s",
-                         "infkv tok/s", "infkv / full"],
-              "difference": ["run to the first token, s (plain / full / infkv)",
-                             "second run less the first, s (plain / full / infkv)"]}[method]
-    md.append(table(["streams", "history", "running at once (full / infkv)"] + timing +
-                    ["KV blocks, peak (full / infkv)", "blocks full / infkv"], rows) + "\n")
-    if method == "stepped":
-        md.append(f"One run of 1 + {p['gen']} tokens per setting, the engine stepped by the script; settings of at most "
-                  f"{p.get('repeat_tokens', 0)} prompt tokens {p.get('repeats', 1)} times (the median run, [lowest, "
-                  "highest]). Decode tok/s: the tokens of the steps in which every stream not yet finished decoded "
-                  "(none waiting, none prefilling) over those steps' wall time, at the mean batch shown; served tok/s: "
-                  "every stream's tokens after its first over the time at least one stream was between its first and "
-                  "last token (vLLM's per-request statistics), which with several streams also holds other streams' "
-                  "prefill chunks.\n")
-    elif method == "direct":
-        md.append(f"Decode tokens/s here come from one run of 1 + {p['gen']} tokens per setting with vLLM's "
-                  "per-request statistics: every stream's tokens after its first, over the time at least one stream "
-                  "was between its first and its last token (with several streams that time also holds other "
-                  "streams' prefill chunks, as serving does).\n")
-    else:
-        md.append(f"No decode rate is derived from this table: the second run (1 + {p['gen']} tokens) less the first "
-                  f"(1 token) ranges from {fmt(min(spread))} to {fmt(max(spread))} s, against first runs of up to "
-                  f"{fmt(max(x['prefill_s'] for r in runs.values() for x in r['rows'] if 'prefill_s' in x))} s, and it "
-                  "is not monotonic in the cache each request attends to: with long prefills the two runs' own "
-                  "variation is as large as the decode, so their difference does not measure it.\n")
+        rows.append([str(f["streams"]), str(f["history"]), f"{f['peak_running']} / {b['peak_running']}",
+                     " / ".join(fmt(x["first_tokens_s"]) for x in (a, f, b)), rate(a), rate(f), rate(b),
+                     fmt(b["decode_tokens_per_s"] / f["decode_tokens_per_s"], 2) + "x",
+                     " / ".join(fmt(x["decode_batch"]) for x in (a, f, b)),
+                     " / ".join(fmt(x["served_tokens_per_s"]) for x in (a, f, b)),
+                     f"{f['peak_blocks']} / {b['peak_blocks']}", fmt(f["peak_blocks"] / max(b["peak_blocks"], 1), 1) + "x"])
+    md.append(table(["streams", "history", "running at once (full / infkv)",
+                     "every stream's first token, s (plain / full / infkv)", "plain vLLM decode tok/s",
+                     "full decode tok/s", "infkv decode tok/s", "infkv / full",
+                     "streams decoding together (plain / full / infkv)", "served tok/s (plain / full / infkv)",
+                     "KV blocks, peak (full / infkv)", "blocks full / infkv"], rows) + "\n")
+    md.append(f"One run of 1 + {p['gen']} tokens per setting, the engine stepped by the script (streams.py --method "
+              f"direct); settings of at most {p['repeat_tokens']} prompt tokens {p['repeats']} times (the median run, "
+              "[lowest, highest]). Decode tok/s: the tokens of the steps in which every stream not yet finished decoded "
+              "(none waiting, none prefilling) over those steps' wall time, at the mean batch shown; served tok/s: "
+              "every stream's tokens after its first over the time at least one stream was between its first and "
+              "last token (vLLM's per-request statistics), which with several streams also holds other streams' "
+              "prefill chunks.\n")
     if skipped:
         md.append("Not run (over the prompt-token limit): " + ", ".join(skipped) + " (streams x history).\n")
     alt = os.path.join(vdir, "streams_bf16_alternate.json")

@@ -116,7 +116,6 @@ def main():
     xargs = evict if a.mode == "infkv" else {}
     rows = []
     if a.mode == "both":  # the same engine, full and infkv requests alternated: no drift between the modes
-        from vllm.sampling_params import RequestOutputKind
         for history in histories:
             for streams in [int(s) for s in a.streams.split(",")]:
                 prompts = [{"prompt_token_ids": ids[i * 9973: i * 9973 + history]} for i in range(streams)]
