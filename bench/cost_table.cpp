@@ -4,7 +4,7 @@
 // default: 4.8 TB/s, 989 TFLOP/s dense f16, 67 TFLOP/s f32). Writes JSON for
 // scripts/perf_report.py; needs no GPU.
 //
-//   infkv_cost_table COMMIT [BANDWIDTH_BYTES_PER_S PEAK_FLOP_PER_S PEAK_F32_FLOP_PER_S] \
+//   infkv_cost_table COMMIT [BANDWIDTH_BYTES_PER_S PEAK_FLOP_PER_S PEAK_F32_FLOP_PER_S]
 //     > bench/results/gpu/cost_model.json
 #include <cstdio>
 #include <cstdlib>

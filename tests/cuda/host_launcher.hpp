@@ -8,7 +8,7 @@
 // per batch entry. Block-level steps (for_blocks, cuda/detail/block_steps.hpp) run block by
 // block, last block first, every CUDA thread of a block a fiber with real barriers (fiber_block),
 // the block's shared memory one buffer filled with 0xff bytes before each block (ASan sees every
-// access past it).
+// access past it); the blocks count their tile products and exponentials (the cost model's).
 #pragma once
 
 #include <cblas.h>
@@ -97,7 +97,12 @@ class fiber_block {
     fiber_block* self;
     void sync() const { self->wait(0); }
     void warp_sync() const { self->wait(1 + thread / 32); }
+    /// Counts, for the cost model: one warp's 16 x 16 x k tile product, one exponential.
+    void count_product(int k) const { product_flops += 2.0 * 16 * 16 * k; }
+    void count_exp() const { ++exps; }
   };
+  /// Tensor-core FLOPs and exponentials of block-level steps run so far (any thread).
+  static inline double product_flops = 0, exps = 0;
 
   fiber_block(int threads, std::size_t shared) : threads_(threads), shared_(shared), fibers_(std::size_t(threads)) {
     if (threads < 32 || threads > 1024 || threads % 32 != 0)

@@ -12,7 +12,8 @@
 // every thread of a block as a thread of its own, with real barriers and the block's shared
 // memory in one buffer (tests/cuda/host_launcher.hpp), so the bodies and their barriers are run,
 // under ASan / UBSan, as written. Warp-level matrix products go through warp_tile_product:
-// tensor cores (WMMA) on a GPU, the same product in f32 on the host.
+// tensor cores (WMMA) on a GPU, the same product in f32 on the host. A host context may count
+// the products and the exponentials (block_expf) a step does: bench/kernel_cost.cpp's cost model.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +66,8 @@ INFKV_HOST_DEVICE void warp_tile_product(const Ctx& ctx, const std::uint16_t* a,
   }
   wmma::store_matrix_sync(c, fc, unsigned(ldc), wmma::mem_row_major);
 #else
+  if constexpr (requires { ctx.count_product(k); })  // a host context that counts (the cost model)
+    if (ctx.thread % 32 == 0) ctx.count_product(k);
   if (ctx.thread % 32 == 0) {
     float af[16][256], bf[16][256];  // k <= 256 (the callers' head_dim)
     for (int i = 0; i < 16; ++i)
@@ -78,6 +81,17 @@ INFKV_HOST_DEVICE void warp_tile_product(const Ctx& ctx, const std::uint16_t* a,
   }
   ctx.warp_sync();
 #endif
+}
+
+/// expf(x), counted by a host context that counts (the cost model's count of exponentials).
+template <class Ctx>
+INFKV_HOST_DEVICE inline float block_expf(const Ctx& ctx, float x) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (requires { ctx.count_exp(); }) ctx.count_exp();
+#else
+  (void)ctx;
+#endif
+  return expf(x);
 }
 
 /// Adds v to a counter in the block's shared memory (atomicAdd on a GPU; on the host the block's

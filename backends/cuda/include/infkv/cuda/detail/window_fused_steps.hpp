@@ -170,12 +170,12 @@ struct fused_window_block {
           if (tok[j0 + jl].pos <= qp) tm = fmaxf(tm, g.scale * lr[jl]);
         if (tm > -INFINITY) {
           for (std::int64_t jl = 0; jl < m_tile; ++jl)
-            if (tok[j0 + jl].pos <= qp) ts += expf(g.scale * lr[jl] - tm);
+            if (tok[j0 + jl].pos <= qp) ts += block_expf(c, g.scale * lr[jl] - tm);
           if (tm > m) {
-            sum = sum * expf(m - tm) + ts;
+            sum = sum * block_expf(c, m - tm) + ts;
             m = tm;
           } else {
-            sum += ts * expf(tm - m);
+            sum += ts * block_expf(c, tm - m);
           }
         }
       }
@@ -220,7 +220,7 @@ struct fused_window_block {
           for (std::int64_t i = 0; i < g.w; ++i) {
             const std::int64_t rr = gg * g.w + i;
             if (pos > rp[rr] || rs[f.rows + rr] == 0.f) continue;
-            m += expf(g.scale * s[rr * f.lds + jl] - rs[rr]) * rs[f.rows + rr];
+            m += block_expf(c, g.scale * s[rr * f.lds + jl] - rs[rr]) * rs[f.rows + rr];
           }
           if (per_query_head) out(h * g.group + gg, j) = m;
           total += m;

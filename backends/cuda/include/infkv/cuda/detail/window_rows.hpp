@@ -3,6 +3,7 @@
 // maxima and normalisers into each row's statistics.
 #pragma once
 
+#include "block_steps.hpp"
 #include "score_steps.hpp"
 
 namespace infkv::cuda::detail {
@@ -50,24 +51,49 @@ struct window_rows {
 };
 
 /// Per query row: the combination of its `parts` partial maxima and normalisers (row r's at
-/// [r parts, (r + 1) parts)); queries are checked here.
+/// [r parts, (r + 1) parts)); queries are checked here. A block-level step, a warp per row (8 rows
+/// per block, every SM busy): lane l takes parts l, l + 32, ...; the lanes' maxima give the row's,
+/// then lane 0 adds the lanes' sums in lane order (deterministic).
 template <class L>
 void window_row_statistics(const L& launch, status_word* st, const const_tensor_view& q, const window_rows& g,
                            const softmax_scratch& s, std::int64_t parts) {
-  const std::int64_t tiles = parts, w = g.w, q0 = g.q0, d = g.d;
+  constexpr int threads = 256, lanes = 32, per_block = threads / lanes;
+  const std::int64_t rows = g.rows, w = g.w, q0 = g.q0, d = g.d;
   float *tmax = s.tmax, *tsum = s.tsum, *rmax = s.rmax, *rcoef = s.rcoef;
-  launch.for_each(g.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
-    const std::int64_t qh = r / w, i = r % w;
-    const void* qr = q.row(q0 + i, std::int32_t(qh));
-    for (std::int64_t e = 0; e < d; ++e)
-      if (!detail::finite(detail::load(q.type, qr, e)))
-        detail::record(st, encode(fault::query_not_finite, qh, e, q0 + i));
-    float m = -INFINITY, sum = 0.f;
-    for (std::int64_t t = 0; t < tiles; ++t) m = fmaxf(m, tmax[r * tiles + t]);
-    for (std::int64_t t = 0; t < tiles; ++t)
-      if (tsum[r * tiles + t] > 0.f) sum += tsum[r * tiles + t] * expf(tmax[r * tiles + t] - m);
-    rmax[r] = m, rcoef[r] = sum > 0.f ? 1.f / sum : 0.f;
-  });
+  launch.for_blocks((rows + per_block - 1) / per_block, threads, std::size_t(2 * threads) * 4,
+                    [=] INFKV_HOST_DEVICE(const typename L::block_context& c) {
+                      const int warp = c.thread / lanes, lane = c.thread % lanes;
+                      const std::int64_t r = c.block * per_block + warp;
+                      float* lane_max = reinterpret_cast<float*>(c.shared) + warp * lanes;
+                      float* lane_sum = lane_max + threads;
+                      const bool mine = r < rows;  // the same for a whole warp
+                      if (mine) {
+                        const std::int64_t qh = r / w, i = r % w;
+                        const void* qr = q.row(q0 + i, std::int32_t(qh));
+                        for (std::int64_t e = lane; e < d; e += lanes)
+                          if (!detail::finite(detail::load(q.type, qr, e)))
+                            detail::record(st, encode(fault::query_not_finite, qh, e, q0 + i));
+                        float m = -INFINITY;
+                        for (std::int64_t t = lane; t < parts; t += lanes) m = fmaxf(m, tmax[r * parts + t]);
+                        lane_max[lane] = m;
+                      }
+                      c.warp_sync();
+                      if (mine) {
+                        float m = -INFINITY, sum = 0.f;
+                        for (int l = 0; l < lanes; ++l) m = fmaxf(m, lane_max[l]);
+                        for (std::int64_t t = lane; t < parts; t += lanes)
+                          if (tsum[r * parts + t] > 0.f)
+                            sum += tsum[r * parts + t] * block_expf(c, tmax[r * parts + t] - m);
+                        lane_sum[lane] = sum;
+                        if (lane == 0) rmax[r] = m;
+                      }
+                      c.warp_sync();
+                      if (mine && lane == 0) {
+                        float sum = 0.f;
+                        for (int l = 0; l < lanes; ++l) sum += lane_sum[l];
+                        rcoef[r] = sum > 0.f ? 1.f / sum : 0.f;
+                      }
+                    });
 }
 
 }  // namespace infkv::cuda::detail
