@@ -16,7 +16,7 @@ namespace infkv_bench {
 struct layer_case {
   std::int64_t n = 131072;
   std::int64_t hkv = 8, hq = 32, d = 128, m = 32, elem = 2;
-  std::int64_t kept = 65536;
+  std::int64_t kept = 8192;
   double key_bytes() const { return double(n) * double(hkv * d * elem); }
 };
 

@@ -1,5 +1,5 @@
 // infkv_cost_table: the CUDA cost model (cost_model.hpp) for one layer of 128K slots, 8 KV heads,
-// head_dim 128, f16, a window of 32 queries of 32 query heads, half the slots kept, with the
+// head_dim 128, f16, a window of 32 queries of 32 query heads, 8,192 slots kept per head, with the
 // roofline time on a GPU of the given copy bandwidth, tensor-core peak and f32 peak (an H200's by
 // default: 4.8 TB/s, 989 TFLOP/s dense f16, 67 TFLOP/s f32). Writes JSON for
 // scripts/perf_report.py; needs no GPU.

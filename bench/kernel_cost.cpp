@@ -4,7 +4,10 @@
 // of K and V, with keys strided (NHD) and paged (pages of 16 slots, in reverse order). Runs the
 // steps on the host (minutes at the reference size) and writes JSON for scripts/perf_report.py:
 //
-//   infkv_kernel_cost COMMIT [--n N] [--kept K] > bench/results/gpu/kernel_cost.json
+//   infkv_kernel_cost COMMIT [--n N] [--kept K] [--position-bits B] > bench/results/gpu/kernel_cost.json
+//
+// --position-bits: the backend's promise on positions (basic_backend::position_bits, 63 by
+// default); the time order's sort runs a pass per 8 of them.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -46,8 +49,10 @@ int main(int argc, char** argv) {
       c.n = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--kept"))
       kept = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--position-bits"))
+      c.position_bits = std::atoi(argv[i + 1]);
     else {
-      std::cerr << "infkv_kernel_cost: unknown argument " << argv[i] << " (--n N, --kept K)\n";
+      std::cerr << "infkv_kernel_cost: unknown argument " << argv[i] << " (--n N, --kept K, --position-bits B)\n";
       return 2;
     }
   }
@@ -63,24 +68,26 @@ int main(int argc, char** argv) {
       " \"protocol\": \"bench/kernel_cost.hpp: one SnapKV eviction (window 32, average pooling of 5, per KV head) "
       "and the compaction of K and V run on the host through the CUDA backend's steps; per launch its grid and block "
       "as the device launcher makes them, the distinct bytes it reads and writes (4 KiB pages of an arena holding "
-      "every buffer; K, V and the token lists during the compaction, which gathers scattered rows, per 32-byte sector), the tensor-core FLOPs and exponentials its blocks count; CUB and cuBLAS calls from their "
+      "every buffer; K, V and the token lists during the compaction, which gathers scattered rows, per 32-byte "
+      "sector), the tensor-core FLOPs and exponentials its blocks count; CUB and cuBLAS calls from their "
       "arguments. Time per launch = launch gap x kernels + max(bytes / (bandwidth x efficiency x memory share), "
       "tensor FLOPs / (peak x efficiency x SM share), exponentials / (rate x SM share)); memory share = resident "
       "threads x bytes in flight / latency against the bandwidth, SM share = the SMs the grid occupies. No GPU "
       "measurement.\",\n");
   std::printf(
       " \"case\": {\"n\": %lld, \"kv_heads\": %lld, \"q_heads\": %lld, \"head_dim\": %lld, \"window\": %lld, "
-      "\"element_bytes\": 2, \"kept\": %lld, \"page_size\": 16},\n",
-      (long long)c.n, (long long)c.hkv, (long long)c.hq, (long long)c.d, (long long)c.w, (long long)kept);
+      "\"element_bytes\": 2, \"kept\": %lld, \"page_size\": 16, \"position_bits\": %d},\n",
+      (long long)c.n, (long long)c.hkv, (long long)c.hq, (long long)c.d, (long long)c.w, (long long)kept,
+      c.position_bits);
   std::printf(
       " \"gpu\": {\"name\": \"%s\", \"sms\": %d, \"bandwidth\": %.4g, \"bandwidth_eff\": %.3g, \"tc_peak\": %.4g, "
-      "\"tc_eff\": %.3g, \"exp_rate\": %.4g, \"latency_s\": %.3g, \"in_flight_bytes\": %.3g, \"launch_gap_s\": %.3g},\n",
+      "\"tc_eff\": %.3g, \"exp_rate\": %.4g, \"latency_s\": %.3g, \"in_flight_bytes\": %.3g, \"launch_gap_s\": "
+      "%.3g},\n",
       g.name.c_str(), g.sms, g.bandwidth, g.bandwidth_eff, g.tc_peak, g.tc_eff, g.exp_rate, g.latency, g.in_flight,
       g.launch_gap);
-  std::printf(
-      " \"roofline_us\": {\"window scoring\": %.4g, \"selection\": %.4g, \"compaction\": %.4g},\n",
-      window_scoring(lc, lc.m).roofline(bw, pk, pk) * 1e6, selection(lc).roofline(bw, pk, pk) * 1e6,
-      compaction(lc).roofline(bw, pk, pk) * 1e6);
+  std::printf(" \"roofline_us\": {\"window scoring\": %.4g, \"selection\": %.4g, \"compaction\": %.4g},\n",
+              window_scoring(lc, lc.m).roofline(bw, pk, pk) * 1e6, selection(lc).roofline(bw, pk, pk) * 1e6,
+              compaction(lc).roofline(bw, pk, pk) * 1e6);
   std::printf(" \"layouts\": {\n");
   const auto strided = record_eviction(c, kept, false);
   print_layout("strided", strided, g, false);
@@ -98,7 +105,8 @@ int main(int argc, char** argv) {
       e.first += l.count, e.second += t, total += t, kernels += l.count;
     }
     std::cerr << (ls == &strided ? "strided" : "paged") << ": " << kernels << " kernels, " << total * 1e6 << " us\n";
-    for (const auto& [name, e] : groups) std::cerr << "  " << name << ": " << e.first << " kernels, " << e.second * 1e6 << " us\n";
+    for (const auto& [name, e] : groups)
+      std::cerr << "  " << name << ": " << e.first << " kernels, " << e.second * 1e6 << " us\n";
   }
   return 0;
 }

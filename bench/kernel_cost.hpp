@@ -37,15 +37,15 @@ struct launch_record {
 struct gpu_model {
   std::string name = "H200 SXM";
   int sms = 132;
-  double bandwidth = 4.8e12;       ///< HBM3e bytes/s
-  double bandwidth_eff = 0.85;     ///< fraction a copy reaches
-  double tc_peak = 989e12;         ///< dense f16 tensor-core FLOP/s
-  double tc_eff = 0.5;             ///< fraction WMMA (mma.sync, not wgmma) tiles among other work reach
-  double exp_rate = 2.1e12;        ///< expf with the scalar work around it (~16 FP32 instructions, 128 lanes
-                                   ///< per SM per clock at 1.98 GHz)
-  double latency = 0.6e-6;         ///< a global load's round trip (s)
-  double in_flight = 32;           ///< bytes each resident thread keeps in flight
-  double launch_gap = 1.5e-6;      ///< between two dependent kernels of a captured graph (s)
+  double bandwidth = 4.8e12;    ///< HBM3e bytes/s
+  double bandwidth_eff = 0.85;  ///< fraction a copy reaches
+  double tc_peak = 989e12;      ///< dense f16 tensor-core FLOP/s
+  double tc_eff = 0.5;          ///< fraction WMMA (mma.sync, not wgmma) tiles among other work reach
+  double exp_rate = 2.1e12;     ///< expf with the scalar work around it (~16 FP32 instructions, 128 lanes
+                                ///< per SM per clock at 1.98 GHz)
+  double latency = 0.6e-6;      ///< a global load's round trip (s)
+  double in_flight = 32;        ///< bytes each resident thread keeps in flight
+  double launch_gap = 1.5e-6;   ///< between two dependent kernels of a captured graph (s)
   std::int64_t shared_per_sm = 227 * 1024, threads_per_sm = 2048, blocks_per_sm = 32;
 
   /// Blocks of `threads` threads using `shared` bytes each that one SM holds at once.
@@ -110,8 +110,12 @@ struct recording_launcher : infkv_test::host_launcher {
   template <class F>
   void for_blocks(std::int64_t blocks, int threads, std::size_t shared, F f) const {
     if (blocks <= 0) return;
-    launch_record r{.step = rec().step, .kind = "for_blocks", .blocks = blocks, .threads = threads,
-                    .shared = std::int64_t(shared), .items = blocks * threads};
+    launch_record r{.step = rec().step,
+                    .kind = "for_blocks",
+                    .blocks = blocks,
+                    .threads = threads,
+                    .shared = std::int64_t(shared),
+                    .items = blocks * threads};
     const double flops0 = infkv_test::fiber_block::product_flops, exps0 = infkv_test::fiber_block::exps;
     rec().begin();
     base::for_blocks(blocks, threads, shared, f);
@@ -128,16 +132,27 @@ struct recording_launcher : infkv_test::host_launcher {
                     std::int64_t n, int bits) const {
       if (n <= 0) return;
       const int passes = (std::max(bits, 1) + 7) / 8;
-      rec().launches.push_back({.step = rec().step, .kind = "sort", .blocks = (n + 255) / 256, .threads = 256,
-                                .items = n, .count = 1 + passes, .read = double(n) * (8 + 16 * passes),
+      rec().launches.push_back({.step = rec().step,
+                                .kind = "sort",
+                                .blocks = (n + 255) / 256,
+                                .threads = 256,
+                                .items = n,
+                                .count = 1 + passes,
+                                .read = double(n) * (8 + 16 * passes),
                                 .written = double(n) * 16 * passes});
       base::temp_space{}.sort_pairs(kin, kout, vin, vout, n, bits);
     }
     /// CUB's exclusive sum: a tile-status initialisation and one single-pass scan kernel.
     void exclusive_scan(const std::int64_t* in, std::int64_t* out, std::int64_t n) const {
       if (n <= 0) return;
-      rec().launches.push_back({.step = rec().step, .kind = "scan", .blocks = (n + 255) / 256, .threads = 256,
-                                .items = n, .count = 2, .read = double(n) * 8, .written = double(n) * 8});
+      rec().launches.push_back({.step = rec().step,
+                                .kind = "scan",
+                                .blocks = (n + 255) / 256,
+                                .threads = 256,
+                                .items = n,
+                                .count = 2,
+                                .read = double(n) * 8,
+                                .written = double(n) * 8});
       base::temp_space{}.exclusive_scan(in, out, n);
     }
   };
@@ -151,12 +166,15 @@ struct recording_launcher : infkv_test::host_launcher {
                               float beta, void* c, infkv::dtype ct, std::int64_t ldc, std::int64_t sc,
                               std::int64_t batch) const {
       const double ea = double(infkv::size_of(at)), eb = double(infkv::size_of(bt));
-      rec().launches.push_back({.step = rec().step, .kind = "gemm", .blocks = (m * n * batch + 16383) / 16384,
-                                .threads = 256, .items = m * n * batch,
-                                .read = double(batch) * (double(m * k) * ea + double(k * n) * eb +
-                                                         (beta != 0.f ? double(m * n) * 4 : 0.0)),
-                                .written = double(batch) * double(m * n) * 4,
-                                .tc_flops = 2.0 * double(m) * double(n) * double(k) * double(batch)});
+      rec().launches.push_back(
+          {.step = rec().step,
+           .kind = "gemm",
+           .blocks = (m * n * batch + 16383) / 16384,
+           .threads = 256,
+           .items = m * n * batch,
+           .read = double(batch) * (double(m * k) * ea + double(k * n) * eb + (beta != 0.f ? double(m * n) * 4 : 0.0)),
+           .written = double(batch) * double(m * n) * 4,
+           .tc_flops = 2.0 * double(m) * double(n) * double(k) * double(batch)});
       infkv_test::host_gemm_strided_batched(ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb, sb, beta, c, ct, ldc,
                                             sc, batch);
     }
@@ -172,11 +190,11 @@ struct labelled {
   std::size_t scratch_bytes(const A&... a) const {
     return be.scratch_bytes(a...);
   }
-#define INFKV_LABELLED(name)                  \
-  template <class... A>                       \
-  void name(A&&... a) const {                 \
-    current_recording->step = #name;          \
-    be.name(std::forward<A>(a)...);           \
+#define INFKV_LABELLED(name)         \
+  template <class... A>              \
+  void name(A&&... a) const {        \
+    current_recording->step = #name; \
+    be.name(std::forward<A>(a)...);  \
   }
   INFKV_LABELLED(time_order)
   INFKV_LABELLED(score)
@@ -206,6 +224,7 @@ inline std::string group_of(const std::string& step) {
 /// window of 32 queries.
 struct layer_data {
   std::int64_t n = 131072, hkv = 8, hq = 32, d = 128, w = 32;
+  int position_bits = 63;  ///< the backend's promise (basic_backend::position_bits)
 };
 
 /// One eviction of the case, keys strided or paged, recorded.
@@ -214,8 +233,11 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
   const std::int32_t page = 16;
   const std::int64_t pages = (n + page - 1) / page;
   const std::size_t kv_bytes = std::size_t(pages * page * row) * 2;
-  const infkv::layer_shape shape{.n_slots = n, .kv_heads = std::int32_t(c.hkv), .q_heads = std::int32_t(c.hq),
-                                 .head_dim = std::int32_t(c.d), .n_queries = c.w};
+  const infkv::layer_shape shape{.n_slots = n,
+                                 .kv_heads = std::int32_t(c.hkv),
+                                 .q_heads = std::int32_t(c.hq),
+                                 .head_dim = std::int32_t(c.d),
+                                 .n_queries = c.w};
   const infkv::budget b{.capacity = kept};
   // Plan first (its sizes), with a backend that records nowhere.
   labelled<infkv::cuda::basic_backend<recording_launcher>> be;
@@ -252,11 +274,12 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
   for (std::int64_t p = 0; p < pages; ++p) page_ids[p] = std::int32_t(pages - 1 - p);
   *status = infkv::cuda::status_ok;
   be.be.status = status;
+  be.be.position_bits = c.position_bits;
 
   recording rec;
   rec.arena = &arena;
   current_recording = &rec;
-  const infkv::const_tensor_view queries{q, infkv::dtype::f16, c.w, std::int32_t(c.hq), std::int32_t(c.d), c.hq * c.d,
+  const infkv::const_tensor_view queries{q,  infkv::dtype::f16, c.w, std::int32_t(c.hq), std::int32_t(c.d), c.hq * c.d,
                                          c.d};
   const infkv::keep_view out{slots, offsets, pl.units, n};
   const std::span<const infkv::token> toks(tokens, std::size_t(n));
@@ -266,7 +289,7 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
   const infkv::cuda::basic_backend<recording_launcher>& inner = be.be;
   if (paged) {
     const infkv::paged_rows pk{{k, page * row, row, c.d}, page_ids, infkv::dtype::f16, n, std::int32_t(c.hkv),
-                               std::int32_t(c.d), page},
+                               std::int32_t(c.d),         page},
         pv{{v, page * row, row, c.d}, page_ids, infkv::dtype::f16, n, std::int32_t(c.hkv), std::int32_t(c.d), page};
     const infkv::layer_inputs<infkv::const_paged_rows> in{pk, pv, queries, qp, toks, scale};
     infkv::run(pl, be, in, wspan, out);
@@ -277,8 +300,7 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
     const infkv::layer_inputs<infkv::const_tensor_view> in{kv.k, kv.v, queries, qp, toks, scale};
     infkv::run(pl, be, in, wspan, out);
     rec.step = "compact", rec.precise_begin = k, rec.precise_end = head_tokens + n * c.hkv;
-    infkv::cuda::compact_steps(inner.launch, status, kv.k, kv.v, head_tokens, n * c.hkv, out, pl.keep_per_unit,
-                               cspan);
+    infkv::cuda::compact_steps(inner.launch, status, kv.k, kv.v, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
   }
   current_recording = nullptr;
   infkv::cuda::raise_if(infkv::cuda::decode(*status), "infkv_kernel_cost's eviction");

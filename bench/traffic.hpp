@@ -18,11 +18,11 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -109,7 +109,8 @@ class traffic_arena {
   std::vector<std::uint8_t> sectors_;  ///< per sector of the precise pages [lo_, hi_): the same bits
   std::size_t read_ = 0, written_ = 0, lo_ = 0, hi_ = 0;
   std::size_t open_[4] = {}, opened_ = 0;  ///< precise pages open for the instruction being stepped
-  struct sigaction previous_ {}, previous_trap_ {};
+  struct sigaction previous_ {
+  }, previous_trap_{};
 
   void protect(int prot) {
     if (mprotect(base_, size_, prot) != 0) throw std::runtime_error("traffic_arena: mprotect failed");

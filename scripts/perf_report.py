@@ -425,6 +425,69 @@ def cuda_cost_section(gpu_dir, md):
     md.append(f"Whole eviction: {review['eviction_target']}.\n")
 
 
+def kernel_cost_section(gpu_dir, md):
+    """The cost model of the CUDA kernels as written (bench/results/gpu/kernel_cost.json, from
+    infkv_kernel_cost: the steps run on the host under a recording launcher), per group and per
+    launch, beside the roofline of the least work and the issue's targets."""
+    kc = load(os.path.join(gpu_dir, "kernel_cost.json"))
+    c, g = kc["case"], kc["gpu"]
+    roof = kc["roofline_us"]
+    groups = ["time order", "window scoring", "score finishing", "selection", "compaction"]
+    targets = {"window scoring": "<= 200", "selection": "<= 30", "compaction": ">= 70% of copy bandwidth"}
+
+    def totals(launches):
+        out = {k: {"kernels": 0, "bytes": 0.0, "flops": 0.0, "exps": 0.0, "us": 0.0} for k in groups}
+        for l in launches:
+            t = out[l["group"]]
+            t["kernels"] += l["kernels"]
+            t["bytes"] += l["read_bytes"] + l["written_bytes"]
+            t["flops"] += l["tensor_flops"]
+            t["exps"] += l["exps"]
+            t["us"] += l["est_us"]
+        return out
+
+    lay = {name: totals(v["launches"]) for name, v in kc["layouts"].items()}
+    md.append(f"One eviction of one layer, SnapKV (window {c['window']}, average pooling of 5, per KV head) keeping "
+              f"{c['kept']} of {c['n']} slots per KV head ({c['kv_heads']} KV heads, {c['q_heads']} query heads, "
+              f"head_dim {c['head_dim']}, f16), then the compaction of K and V; keys strided (NHD) or paged (pages "
+              f"of {c['page_size']} slots in reverse order); the backend's position_bits {c['position_bits']}. "
+              f"Computed at commit {kc['commit']} by `infkv_kernel_cost`: {kc['protocol']}\n")
+    md.append(f"GPU model ({g['name']}): {g['sms']} SMs, {g['bandwidth'] / 1e12:.1f} TB/s at {g['bandwidth_eff']:.0%}, "
+              f"{g['tc_peak'] / 1e12:.0f} TFLOP/s f16 tensor cores at {g['tc_eff']:.0%} (WMMA), "
+              f"{g['exp_rate'] / 1e12:.1f} x 10^12 exponentials/s with their scalar work, a load's round trip "
+              f"{g['latency_s'] * 1e6:.1f} us with {g['in_flight_bytes']:.0f} bytes in flight per resident thread, "
+              f"{g['launch_gap_s'] * 1e6:.1f} us between dependent kernels of a captured graph.\n")
+    rows = []
+    for k in groups:
+        a, b = lay["strided"][k], lay["paged"][k]
+        rows.append([k, str(a["kernels"]), fmt(a["bytes"] / 1e6, 1), fmt(a["flops"] / 1e9, 1),
+                     fmt(a["exps"] / 1e6, 0), fmt(a["us"], 1), fmt(b["us"], 1), fmt(roof.get(k), 1),
+                     targets.get(k, "-")])
+    ta = {f: sum(lay["strided"][k][f] for k in groups) for f in ("kernels", "bytes", "flops", "exps", "us")}
+    tb = sum(lay["paged"][k]["us"] for k in groups)
+    rows.append(["**whole eviction**", f"**{ta['kernels']}**", fmt(ta["bytes"] / 1e6, 1), fmt(ta["flops"] / 1e9, 1),
+                 fmt(ta["exps"] / 1e6, 0), f"**{fmt(ta['us'], 1)}**", f"**{fmt(tb, 1)}**",
+                 fmt(sum(roof.values()), 1), "<= 350, <= 20 kernels"])
+    md.append(table(["step", "kernels", "MB moved", "tensor GFLOP", "M exp", "estimate, strided (us)",
+                     "paged (us)", "roofline (us)", "target (us)"], rows) + "\n")
+    comp = lay["strided"]["compaction"]
+    least = roof["compaction"] * 1e-6 * g["bandwidth"]
+    md.append(f"The compaction moves its least traffic ({least / 1e6:.0f} MB) at "
+              f"{least / (comp['us'] * 1e-6) / g['bandwidth']:.0%} of the bandwidth by this estimate; paged keys "
+              f"take {tb / ta['us']:.2f}x the strided time.\n")
+    rows = []
+    for l in kc["layouts"]["strided"]["launches"]:
+        rows.append([l["step"], l["kind"] + (f" ({l['kernels']} kernels)" if l["kernels"] > 1 else ""),
+                     f"{l['blocks']} x {l['threads']}", fmt(l["shared_bytes"] / 1024, 0),
+                     fmt((l["read_bytes"] + l["written_bytes"]) / 1e6, 2), fmt(l["tensor_flops"] / 1e9, 1),
+                     fmt(l["exps"] / 1e6, 0), fmt(l["sm_share"], 2), fmt(l["memory_share"], 2),
+                     fmt(l["memory_us"], 1), fmt(l["tensor_us"], 1), fmt(l["exp_us"], 1), fmt(l["est_us"], 1)])
+    md.append("Every launch of the strided eviction, in order:\n")
+    md.append(table(["step", "launch", "grid x block", "shared KiB", "MB moved", "tensor GFLOP", "M exp",
+                     "SM share", "memory share", "memory (us)", "tensor (us)", "exp (us)", "estimate (us)"],
+                    rows) + "\n")
+
+
 def capacity_sentence(caps):
     """How many requests ran at once in a fixed KV space with the full cache and with infkv
     (streams.py --capacity runs of both modes)."""
@@ -583,8 +646,10 @@ def main():
     section("6. Expected Attention against kvpress", expected_section,
             os.path.join(os.path.dirname(engine.rstrip("/")), "expected"), md)
     gpu_dir = os.path.join(os.path.dirname(engine.rstrip("/")), "gpu")
+    if os.path.exists(os.path.join(gpu_dir, "kernel_cost.json")):
+        section("7. The CUDA kernels: a cost model of the code as written", kernel_cost_section, gpu_dir, md)
     if os.path.exists(os.path.join(gpu_dir, "cost_model.json")):
-        section("7. The CUDA kernels: least work and the roofline", cuda_cost_section, gpu_dir, md)
+        section("7b. The CUDA kernels: least work and the roofline", cuda_cost_section, gpu_dir, md)
     vllm_dir = os.path.join(os.path.dirname(engine.rstrip("/")), "vllm")
     if all(os.path.exists(os.path.join(vllm_dir, f"{k}_{m}.json")) for k in ("streams", "capacity")
            for m in ("full", "infkv")):

@@ -18,7 +18,7 @@ TEST_CASE("the traffic arena counts the pages a step reads and writes, and the s
   a.begin();
   std::byte sink{};
   for (int i = 0; i < 3; ++i) sink ^= v[std::size_t(10 + i) * page + 100];  // 3 pages read
-  v[20 * page] = std::byte{1};                                             // 2 pages written only
+  v[20 * page] = std::byte{1};                                              // 2 pages written only
   v[21 * page + 4000] = std::byte{2};
   v[10 * page + 7] = std::byte{3};  // a page read, then written
   sink ^= v[20 * page + 1];         // a written page read again: nothing new
@@ -28,9 +28,9 @@ TEST_CASE("the traffic arena counts the pages a step reads and writes, and the s
   // Precise: distinct 32-byte sectors of the range, pages outside it as before.
   a.begin(p + 100 * page, p + 200 * page);
   for (int i = 0; i < 5; ++i) sink ^= v[150 * page + std::size_t(i) * 64];  // 5 sectors of one page
-  sink ^= v[150 * page + 1];                                                  // the first sector again
-  v[160 * page + 32] = std::byte{4};                                          // one sector written
-  sink ^= v[300 * page];                                                      // a page outside
+  sink ^= v[150 * page + 1];                                                // the first sector again
+  v[160 * page + 32] = std::byte{4};                                        // one sector written
+  sink ^= v[300 * page];                                                    // a page outside
   f = a.end();
   CHECK(f.read == 5 * 32 + page);
   CHECK(f.written == 32);

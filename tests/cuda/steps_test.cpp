@@ -285,6 +285,48 @@ TEST_CASE("cuda steps (host): tie ranks from the time order: many equal position
   }
 }
 
+TEST_CASE("cuda steps (host): the time order sorts the position bits it is promised, and names a position past them") {
+  std::mt19937_64 gen(31);
+  const std::int64_t n = 3000;
+  std::vector<token> tokens(static_cast<std::size_t>(n));
+  for (auto& t : tokens) t = {std::int64_t(gen() % (std::uint64_t(1) << 20)) / 7 * 7, 0, modality::text};  // repeats
+  tokens[5].pos = (std::int64_t(1) << 20) - 1;
+  std::vector<std::int64_t> want(static_cast<std::size_t>(n));
+  time_order_into(tokens, want.data());
+  const score_spec spec{.source = score_source::accumulated};
+  cpu::workspace ws(host_cuda_backend{}.scratch_bytes(spec, layer_shape{.n_slots = n}));
+  const auto order_with = [&](int bits, cuda::status* st) {
+    cuda::status_word word;
+    host_cuda_backend be = with_status(host_cuda_backend{}, word);
+    be.position_bits = bits;
+    std::vector<std::int64_t> order(static_cast<std::size_t>(n), -1);
+    be.time_order(tokens, order.data(), ws.span());
+    *st = cuda::decode(word);
+    return order;
+  };
+  for (const int bits : {20, 24, 31, 63}) {
+    CAPTURE(bits);
+    cuda::status st;
+    CHECK(order_with(bits, &st) == want);
+    CHECK(st.ok());
+  }
+  // A position past the promise is recorded (a = 2, e = the bits) and named.
+  cuda::status st;
+  (void)order_with(19, &st);
+  CHECK(st.kind == cuda::fault::bad_position);
+  CHECK(st.a == 2);
+  CHECK(st.e == 19);
+  CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("at or above 2^19"), infkv::invalid_argument);
+  for (const int bits : {0, 64}) {
+    host_cuda_backend be;
+    cuda::status_word word = cuda::status_ok;
+    be.status = &word, be.position_bits = bits;
+    std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+    CHECK_THROWS_WITH_AS(be.time_order(tokens, order.data(), ws.span()), doctest::Contains("backend.position_bits"),
+                         infkv::invalid_argument);
+  }
+}
+
 TEST_CASE("cuda steps (host): heavy ties, caps of the protected count and of all slots, odd slot counts") {
   const cpu::backend cpu_be{};
   std::mt19937_64 gen(29);
@@ -893,9 +935,10 @@ TEST_CASE("cuda steps (host): window attention through GEMM tiles matches the CP
                 std::string(spec.name) + " " + to_string(t) + " " + to_string(lay) + " limit " + std::to_string(limit);
             INFO(what);
             // 16-bit keys: the fused steps, any layout; f32: GEMM tiles, paged keys the scalar path.
-            // Every path combines its rows' statistics in one block-level step.
+            // Every path combines its rows' statistics in one block-level step; pooling's tail
+            // fill sums its pieces in another.
             const bool fused = t != dtype::f32;
-            CHECK(host_launcher::block_launches - blocks_before == (fused ? 3 : 1));
+            CHECK(host_launcher::block_launches - blocks_before == (fused ? 3 : 1) + (spec.score.pools() ? 1 : 0));
             CHECK(calls == (fused || lay == layout::paged ? 0 : 2 * tiles));
             if (limit == 4096) CHECK(tiles >= 4);
             check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6, what);
@@ -946,7 +989,7 @@ TEST_CASE("cuda steps (host): the fused window attention matches the CPU: 16-bit
             const std::string what = to_string(t) + std::string(" ") + to_string(lay) + " n " + std::to_string(sh.n) +
                                      " d " + std::to_string(sh.d) + " rows " + std::to_string(sh.group * sh.window);
             INFO(what);
-            CHECK(host_launcher::block_launches - before == (sh.fused ? 3 : 1));
+            CHECK(host_launcher::block_launches - before == (sh.fused ? 3 : 1) + 1);  // + the tail fill's sums
             check_close(got, as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6, what);
           }
         });
@@ -984,7 +1027,7 @@ TEST_CASE("cuda steps (host): the fused window attention records a non-finite ke
     cpu::workspace ws(pl.workspace_bytes);
     const std::int64_t before = host_launcher::block_launches;
     (void)run_scores(pl, be, ly.in(), ws.span());
-    CHECK(host_launcher::block_launches - before == 3);  // the two passes and the rows' statistics
+    CHECK(host_launcher::block_launches - before == 4);  // the passes, the rows' statistics, the tail's sums
     const cuda::status st = cuda::decode(word);
     CHECK(st.kind == cuda::fault::key_not_finite);
     CHECK(st.a == 1);

@@ -34,7 +34,11 @@ void require_workspace(std::span<std::byte> ws, std::size_t need, const char* wh
   if (!ws.empty()) require_device(ws.data(), "ws.data()");
 }
 
-inline basic_backend<device_launcher> impl(const backend& b) { return {device_launcher{b.stream}, b.status}; }
+inline basic_backend<device_launcher> impl(const backend& b) {
+  basic_backend<device_launcher> r{device_launcher{b.stream}, b.status};
+  r.position_bits = b.position_bits;
+  return r;
+}
 
 }  // namespace detail
 

@@ -13,10 +13,11 @@ namespace infkv::cuda {
 /// What a device step found wrong, by priority (the smallest recorded code wins).
 enum class fault : std::uint8_t {
   none = 0,
-  bad_keep = 1,        ///< a keep set that does not fit the cache (a = unit, b = entry)
-  bad_pages = 2,       ///< a page table that does not match the sequence (b = the sequence's slots)
-  bad_position = 3,    ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1)
-  key_not_finite = 4,  ///< a = head, e = element, b = slot
+  bad_keep = 1,      ///< a keep set that does not fit the cache (a = unit, b = entry)
+  bad_pages = 2,     ///< a page table that does not match the sequence (b = the sequence's slots)
+  bad_position = 3,  ///< tokens[b].pos outside [0, max_position] (a = 0), query_pos[b] outside +-max_position (a = 1),
+                     ///< tokens[b].pos at or above 2^e, the backend's position_bits (a = 2)
+  key_not_finite = 4,    ///< a = head, e = element, b = slot
   query_not_finite = 5,  ///< a = query head, e = element, b = query (as the caller counts them)
   value_not_finite = 6,  ///< a = head, b = slot
   logit_overflow = 7,    ///< Expected Attention's logit of key b of head a under query head e is not finite
@@ -58,6 +59,9 @@ inline void raise_if(status s, const char* what) {
       fail("infkv: ", what, ": paged: ", s.a == 0 ? "the sequence does not hold " : "indices[", s.b,
            s.a == 0 ? " slots (n_slots)" : "] is not a page of the pool [0, n_pages)", "; nothing was moved");
     case fault::bad_position:
+      if (s.a == 2)
+        fail("infkv: ", what, ": tokens[", s.b, "].pos is at or above 2^", s.e,
+             ", the bound the backend was given (backend.position_bits = ", s.e, ")");
       fail("infkv: ", what, s.a == 1 ? ": query_pos[" : ": tokens[", s.b, s.a == 1 ? "]" : "].pos",
            s.a == 1 ? ": query positions must be in [-2^62, 2^62]" : ": positions must be in [0, 2^62]");
     case fault::key_not_finite:

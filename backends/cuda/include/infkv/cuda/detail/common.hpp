@@ -154,6 +154,9 @@ using infkv::detail::carver;
 /// Keys per chunk of the chunked reductions (a thread sums one chunk, another the chunks).
 inline constexpr std::int64_t chunk = 256;
 inline std::int64_t chunks(std::int64_t n) { return (n + chunk - 1) / chunk; }
+/// Slots per block of fill_tail's sums (256 threads of 16).
+inline constexpr std::int64_t tail_piece = 4096;
+inline std::int64_t tail_pieces(std::int64_t n) { return (n + tail_piece - 1) / tail_piece; }
 /// Keys per tile of the window softmax statistics.
 inline constexpr std::int64_t key_tile = 256;
 inline std::int64_t tiles(std::int64_t n) { return (n + key_tile - 1) / key_tile; }
@@ -207,12 +210,11 @@ struct keydiff_scratch {
     return {c.take<float>(heads * chunks(n) * d), c.take<float>(heads * d), c.take<float>(heads)};
   }
 };
-/// fill_tail: per (row, chunk) sums and the row means.
+/// fill_tail: per (row, piece of tail_piece slots) sums.
 struct tail_scratch {
   double* part;
-  float* mean;
   static tail_scratch carve(carver& c, std::int64_t rows, std::int64_t n) {
-    return {c.take<double>(rows * chunks(n)), c.take<float>(rows)};
+    return {c.take<double>(rows * tail_pieces(n))};
   }
 };
 /// The attention bias: each slot's age value, per chunk the new positions (then the ranks

@@ -62,6 +62,10 @@ struct basic_backend {
   /// tests: every pass through global memory, and faster host emulation).
   std::int64_t select_buffer = 8192;
   int select_threads = 256;
+  /// Bits of the largest position the caller's tokens hold (a promise: a position at or above
+  /// 2^position_bits is recorded as bad_position): the time order sorts that many bits, a radix
+  /// pass per 8. 63 holds every position (max_position); 31 any of llama.cpp's 32-bit positions.
+  int position_bits = 63;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape`.
   std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {
@@ -104,8 +108,10 @@ struct basic_backend {
     return status;
   }
 
-  /// Time order (position, then slot).
+  /// Time order (position, then slot): the positions sorted by their low position_bits bits.
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const {
+    INFKV_REQUIRE(position_bits >= 1 && position_bits <= 63, "backend.position_bits", position_bits,
+                  "must be in [1, 63] (63 holds every position up to 2^62)");
     const auto n = std::int64_t(tokens.size());
     status_word* st = checked_status();
     if (n == 0) return;
@@ -114,11 +120,16 @@ struct basic_backend {
     const token* t = tokens.data();
     std::uint64_t* keys = w.keys;
     std::int64_t* vals = w.vals;
+    const int bits = position_bits;
+    const std::int64_t most = bits == 63 ? max_position : (std::int64_t(1) << bits) - 1;
     launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
-      if (t[i].pos < 0 || t[i].pos > max_position) detail::record(st, encode(fault::bad_position, 0, 0, i));
+      if (t[i].pos < 0 || t[i].pos > max_position)
+        detail::record(st, encode(fault::bad_position, 0, 0, i));
+      else if (t[i].pos > most)
+        detail::record(st, encode(fault::bad_position, 2, bits, i));
       keys[i] = std::uint64_t(t[i].pos), vals[i] = i;
     });
-    launch.temp(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, order, n, 64);
+    launch.temp(scratch.subspan(c.size())).sort_pairs(keys, w.kout, vals, order, n, bits);
   }
 
   template <row_source R>
@@ -177,28 +188,37 @@ struct basic_backend {
     });
   }
 
-  /// The last `tail` slots in time order get their row's mean over the others (fill_tail).
+  /// The last `tail` slots in time order get their row's mean over the others (fill_tail). Two
+  /// launches: a block per (row, piece of tail_piece slots) sums its piece (each thread 16 slots
+  /// in order, then a tree over the block in shared memory, f64), then a thread per tail slot adds
+  /// its row's pieces in order and writes the mean.
   void fill_tail(score_view s, const std::int64_t* order, std::int64_t tail, std::span<std::byte> scratch) const {
-    const std::int64_t n = s.cols, len = n - std::min(tail, n), nc = detail::chunks(len);
+    constexpr int threads = detail::tail_piece / 16;
+    const std::int64_t n = s.cols, len = n - std::min(tail, n), pieces = detail::tail_pieces(len);
     if (len == 0 || len == n) return;
     detail::carver c{scratch.data(), 0};
     const auto w = detail::tail_scratch::carve(c, s.rows, len);
     double* part = w.part;
-    float* mean = w.mean;
-    launch.for_each(s.rows * nc, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-      const std::int64_t r = x / nc, cc = x % nc;
-      double sum = 0;
-      for (std::int64_t i = cc * detail::chunk; i < std::min(len, (cc + 1) * detail::chunk); ++i) sum += s(r, order[i]);
-      part[x] = sum;
-    });
-    launch.for_each(s.rows, [=] INFKV_HOST_DEVICE(std::int64_t r) {
-      double sum = 0;
-      for (std::int64_t cc = 0; cc < nc; ++cc) sum += part[r * nc + cc];
-      mean[r] = float(sum / double(len));
-    });
+    launch.for_blocks(s.rows * pieces, threads, threads * sizeof(double),
+                      [=] INFKV_HOST_DEVICE(const typename L::block_context& ctx) {
+                        const std::int64_t r = ctx.block / pieces, p = ctx.block % pieces;
+                        const std::int64_t lo = p * detail::tail_piece + ctx.thread * 16;
+                        double sum = 0;
+                        for (std::int64_t i = lo; i < std::min(len, lo + 16); ++i) sum += s(r, order[i]);
+                        auto* sh = reinterpret_cast<double*>(ctx.shared);
+                        sh[ctx.thread] = sum;
+                        ctx.sync();
+                        for (int stride = threads / 2; stride > 0; stride /= 2) {
+                          if (ctx.thread < stride) sh[ctx.thread] += sh[ctx.thread + stride];
+                          ctx.sync();
+                        }
+                        if (ctx.thread == 0) part[ctx.block] = sh[0];
+                      });
     launch.for_each(s.rows * (n - len), [=] INFKV_HOST_DEVICE(std::int64_t x) {
       const std::int64_t r = x / (n - len);
-      s(r, order[len + x % (n - len)]) = mean[r];
+      double sum = 0;
+      for (std::int64_t p = 0; p < pieces; ++p) sum += part[r * pieces + p];
+      s(r, order[len + x % (n - len)]) = float(sum / double(len));
     });
   }
 
