@@ -470,6 +470,15 @@ def kernel_cost_section(gpu_dir, md):
                  fmt(sum(roof.values()), 1), "<= 350, <= 20 kernels"])
     md.append(table(["step", "kernels", "MB moved", "tensor GFLOP", "M exp", "estimate, strided (us)",
                      "paged (us)", "roofline (us)", "target (us)"], rows) + "\n")
+    bits_path = os.path.join(gpu_dir, "kernel_cost_bits31.json")
+    if os.path.exists(bits_path):  # the same eviction with the backend told positions fit 31 bits
+        kb = load(bits_path)
+        lb = totals(kb["layouts"]["strided"]["launches"])
+        md.append(f"With `position_bits = {kb['case']['position_bits']}` (llama.cpp's positions are 32-bit; commit "
+                  f"{kb['commit']}): the time order takes {lb['time order']['kernels']} kernels, "
+                  f"{fmt(lb['time order']['us'], 1)} us, and the whole eviction "
+                  f"{sum(lb[k]['kernels'] for k in groups)} kernels, {fmt(sum(lb[k]['us'] for k in groups), 1)} us "
+                  f"(strided).\n")
     comp = lay["strided"]["compaction"]
     least = roof["compaction"] * 1e-6 * g["bandwidth"]
     md.append(f"The compaction moves its least traffic ({least / 1e6:.0f} MB) at "

@@ -14,9 +14,12 @@ namespace infkv::cuda::detail {
 /// (rows padded to 16 with zeros) and one tile of keys, rows `ldq` elements apart, the tile's
 /// logits (rows x key_tile f32, `lds` apart), the mass epilogue's partial sums, and per row its
 /// maximum, normaliser's inverse and query position. Rows of 16-bit elements are 8 elements
-/// longer than head_dim (16 bytes: WMMA's alignment, and rows land on other banks).
+/// longer than head_dim (16 bytes: WMMA's alignment, and rows land on other banks). Tiles of 32
+/// keys: 63 KiB of shared memory at head_dim 128 with 128 rows, three blocks per SM on sm_90 and
+/// two on sm_80 (tiles of 64 took 88 KiB: two and one), so one block's loads overlap another's
+/// math.
 struct fused_window {
-  static constexpr int threads = 128, key_tile = 64, parts = threads / key_tile;
+  static constexpr int threads = 128, key_tile = 32, parts = threads / key_tile;
   static constexpr std::int64_t span = 1024;
   std::int64_t d, per_head, rows;  ///< head_dim, query rows per KV head, those padded to 16
   int ldq, lds;
