@@ -11,7 +11,8 @@
 # OUT_DIR gets three files, each rewritten as the check goes, so a run killed by its caller still
 # returns what it did: summary.json (per step: name, rc, ms, status ok / failed / timeout /
 # skipped / running, reason, log; the nvidia-smi line; the benchmark medians and ceilings),
-# bench_cuda.json (Google Benchmark's JSON) and logs.tar.gz (every step's log).
+# bench_cuda.json (Google Benchmark's JSON) and logs.tar.gz (every step's log); and ncu.csv
+# (Nsight Compute's metrics of the reference eviction's kernels) when ncu is installed.
 # Every step has a time limit and none runs past the budget (GPU_CHECK_BUDGET_S, 390 s); a failed
 # configure or build skips what needs it, a failed test step does not stop the others. Without a
 # GPU the GPU steps are skipped ("no GPU"), and so is the build unless GPU_CHECK_BUILD=1 (on a slow
@@ -138,6 +139,7 @@ requires() {  # requires gpu | build | sanitizer ...
       gpu) [ "$have_gpu" = 1 ] || why_not="no GPU" ;;
       build) why_not=$build_blocked ;;
       sanitizer) [ -n "$sanitizer" ] || why_not="compute-sanitizer not found (in PATH or the CUDA toolkit)" ;;
+      ncu) [ -n "$ncu" ] || why_not="ncu (Nsight Compute) not found (in PATH or the CUDA toolkit)" ;;
     esac
     [ -n "$why_not" ] && return
   done
@@ -207,6 +209,8 @@ sanitizer=$(command -v compute-sanitizer)
 for d in "$cuda_home/bin" "$cuda_home/compute-sanitizer" /usr/local/cuda/compute-sanitizer; do
   [ -z "$sanitizer" ] && [ -x "$d/compute-sanitizer" ] && sanitizer=$d/compute-sanitizer
 done
+ncu=$(command -v ncu)
+[ -z "$ncu" ] && [ -x "$cuda_home/bin/ncu" ] && ncu=$cuda_home/bin/ncu
 prefixes=()
 if [ -d build/gpu-deps/usr ]; then
   prefixes+=("$root/build/gpu-deps/usr")
@@ -263,7 +267,14 @@ requires gpu build
 step bench 120 "$b"/bench/infkv_bench_cuda --benchmark_out="$logs/bench_cuda.json" --benchmark_out_format=json \
   --benchmark_min_time=0.01 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 requires gpu build
-step gpu_tests 60 "${gpu[@]}" "$b"/tests/infkv_gpu_tests --duration=true
+step gpu_tests 90 "${gpu[@]}" "$b"/tests/infkv_gpu_tests --duration=true
+# One Nsight Compute CSV of the reference eviction's kernels at 131,072 slots (window scoring, the
+# selection, pooling, compaction): per kernel its time, DRAM bytes, SM throughput and grid, for
+# docs/performance.md section 7's model to be compared with.
+requires gpu build ncu
+step ncu 60 "$ncu" --csv --log-file "$out/ncu.csv" --launch-count 40 \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__block_size,launch__shared_mem_per_block_dynamic \
+  "$b"/bench/infkv_bench_cuda --benchmark_filter='BM_(window_scoring|topk|pool|compact)/131072$' --benchmark_min_time=0.001
 requires build  # the library built here against the stub runtime: runs without a GPU too
 step nosync 30 "$b"/tests/infkv_nosync_tests
 requires gpu build

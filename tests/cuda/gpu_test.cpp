@@ -178,6 +178,51 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
       }
 }
 
+// Skipped under INFKV_GPU_SMALL (the sanitizers' runs: the shapes above cover the kernels' logic).
+TEST_CASE("gpu: SnapKV's scores at 131,072 slots (128 fused blocks per KV head) equal the CPU's, strided and paged" *
+          doctest::skip(small())) {
+  const cpu::backend cpu_be{};
+  const device_status status;
+  const cuda::backend gpu_be{nullptr, status.p()};
+  const problem p = make_problem(4242, 131072, 8, 4, 128, 32, dtype::f16);
+  const policy_spec spec = snapkv{.window = 32}.spec();
+  const stored queries = store_queries(p);
+  // The CPU's scores once (they do not depend on the layout), from the strided keys.
+  ref_matrix want;
+  {
+    const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+    keys.visit([&](const auto& hk) {
+      using R = read_only_t<std::decay_t<decltype(hk)>>;
+      const layer_inputs<R> in{hk, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+      const plan hp = make_plan(cpu_be, spec, budget{.ratio = 1.0}, shape_of(in));
+      cpu::workspace hws(hp.workspace_bytes);
+      const score_view s = run_scores(hp, cpu_be, in, hws.span());
+      for (std::int64_t r = 0; r < s.rows; ++r) want.emplace_back(s.row(r), s.row(r) + s.cols);
+    });
+  }
+  const device_tensor dq(queries);
+  const device_meta meta(p.tokens, p.qpos, {});
+  for (const layout lay : {layout::nhd, layout::paged}) {
+    const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay);
+    const device_tensor dk(keys);
+    keys.visit([&](const auto& hk) {
+      using R = read_only_t<std::decay_t<decltype(hk)>>;
+      layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
+      if constexpr (std::same_as<R, const_paged_rows>)
+        din.keys = dk.rows;
+      else
+        din.keys = dk.tensor;
+      const plan dp = make_plan(gpu_be, spec, budget{.ratio = 1.0}, shape_of(din));
+      dvec<std::byte> ws(dp.workspace_bytes);
+      const score_view got = run_scores(dp, gpu_be, din, ws.span());
+      cuda::check(status.p(), nullptr, "run_scores");
+      score_matrix g(got.rows, got.cols);
+      ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      check_close(g, want, 2e-4, 2e-6, std::string("snapkv 131072 ") + to_string(lay));
+    });
+  }
+}
+
 TEST_CASE(
     "gpu: given equal scores the keep sets are the CPU's (ties, signed zeros, AdaKV, pooling, bias, layers, unions)") {
   const cpu::backend cpu_be{};
