@@ -688,6 +688,21 @@ TEST_CASE("cuda steps (host): KeyDiff refuses head_dim above 256 when planning, 
                           layer_shape{.n_slots = 100, .kv_heads = 2, .q_heads = 2, .head_dim = 256, .n_queries = 1}));
 }
 
+TEST_CASE("cuda steps (host): a selection of 2^32 slots or more is refused when planning, naming the slots") {
+  // The tie ranks are 32-bit with 2^32 - 1 marking protected slots: 2^32 slots would give the
+  // newest slot that rank.
+  const auto shape = [](std::int64_t n, std::int32_t heads) {
+    return layer_shape{.n_slots = n, .kv_heads = heads, .q_heads = 0, .head_dim = 8, .n_queries = 0};
+  };
+  const score_spec spec{.source = score_source::accumulated};
+  CHECK_THROWS_WITH_AS((void)host_cuda_backend{}.scratch_bytes(spec, shape(std::int64_t(1) << 32, 1), {}),
+                       doctest::Contains("shape.n_slots"), invalid_argument);
+  CHECK_THROWS_WITH_AS((void)host_cuda_backend{}.scratch_bytes(spec, shape(std::int64_t(1) << 31, 4), {}),
+                       doctest::Contains("shape.n_slots"), invalid_argument);
+  CHECK_NOTHROW(host_cuda_backend::check_sort_bits(1, (std::int64_t(1) << 32) - 1));
+  CHECK_NOTHROW(host_cuda_backend::check_sort_bits(2, std::int64_t(1) << 31));
+}
+
 TEST_CASE("cuda steps (host): device faults are recorded, named, and leave the cache as it was") {
   const host_cuda_backend be{};
   const layer ly(make_problem(9, 80, 2, 2, 8, 4));

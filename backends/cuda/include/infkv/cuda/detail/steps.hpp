@@ -94,11 +94,12 @@ struct basic_backend {
     return need;
   }
 
-  /// Units x slots must fit the keys: unit (AdaKV: row) bits + 32 score bits + rank bits <= 64.
+  /// Units x slots must fit the keys: unit (AdaKV: row) bits + 32 score bits + rank bits <= 64;
+  /// and the selection's 32-bit tie ranks keep 2^32 - 1 for protected slots, so n < 2^32.
   static void check_sort_bits(std::int64_t units, std::int64_t n) {
-    INFKV_REQUIRE(detail::bits_for(units) + 32 + detail::bits_for(n) <= 64, "shape.n_slots", n,
-                  "too many slots for one selection on the CUDA backend with ", units,
-                  " units (units x slots must fit in 2^32)");
+    INFKV_REQUIRE(detail::bits_for(units) + 32 + detail::bits_for(n) <= 64 && n < (std::int64_t(1) << 32),
+                  "shape.n_slots", n, "too many slots for one selection on the CUDA backend with ", units,
+                  " units (units x slots must fit in 2^32, and slots below 2^32)");
   }
 
   /// The status word (the caller's, kept across calls until the caller resets it).
