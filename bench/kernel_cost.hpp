@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <infkv/policies/snapkv.hpp>
+#include <infkv/infkv.hpp>
 
 #include "cuda/host_launcher.hpp"
 #include "traffic.hpp"
@@ -30,6 +30,7 @@ struct launch_record {
   std::int64_t blocks = 0, threads = 0, shared = 0, items = 0;
   int count = 1;  ///< kernels it is on a GPU (CUB's sort: a histogram and one per 8-bit digit)
   double read = 0, written = 0, tc_flops = 0, exps = 0;
+  bool f32 = false;  ///< its products are f32 GEMMs (CUDA cores), not 16-bit ones on tensor cores
 };
 
 /// What one H200 (SXM) does, and what fraction of it this code may reach. Every number is a
@@ -41,6 +42,7 @@ struct gpu_model {
   double bandwidth_eff = 0.85;  ///< fraction a copy reaches
   double tc_peak = 989e12;      ///< dense f16 tensor-core FLOP/s
   double tc_eff = 0.5;          ///< fraction WMMA (mma.sync, not wgmma) tiles among other work reach
+  double f32_peak = 67e12;      ///< f32 FLOP/s (cuBLAS f32 GEMMs: Expected Attention), at tc_eff too
   double exp_rate = 2.1e12;     ///< expf with the scalar work around it (~16 FP32 instructions, 128 lanes
                                 ///< per SM per clock at 1.98 GHz)
   double latency = 0.6e-6;      ///< a global load's round trip (s)
@@ -71,7 +73,7 @@ struct gpu_model {
     const double threads = double(std::min<std::int64_t>(l.blocks, slots) * l.threads);
     t.memory_share = std::min(1.0, threads * in_flight / latency / (bandwidth * bandwidth_eff));
     t.memory = (l.read + l.written) / (bandwidth * bandwidth_eff * t.memory_share);
-    t.tensor = l.tc_flops / (tc_peak * tc_eff * t.sm_share);
+    t.tensor = l.tc_flops / ((l.f32 ? f32_peak : tc_peak) * tc_eff * t.sm_share);
     t.exp = l.exps / (exp_rate * t.sm_share);
     t.total = launch_gap * l.count + std::max({t.memory, t.tensor, t.exp});
     return t;
@@ -227,8 +229,11 @@ struct layer_data {
   int position_bits = 63;  ///< the backend's promise (basic_backend::position_bits)
 };
 
-/// One eviction of the case, keys strided or paged, recorded.
-inline std::vector<launch_record> record_eviction(const layer_data& c, std::int64_t kept, bool paged) {
+/// One eviction of the case by `spec` (SnapKV's by default), keys strided or paged, recorded; the
+/// compaction of K and V after it unless `compact` is false.
+inline std::vector<launch_record> record_eviction(const layer_data& c, std::int64_t kept, bool paged,
+                                                  const infkv::policy_spec& spec = infkv::snapkv{}.spec(),
+                                                  bool compact = true) {
   const std::int64_t row = c.hkv * c.d, n = c.n;
   const std::int32_t page = 16;
   const std::int64_t pages = (n + page - 1) / page;
@@ -241,7 +246,7 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
   const infkv::budget b{.capacity = kept};
   // Plan first (its sizes), with a backend that records nowhere.
   labelled<infkv::cuda::basic_backend<recording_launcher>> be;
-  const infkv::plan pl = infkv::make_plan(be, infkv::snapkv{}.spec(), b, shape);
+  const infkv::plan pl = infkv::make_plan(be, spec, b, shape);
   const std::size_t compact_ws = infkv::cuda::compact_scratch_bytes(pl.keep_per_unit, std::int32_t(c.hkv), c.d * 2);
   traffic_arena arena(2 * kv_bytes + std::size_t(c.w * c.hq * c.d) * 2 + std::size_t(n) * sizeof(infkv::token) * 9 +
                       pl.workspace_bytes + std::size_t(pl.kept_total + pl.offsets_size()) * 8 + compact_ws +
@@ -264,7 +269,7 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
     return infkv::f32_to_f16(float(double(x >> 11) / double(1ull << 53) * 2.0 - 1.0));
   };
-  for (std::size_t i = 0; i < kv_bytes / 2; ++i) k[i] = random_half(), v[i] = std::uint16_t(i);
+  for (std::size_t i = 0; i < kv_bytes / 2; ++i) k[i] = random_half(), v[i] = random_half();
   for (std::size_t i = 0; i < std::size_t(c.w * c.hq * c.d); ++i) q[i] = random_half();
   for (std::int64_t j = 0; j < n; ++j) {
     tokens[j] = {j, 0, infkv::modality::text};
@@ -294,13 +299,16 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
     const infkv::layer_inputs<infkv::const_paged_rows> in{pk, pv, queries, qp, toks, scale};
     infkv::run(pl, be, in, wspan, out);
     rec.step = "compact", rec.precise_begin = k, rec.precise_end = head_tokens + n * c.hkv;
-    infkv::cuda::compact_steps(inner.launch, status, pk, pv, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
+    if (compact)
+      infkv::cuda::compact_steps(inner.launch, status, pk, pv, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
   } else {
     const auto kv = infkv::contiguous_nhd(k, v, infkv::dtype::f16, n, std::int32_t(c.hkv), std::int32_t(c.d));
     const infkv::layer_inputs<infkv::const_tensor_view> in{kv.k, kv.v, queries, qp, toks, scale};
     infkv::run(pl, be, in, wspan, out);
     rec.step = "compact", rec.precise_begin = k, rec.precise_end = head_tokens + n * c.hkv;
-    infkv::cuda::compact_steps(inner.launch, status, kv.k, kv.v, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
+    if (compact)
+      infkv::cuda::compact_steps(inner.launch, status, kv.k, kv.v, head_tokens, n * c.hkv, out, pl.keep_per_unit,
+                                 cspan);
   }
   current_recording = nullptr;
   infkv::cuda::raise_if(infkv::cuda::decode(*status), "infkv_kernel_cost's eviction");
