@@ -176,7 +176,8 @@ struct recording_launcher : infkv_test::host_launcher {
            .items = m * n * batch,
            .read = double(batch) * (double(m * k) * ea + double(k * n) * eb + (beta != 0.f ? double(m * n) * 4 : 0.0)),
            .written = double(batch) * double(m * n) * 4,
-           .tc_flops = 2.0 * double(m) * double(n) * double(k) * double(batch)});
+           .tc_flops = 2.0 * double(m) * double(n) * double(k) * double(batch),
+           .f32 = at == infkv::dtype::f32});
       infkv_test::host_gemm_strided_batched(ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb, sb, beta, c, ct, ldc,
                                             sc, batch);
     }

@@ -479,6 +479,25 @@ def kernel_cost_section(gpu_dir, md):
                   f"{fmt(lb['time order']['us'], 1)} us, and the whole eviction "
                   f"{sum(lb[k]['kernels'] for k in groups)} kernels, {fmt(sum(lb[k]['us'] for k in groups), 1)} us "
                   f"(strided).\n")
+    others = []  # the other score sources' scoring and selection (infkv_kernel_cost --policy)
+    for name in ("tova", "keydiff", "expected_attention"):
+        path = os.path.join(gpu_dir, f"kernel_cost_{name}.json")
+        if os.path.exists(path):
+            ko = load(path)
+            t = totals(ko["layouts"]["strided"]["launches"])
+            f32 = any(l.get("f32") for l in ko["layouts"]["strided"]["launches"])
+            sc = t["window scoring"]
+            rest = sum(t[k]["us"] for k in ("time order", "score finishing", "selection"))
+            others.append([name, str(sc["kernels"]), fmt(sc["bytes"] / 1e6, 1),
+                           fmt(sc["flops"] / 1e9, 1) + (" (f32)" if f32 else ""), fmt(sc["exps"] / 1e6, 0),
+                           fmt(sc["us"], 1), fmt(ko["roofline_us"]["window scoring"], 1),
+                           str(sum(t[k]["kernels"] for k in groups)), fmt(sc["us"] + rest, 1), ko["commit"]])
+    if others:
+        md.append("The other score sources by the same model (strided keys, the same layer; their scoring, then "
+                  "the time order, finishing and selection; no compaction, which is the same for every policy):\n")
+        md.append(table(["policy", "scoring kernels", "MB moved", "GFLOP", "M exp", "scoring (us)",
+                         "scoring roofline (us)", "kernels in all", "without compaction (us)", "commit"],
+                        others) + "\n")
     comp = lay["strided"]["compaction"]
     least = roof["compaction"] * 1e-6 * g["bandwidth"]
     md.append(f"The compaction moves its least traffic ({least / 1e6:.0f} MB) at "

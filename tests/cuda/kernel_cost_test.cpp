@@ -38,6 +38,21 @@ TEST_CASE("the traffic arena counts the pages a step reads and writes, and the s
   (void)sink;
 }
 
+TEST_CASE("the recording launcher records cuBLAS's GEMMs from their arguments, f32 ones as such") {
+  // Expected Attention multiplies f32 keys with its f32 operand rows through the GEMM.
+  const layer_data c{.n = 2048};
+  const auto ls = record_eviction(c, 256, false, infkv::expected_attention{.window = 32}.spec(), false);
+  int gemms = 0;
+  for (const auto& l : ls)
+    if (l.kind == "gemm") {
+      ++gemms;
+      CHECK(l.f32);
+      CHECK(l.tc_flops > 0);
+      CHECK(gpu_model{}.time(l).tensor > l.tc_flops / (gpu_model{}.tc_peak * gpu_model{}.tc_eff));  // f32 rate
+    }
+  CHECK(gemms >= 2);  // Sigma' or the projections, then a tile of keys at least
+}
+
 TEST_CASE("the recording launcher records every launch of an eviction with the work its steps do") {
   const layer_data c{.n = 2048};
   const std::int64_t kept = 256;
