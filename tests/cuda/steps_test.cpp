@@ -1028,6 +1028,24 @@ TEST_CASE("cuda steps (host): window rows combine more partial statistics than a
   }
 }
 
+TEST_CASE(
+    "cuda steps (host): KeyDiff's anchor adds more chunks than its block has warps, head_dim not a multiple of 32") {
+  // 3,000 keys: 12 chunks of 256, so every warp of the anchor's blocks adds some and 4 add two;
+  // head_dim 40: the second slice of 32 elements is partly empty.
+  const cpu::backend cpu_be{};
+  for (const dtype t : {dtype::f32, dtype::bf16}) {
+    const problem p = make_problem(7400, 3000, 2, 1, 40, 1, t);
+    const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+    keys.visit([&](const auto& k) {
+      using R = std::decay_t<decltype(k)>;
+      const layer_inputs<R> in{k, {}, {}, {}, p.tokens, 0.f};
+      const policy_spec spec = keydiff{}.spec();
+      check_close(finished(host_cuda_backend{}, spec, in), as_ref(finished(cpu_be, spec, in)), 2e-4, 2e-6,
+                  to_string(t));
+    });
+  }
+}
+
 TEST_CASE("cuda steps (host): the fused window attention records a non-finite key as the other paths do") {
   for (const dtype t : {dtype::f16, dtype::bf16}) {
     problem p = make_problem(7100, 1500, 2, 2, 32, 8, t);

@@ -203,11 +203,11 @@ struct window_scratch {
     return {stats, queries, logits, {gemm, gemm ? gemm_bytes : 0}, tile};
   }
 };
-/// KeyDiff: per (head, chunk) sums of unit keys, the anchors, their inverse norms.
+/// KeyDiff: per (head, chunk) sums of unit keys, the anchors.
 struct keydiff_scratch {
-  float *part, *anchor, *inv_an;
+  float *part, *anchor;
   static keydiff_scratch carve(carver& c, std::int64_t heads, std::int64_t n, std::int64_t d) {
-    return {c.take<float>(heads * chunks(n) * d), c.take<float>(heads * d), c.take<float>(heads)};
+    return {c.take<float>(heads * chunks(n) * d), c.take<float>(heads * d)};
   }
 };
 /// fill_tail: per (row, piece of tail_piece slots) sums.

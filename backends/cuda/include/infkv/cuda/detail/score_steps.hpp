@@ -16,14 +16,14 @@ INFKV_HOST_DEVICE inline std::int32_t rope_pair_of(rope_style s, std::int64_t el
 
 /// KeyDiff's blocks (T: the keys' type): per KV head and chunk of 256 keys, a block of 128
 /// threads reads each key once (vectorised), writes its inverse norm to out and adds its unit
-/// key into the chunk's sums (per element, keys in order); a block per KV head adds the chunks'
-/// sums in order into the anchor and its inverse norm.
+/// key into the chunk's sums (per element, keys in order); a block per (KV head, 32 elements)
+/// adds the chunks' sums into the anchor (anchors).
 template <dtype T, row_source R>
 struct keydiff_blocks {
   static constexpr int threads = 128, tile = 64;  ///< keys of a chunk are read in tiles
   R keys;
   score_view out;
-  float *part, *anchor, *inv_an;
+  float *part, *anchor;
   std::int64_t n, d, nc;
 
   /// Shared memory: a tile of keys as f32 ([key][d]) and their inverse norms.
@@ -69,48 +69,61 @@ struct keydiff_blocks {
     if (e1 < d) part[(h * nc + cc) * d + e1] = acc1;
   }
 
+  /// The anchor, a block per (KV head, 32 elements): lane l of warp w adds the chunks w, w + 8,
+  /// ... of element l in order, then lane l of warp 0 adds the 8 warps' sums in order.
+  static constexpr int anchor_lanes = 32, anchor_warps = 8;
+  static std::int64_t anchor_slices(std::int64_t d) { return (d + anchor_lanes - 1) / anchor_lanes; }
   template <class Ctx>
   INFKV_HOST_DEVICE void anchors(const Ctx& c) const {
-    const std::int64_t h = c.block;
-    for (std::int64_t e = c.thread; e < d; e += c.threads) {
-      float s = 0.f;
-      for (std::int64_t cc = 0; cc < nc; ++cc) s += part[(h * nc + cc) * d + e];
-      anchor[h * d + e] = s;
-    }
+    const std::int64_t slices = anchor_slices(d), h = c.block / slices;
+    const int lane = c.thread % anchor_lanes, warp = c.thread / anchor_lanes;
+    const std::int64_t e = (c.block % slices) * anchor_lanes + lane;
+    auto* sums = reinterpret_cast<float*>(c.shared);  // [warp][lane]
+    float s = 0.f;
+    if (e < d)
+      for (std::int64_t cc = warp; cc < nc; cc += anchor_warps) s += part[(h * nc + cc) * d + e];
+    sums[warp * anchor_lanes + lane] = s;
     c.sync();
-    if (c.thread == 0) {
-      float s = 0.f;
-      for (std::int64_t e = 0; e < d; ++e) s += anchor[h * d + e] * anchor[h * d + e];
-      inv_an[h] = s > 0.f ? 1.f / sqrtf(s) : 0.f;
+    if (warp == 0 && e < d) {
+      float a = 0.f;
+      for (int w = 0; w < anchor_warps; ++w) a += sums[w * anchor_lanes + lane];
+      anchor[h * d + e] = a;
     }
   }
 };
 
 /// -cos(k_j, mean unit key) per KV head (KeyDiff), in three launches over the keys read twice:
 /// per (KV head, chunk) block the inverse norms and the chunk's sums of unit keys
-/// (keydiff_blocks), per KV head block the anchor and its inverse norm, then per key its cosine
-/// with the anchor (a thread per key, vectorised loads). Every sum runs in the order of the
-/// one-thread-per-index steps it replaces (elements in order, keys in order, chunks in order).
+/// (keydiff_blocks), per (KV head, 32 elements) block the anchor, then per key its cosine with
+/// the anchor (a thread per key, vectorised loads; the anchor's norm summed in element order as
+/// the dot product goes, the same in every thread of a head). The chunk sums and the norms run in
+/// element and key order; the anchor adds the chunks in 8 interleaved runs, then the runs.
 template <dtype T, class L, row_source R>
 void keydiff_typed(const L& launch, status_word* st, const R& keys, score_view out, const keydiff_scratch& w) {
   const std::int64_t n = keys.n_slots, d = keys.head_dim, hkv = keys.n_heads, nc = chunks(n);
   using B = keydiff_blocks<T, R>;
-  const B b{keys, out, w.part, w.anchor, w.inv_an, n, d, nc};
+  const B b{keys, out, w.part, w.anchor, n, d, nc};
   launch.for_blocks(hkv * nc, B::threads, B::shared_bytes(d),
                     [=] INFKV_HOST_DEVICE(const typename L::block_context& c) { b.chunk_sums(c, st); });
-  launch.for_blocks(hkv, B::threads, 0, [=] INFKV_HOST_DEVICE(const typename L::block_context& c) { b.anchors(c); });
-  const float *anchor = w.anchor, *inv_an = w.inv_an;
+  launch.for_blocks(hkv * B::anchor_slices(d), B::anchor_lanes * B::anchor_warps,
+                    std::size_t(B::anchor_lanes * B::anchor_warps) * 4,
+                    [=] INFKV_HOST_DEVICE(const typename L::block_context& c) { b.anchors(c); });
+  const float* anchor = w.anchor;
   launch.for_each(hkv * n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
     const auto h = std::int32_t(i / n);
     const std::int64_t j = i % n;
     const void* row = keys.row(j, h);
-    float dot = 0.f, x[8];
+    float dot = 0.f, an = 0.f, x[8];
     for (std::int64_t e0 = 0; e0 < d;) {
       const int count = load_chunk<T>(row, e0, d, x);
-      for (int t = 0; t < count; ++t) dot += x[t] * anchor[h * d + e0 + t];
+      for (int t = 0; t < count; ++t) {
+        const float a = anchor[h * d + e0 + t];
+        dot += x[t] * a, an += a * a;
+      }
       e0 += count;
     }
-    out(h, j) = -dot * out(h, j) * inv_an[h];
+    const float inv_an = an > 0.f ? 1.f / sqrtf(an) : 0.f;
+    out(h, j) = -dot * out(h, j) * inv_an;
   });
 }
 
