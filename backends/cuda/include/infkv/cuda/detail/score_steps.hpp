@@ -72,7 +72,7 @@ struct keydiff_blocks {
   /// The anchor, a block per (KV head, 32 elements): lane l of warp w adds the chunks w, w + 8,
   /// ... of element l in order, then lane l of warp 0 adds the 8 warps' sums in order.
   static constexpr int anchor_lanes = 32, anchor_warps = 8;
-  static std::int64_t anchor_slices(std::int64_t d) { return (d + anchor_lanes - 1) / anchor_lanes; }
+  INFKV_HOST_DEVICE static std::int64_t anchor_slices(std::int64_t d) { return (d + anchor_lanes - 1) / anchor_lanes; }
   template <class Ctx>
   INFKV_HOST_DEVICE void anchors(const Ctx& c) const {
     const std::int64_t slices = anchor_slices(d), h = c.block / slices;
