@@ -292,24 +292,23 @@ inline std::vector<launch_record> record_eviction(const layer_data& c, std::int6
   const std::span<const std::int64_t> qp(qpos, std::size_t(c.w));
   const float scale = 1.f / std::sqrt(float(c.d));
   const std::span<std::byte> wspan(ws, pl.workspace_bytes), cspan(cws, compact_ws);
-  const infkv::cuda::basic_backend<recording_launcher>& inner = be.be;
-  if (paged) {
-    const infkv::paged_rows pk{{k, page * row, row, c.d}, page_ids, infkv::dtype::f16, n, std::int32_t(c.hkv),
-                               std::int32_t(c.d),         page},
-        pv{{v, page * row, row, c.d}, page_ids, infkv::dtype::f16, n, std::int32_t(c.hkv), std::int32_t(c.d), page};
-    const infkv::layer_inputs<infkv::const_paged_rows> in{pk, pv, queries, qp, toks, scale};
-    infkv::run(pl, be, in, wspan, out);
+  // The eviction, then the compaction, of K and V as `kr` and `vr` (strided views or paged rows).
+  const auto evict = [&](const auto& kr, const auto& vr) {
+    using R = infkv::read_only_t<std::decay_t<decltype(kr)>>;
+    infkv::run(pl, be, infkv::layer_inputs<R>{kr, vr, queries, qp, toks, scale}, wspan, out);
     rec.step = "compact", rec.precise_begin = k, rec.precise_end = head_tokens + n * c.hkv;
     if (compact)
-      infkv::cuda::compact_steps(inner.launch, status, pk, pv, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
+      infkv::cuda::compact_steps(be.be.launch, status, kr, vr, head_tokens, n * c.hkv, out, pl.keep_per_unit, cspan);
+  };
+  if (paged) {
+    const auto rows = [&](std::uint16_t* data) {
+      return infkv::paged_rows{
+          {data, page * row, row, c.d}, page_ids, infkv::dtype::f16, n, std::int32_t(c.hkv), std::int32_t(c.d), page};
+    };
+    evict(rows(k), rows(v));
   } else {
     const auto kv = infkv::contiguous_nhd(k, v, infkv::dtype::f16, n, std::int32_t(c.hkv), std::int32_t(c.d));
-    const infkv::layer_inputs<infkv::const_tensor_view> in{kv.k, kv.v, queries, qp, toks, scale};
-    infkv::run(pl, be, in, wspan, out);
-    rec.step = "compact", rec.precise_begin = k, rec.precise_end = head_tokens + n * c.hkv;
-    if (compact)
-      infkv::cuda::compact_steps(inner.launch, status, kv.k, kv.v, head_tokens, n * c.hkv, out, pl.keep_per_unit,
-                                 cspan);
+    evict(kv.k, kv.v);
   }
   current_recording = nullptr;
   infkv::cuda::raise_if(infkv::cuda::decode(*status), "infkv_kernel_cost's eviction");

@@ -124,6 +124,26 @@ struct device_meta {
 
 }  // namespace
 
+/// The finished scores of `spec` on the GPU for host keys `hk` (their device copy `dk`), the
+/// device queries `dq` and token metadata `meta`, copied back (the status checked).
+template <class HostRows>
+score_matrix gpu_scores(const cuda::backend& be, const device_status& status, const policy_spec& spec, const HostRows&,
+                        const device_tensor& dk, const device_tensor& dq, const device_meta& meta) {
+  using R = read_only_t<HostRows>;
+  layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, meta.acc_view};
+  if constexpr (std::same_as<R, const_paged_rows>)
+    din.keys = dk.rows;
+  else
+    din.keys = dk.tensor;
+  const plan dp = make_plan(be, spec, budget{.ratio = 1.0}, shape_of(din));
+  dvec<std::byte> ws(dp.workspace_bytes);
+  const score_view got = run_scores(dp, be, din, ws.span());
+  cuda::check(status.p(), nullptr, "run_scores");
+  score_matrix g(got.rows, got.cols);
+  ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return g;
+}
+
 TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within float tolerance") {
   const cpu::backend cpu_be{};
   const device_status status;
@@ -152,17 +172,7 @@ TEST_CASE("gpu: finished scores of every policy equal the CPU backend's within f
             cpu::workspace hws(hp.workspace_bytes);
             const score_view want = run_scores(hp, cpu_be, host_in, hws.span());
             const device_meta meta(p.tokens, p.qpos, host_in.accumulated);
-            layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f, meta.acc_view};
-            if constexpr (std::same_as<R, const_paged_rows>)
-              din.keys = dk.rows;
-            else
-              din.keys = dk.tensor;
-            const plan dp = make_plan(gpu_be, pol.spec(), budget{.ratio = 1.0}, shape_of(din));
-            dvec<std::byte> ws(dp.workspace_bytes);
-            const score_view got = run_scores(dp, gpu_be, din, ws.span());
-            cuda::check(status.p(), nullptr, "run_scores");
-            score_matrix g(got.rows, got.cols);
-            ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
+            const score_matrix g = gpu_scores(gpu_be, status, pol.spec(), hk, dk, dq, meta);
             score_matrix w(want.rows, want.cols);
             std::copy(want.data, want.data + want.rows * want.cols, w.data.begin());
             ref_matrix wr(std::size_t(w.rows));
@@ -206,19 +216,8 @@ TEST_CASE("gpu: SnapKV's scores at 131,072 slots (128 fused blocks per KV head) 
     const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, lay);
     const device_tensor dk(keys);
     keys.visit([&](const auto& hk) {
-      using R = read_only_t<std::decay_t<decltype(hk)>>;
-      layer_inputs<R> din{{}, {}, dq.tensor, meta.qpos.span(), meta.tokens.span(), 0.f};
-      if constexpr (std::same_as<R, const_paged_rows>)
-        din.keys = dk.rows;
-      else
-        din.keys = dk.tensor;
-      const plan dp = make_plan(gpu_be, spec, budget{.ratio = 1.0}, shape_of(din));
-      dvec<std::byte> ws(dp.workspace_bytes);
-      const score_view got = run_scores(dp, gpu_be, din, ws.span());
-      cuda::check(status.p(), nullptr, "run_scores");
-      score_matrix g(got.rows, got.cols);
-      ok(cudaMemcpy(g.data.data(), got.data, g.data.size() * sizeof(float), cudaMemcpyDeviceToHost));
-      check_close(g, want, 2e-4, 2e-6, std::string("snapkv 131072 ") + to_string(lay));
+      check_close(gpu_scores(gpu_be, status, spec, hk, dk, dq, meta), want, 2e-4, 2e-6,
+                  std::string("snapkv 131072 ") + to_string(lay));
     });
   }
 }
