@@ -227,7 +227,7 @@ inline std::string group_of(const std::string& step) {
 /// window of 32 queries.
 struct layer_data {
   std::int64_t n = 131072, hkv = 8, hq = 32, d = 128, w = 32;
-  int position_bits = 63;  ///< the backend's promise (basic_backend::position_bits)
+  int position_bits = 31;  ///< the backend's promise (basic_backend::position_bits)
 };
 
 /// One eviction of the case by `spec` (SnapKV's by default), keys strided or paged, recorded; the

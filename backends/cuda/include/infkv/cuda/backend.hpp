@@ -54,9 +54,10 @@ struct backend {
   cudaStream_t stream = nullptr;
   status_word* status = nullptr;
   /// Bits of the largest token position (a promise: a position at or above 2^position_bits is
-  /// recorded as bad_position): the time order's radix sort runs a pass per 8 of them (63, every
-  /// position: 8 passes; 31, llama.cpp's 32-bit positions: 4; 24: 3).
-  int position_bits = 63;
+  /// recorded as bad_position): the time order's radix sort runs a pass per 8 of them (31 by
+  /// default, every position of llama.cpp's 32-bit llama_pos and of any context an engine serves:
+  /// 4 passes; 63, every position infkv takes (max_position): 8; 24: 3).
+  int position_bits = 31;
 
   std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const;
   void time_order(std::span<const token> tokens, std::int64_t* order, std::span<std::byte> scratch) const;

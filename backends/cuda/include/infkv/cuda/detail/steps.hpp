@@ -64,8 +64,9 @@ struct basic_backend {
   int select_threads = 256;
   /// Bits of the largest position the caller's tokens hold (a promise: a position at or above
   /// 2^position_bits is recorded as bad_position): the time order sorts that many bits, a radix
-  /// pass per 8. 63 holds every position (max_position); 31 any of llama.cpp's 32-bit positions.
-  int position_bits = 63;
+  /// pass per 8. 31 (the default) holds any of llama.cpp's 32-bit positions; 63 every position
+  /// (max_position).
+  int position_bits = 31;
 
   /// Bytes of the largest scratch of any primitive for layers of `shape`.
   std::size_t scratch_bytes(const score_spec& spec, const layer_shape& shape, const plan_options& opt = {}) const {

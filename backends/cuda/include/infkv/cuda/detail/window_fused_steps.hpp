@@ -14,12 +14,12 @@ namespace infkv::cuda::detail {
 /// (rows padded to 16 with zeros) and one tile of keys, rows `ldq` elements apart, the tile's
 /// logits (rows x key_tile f32, `lds` apart), the mass epilogue's partial sums, and per row its
 /// maximum, normaliser's inverse and query position. Rows of 16-bit elements are 8 elements
-/// longer than head_dim (16 bytes: WMMA's alignment, and rows land on other banks). Tiles of 32
-/// keys: 63 KiB of shared memory at head_dim 128 with 128 rows, three blocks per SM on sm_90 and
-/// two on sm_80 (tiles of 64 took 88 KiB: two and one), so one block's loads overlap another's
-/// math.
+/// longer than head_dim (16 bytes: WMMA's alignment, and rows land on other banks). Tiles of 16
+/// keys: 51 KiB of shared memory at head_dim 128 with 128 rows, four blocks per SM on sm_90 and
+/// three on sm_80 (tiles of 32 took 63 KiB: three and two; of 64, 88 KiB: two and one), so
+/// blocks' loads overlap other blocks' math; each thread's share of a tile is two 16-byte loads.
 struct fused_window {
-  static constexpr int threads = 128, key_tile = 32, parts = threads / key_tile;
+  static constexpr int threads = 128, key_tile = 16, parts = threads / key_tile;
   static constexpr std::int64_t span = 1024;
   std::int64_t d, per_head, rows;  ///< head_dim, query rows per KV head, those padded to 16
   int ldq, lds;
@@ -192,8 +192,10 @@ struct fused_window_block {
   }
 
   /// Pass 2: each key's mass, per query head or the group's mean per KV head (key_mass's sum:
-  /// exp(logit - rmax) rcoef over the visible rows). The threads of a key split its query heads
-  /// (part p takes heads p, p + parts, ...); the KV head's mean adds the parts in order.
+  /// exp(logit - rmax) rcoef over the visible rows). The `parts` threads of a key split each query
+  /// head's window queries (part p takes queries p, p + parts, ...); a query head's mass adds the
+  /// parts in order, after a barrier per query head when those are written (per_query_head), once
+  /// per tile for the KV head's mean.
   template <class Ctx>
   INFKV_HOST_DEVICE void mass(const Ctx& c, const float* rmax, const float* rcoef, bool per_query_head,
                               score_view out) const {
@@ -208,33 +210,40 @@ struct fused_window_block {
     }
     const std::int64_t jl = c.thread % fused_window::key_tile, part = c.thread / fused_window::key_tile;
     float* pp = partial(c);
+    const auto parts_sum = [&] {
+      float total = 0.f;
+      for (int p = 0; p < fused_window::parts; ++p) total += pp[p * fused_window::key_tile + jl];
+      return total;
+    };
     for (std::int64_t j0 = begin; j0 < end; j0 += fused_window::key_tile) {
       load_keys(c, h, j0, end, false, nullptr);
       c.sync();
       tile_logits(c);
       c.sync();
       const std::int64_t j = j0 + jl;
+      const bool live = j < end;
+      const std::int64_t pos = live ? tok[j].pos : 0;
       const float* s = logits(c);
-      if (j < end) {
-        const std::int64_t pos = tok[j].pos;
-        float total = 0.f;
-        for (std::int64_t gg = part; gg < g.group; gg += fused_window::parts) {
-          float m = 0.f;
-          for (std::int64_t i = 0; i < g.w; ++i) {
-            const std::int64_t rr = gg * g.w + i;
-            if (pos > rp[rr] || rs[f.rows + rr] == 0.f) continue;
-            m += block_expf(c, g.scale * s[rr * f.lds + jl] - rs[rr]) * rs[f.rows + rr];
-          }
-          if (per_query_head) out(h * g.group + gg, j) = m;
-          total += m;
+      float total = 0.f;
+      for (std::int64_t gg = 0; gg < g.group; ++gg) {
+        float m = 0.f;
+        for (std::int64_t i = part; live && i < g.w; i += fused_window::parts) {
+          const std::int64_t rr = gg * g.w + i;
+          if (pos > rp[rr] || rs[f.rows + rr] == 0.f) continue;
+          m += block_expf(c, g.scale * s[rr * f.lds + jl] - rs[rr]) * rs[f.rows + rr];
         }
-        pp[part * fused_window::key_tile + jl] = total;
+        total += m;
+        if (per_query_head) {
+          pp[part * fused_window::key_tile + jl] = m;
+          c.sync();
+          if (part == 0 && live) out(h * g.group + gg, j) = parts_sum();
+          c.sync();
+        }
       }
-      c.sync();
-      if (!per_query_head && part == 0 && j < end) {
-        float total = 0.f;
-        for (int p = 0; p < fused_window::parts; ++p) total += pp[p * fused_window::key_tile + jl];
-        out(h, j) = total / float(g.group);
+      if (!per_query_head) {
+        pp[part * fused_window::key_tile + jl] = total;
+        c.sync();
+        if (part == 0 && live) out(h, j) = parts_sum() / float(g.group);
       }
       // As in statistics: the next tile writes the logits and partial sums only after a barrier.
     }
