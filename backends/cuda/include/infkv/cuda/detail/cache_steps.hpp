@@ -1,7 +1,8 @@
 // infkv CUDA backend: steps on the cache itself, after a decision: H2O's accumulation step and its
-// eviction, compaction of strided and paged caches (in place, chunk by chunk through a bounded
-// scratch), and RoPE re-rotation. Run by a launcher, as the primitives in steps.hpp are; every
-// step records faults in the caller's status word and changes nothing once it holds one.
+// eviction, compaction of strided and paged caches (in place, phase by phase through a bounded
+// scratch: two launches a phase, one phase at the reference size), and RoPE re-rotation. Run by a launcher, as the
+// primitives in steps.hpp are; every step records faults in the caller's status word and changes nothing once it holds
+// one.
 #pragma once
 
 #include <initializer_list>
@@ -61,22 +62,23 @@ void h2o_observe_steps(const L& launch, status_word* status, const h2o_state_vie
 
 namespace detail {
 
-/// Checks a keep set of `units` units of `m` slots each over `n` slots (offsets u * m, slots
-/// strictly increasing in [0, n)); records bad_keep.
-template <class L>
-void check_keep(const L& launch, const_keep_view keep, std::int64_t m, status_word* st) {
+/// Whether entry x of a keep set of `units` units of `m` slots each over `n` slots is wrong
+/// (x < units m: slot x, strictly increasing within its unit, in [0, n); x = units m: the offsets,
+/// u m each); records bad_keep. keep_items(keep, m) entries in all.
+INFKV_HOST_DEVICE inline std::int64_t keep_items(const_keep_view keep, std::int64_t m) {
+  return keep.n_units * (m > 1 ? m : 1) + 1;
+}
+INFKV_HOST_DEVICE inline void check_keep_item(const_keep_view keep, std::int64_t m, std::int64_t x, status_word* st) {
   const std::int64_t n = keep.n_slots;
-  launch.for_each(keep.n_units * std::max<std::int64_t>(m, 1) + 1, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (x == keep.n_units * std::max<std::int64_t>(m, 1)) {
-      for (std::int64_t u = 0; u <= keep.n_units; ++u)
-        if (keep.offsets[u] != u * m) record(st, encode(fault::bad_keep, u, 0, keep.offsets[u]));
-      return;
-    }
-    if (m == 0) return;
-    const std::int64_t u = x / m, k = x % m, s = keep.slots[u * m + k];
-    if (s < 0 || s >= n || (k > 0 && s <= keep.slots[u * m + k - 1]))
-      record(st, encode(fault::bad_keep, u, 0, u * m + k));
-  });
+  if (x == keep.n_units * (m > 1 ? m : 1)) {
+    for (std::int64_t u = 0; u <= keep.n_units; ++u)
+      if (keep.offsets[u] != u * m) record(st, encode(fault::bad_keep, u, 0, keep.offsets[u]));
+    return;
+  }
+  if (m == 0) return;
+  const std::int64_t u = x / m, k = x % m, s = keep.slots[u * m + k];
+  if (s < 0 || s >= n || (k > 0 && s <= keep.slots[u * m + k - 1]))
+    record(st, encode(fault::bad_keep, u, 0, u * m + k));
 }
 
 /// The widest word (16, 8, 4 or 2 bytes) that divides the row bytes, the strides and the bases.
@@ -92,55 +94,62 @@ struct alignas(16) w16 {
   std::uint64_t a, b;
 };
 
-/// One phase of moving slots [a, b) of K and V (every head, one launch): unit u's kept slot i
-/// moves to slot i (slots[i] >= i: rows only move forward). Chunks are moved in order, so a chunk
-/// only overwrites slots no later chunk reads; within the chunk, a head whose first source lies
-/// before b (sources and destinations overlap) goes through the scratch: `gather` copies its
-/// sources there, the next phase writes them out; other heads copy directly. Rows already in
-/// place are not touched. Indices inside the launch are 32-bit.
-template <class W, class L, row_source R>
-void move_chunk(const L& launch, const R& k, const R& v, const_keep_view keep, std::int64_t m, std::int64_t a,
-                std::int64_t b, std::byte* buf, std::int64_t row_bytes, bool gather, const status_word* st) {
-  const auto words = std::uint32_t(row_bytes / std::int64_t(sizeof(W))), len = std::uint32_t(b - a),
-             heads = std::uint32_t(k.n_heads), planes = v.empty() ? 1u : 2u;
-  const std::int64_t total = std::int64_t(planes) * heads * len * words;  // < 2^32: checked by compact_steps
-  const bool per_head = keep.n_units > 1;
-  launch.for_each(total, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (*st != status_ok) return;  // a bad keep set, or an earlier fault: nothing moves
-    const auto x32 = std::uint32_t(x), w = x32 % words, row = x32 / words, r = row % len, hp = row / len;
-    const std::uint32_t h = hp % heads, p = hp / heads;
-    const std::int64_t* slots = keep.slots + (per_head ? std::int64_t(h) * m : 0);
-    const std::int64_t i = a + r, from = slots[i];
-    const bool staged = slots[a] < b;
-    W* stage = reinterpret_cast<W*>(buf + (std::int64_t(hp) * len + r) * row_bytes) + w;
-    const R& t = p == 0 ? k : v;
-    if (gather) {
-      if (staged) *stage = static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
-    } else if (from != i) {
-      static_cast<W*>(t.row(i, std::int32_t(h)))[w] =
-          staged ? *stage : static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
-    }
-  });
-}
+/// What one phase of a compaction moves: slots [a, b) of K and V (every head, both planes) and
+/// entries [ta, tb) of the token lists (flattened: entry f = h m + i of list h comes from
+/// h n + slots[i], lists packed from n to m entries each), through `buf` and `tbuf`.
+struct compact_phase {
+  std::int64_t a, b, ta, tb;
+  std::byte* buf;
+  token* tbuf;
+};
 
-/// The same for entries [a, b) of the token lists, flattened: entry f = h * m + i of list h
-/// comes from h * n + slots[i] (lists packed from n to m entries each).
-template <class L>
-void move_token_chunk(const L& launch, token* tokens, std::int64_t n, const_keep_view keep, std::int64_t m,
-                      std::int64_t a, std::int64_t b, token* buf, bool gather, const status_word* st) {
+/// One launch of a compaction phase (gather, then move). Destinations only move forward (a kept
+/// slot i comes from slots[i] >= i) and phases run in order, so a phase only overwrites rows no
+/// later phase reads; within it, only a row whose source lies in [a, b) (a destination of this
+/// phase) can be overwritten before it is read: `gather` copies exactly those rows to the
+/// scratch, the move writes them from there and every other row from its source (rows already in
+/// place are not touched). The token lists alike. With `check` (the first gather), the launch
+/// also checks the keep set (the gather writes only the scratch and reads only rows of [a, b), so
+/// a bad keep set reads nothing out of bounds; every move comes a launch later and does nothing
+/// once bad_keep is recorded). Indices of K and V inside the launch are 32-bit.
+template <class W, class L, row_source R>
+void compact_launch(const L& launch, const R& k, const R& v, token* tokens, std::int64_t n, const_keep_view keep,
+                    std::int64_t m, const compact_phase& ph, std::int64_t row_bytes, bool gather, bool check,
+                    status_word* st) {
+  const auto words = std::uint32_t(row_bytes / std::int64_t(sizeof(W))), len = std::uint32_t(ph.b - ph.a),
+             heads = std::uint32_t(k.n_heads), planes = v.empty() ? 1u : 2u;
+  const std::int64_t checks = check ? keep_items(keep, m) : 0;
+  const std::int64_t kv = std::int64_t(planes) * heads * len * words;  // < 2^32: checked by compact_steps
   const bool per_head = keep.n_units > 1;
-  const auto from = [=] INFKV_HOST_DEVICE(std::int64_t f) {
-    const std::int64_t h = f / m;
-    return h * n + keep.slots[(per_head ? h * m : 0) + f % m];
-  };
-  launch.for_each(b - a, [=] INFKV_HOST_DEVICE(std::int64_t x) {
-    if (*st != status_ok) return;
-    const std::int64_t f = a + x, src = from(f);
-    const bool staged = from(a) < b;
+  const compact_phase p = ph;
+  const std::int64_t moves = kv + (p.tb - p.ta);
+  // The checks come last in the index space: a host launcher, which runs it in order, moves rows
+  // before it checks, so a check that did not come one launch before the moves shows in tests.
+  launch.for_each(moves + checks, [=] INFKV_HOST_DEVICE(std::int64_t x) {
+    if (x >= moves) return check_keep_item(keep, m, x - moves, st);
+    if (*st != status_ok) return;  // a bad keep set, or an earlier fault: nothing moves
+    if (x < kv) {
+      const auto x32 = std::uint32_t(x), w = x32 % words, row = x32 / words, r = row % len, hp = row / len;
+      const std::uint32_t h = hp % heads, pl = hp / heads;
+      const std::int64_t i = p.a + r, from = keep.slots[(per_head ? std::int64_t(h) * m : 0) + i];
+      W* stage = reinterpret_cast<W*>(p.buf + (std::int64_t(hp) * len + r) * row_bytes) + w;
+      const R& t = pl == 0 ? k : v;
+      if (from == i) return;
+      if (gather) {
+        if (from >= p.a && from < p.b) *stage = static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
+      } else {
+        static_cast<W*>(t.row(i, std::int32_t(h)))[w] =
+            from < p.b ? *stage : static_cast<const W*>(t.row(from, std::int32_t(h)))[w];
+      }
+      return;
+    }
+    const std::int64_t f = p.ta + (x - kv), h = f / m;
+    const std::int64_t src = h * n + keep.slots[(per_head ? h * m : 0) + f % m];
+    if (src == f) return;
     if (gather) {
-      if (staged) buf[x] = tokens[src];
-    } else if (src != f) {
-      tokens[f] = staged ? buf[x] : tokens[src];
+      if (src >= p.ta && src < p.tb) p.tbuf[f - p.ta] = tokens[src];
+    } else {
+      tokens[f] = src < p.tb ? p.tbuf[f - p.ta] : tokens[src];
     }
   });
 }
@@ -149,10 +158,11 @@ void move_token_chunk(const L& launch, token* tokens, std::int64_t n, const_keep
 
 /// Compacts K, V (V may be empty; both strided views or both one sequence's paged rows) and
 /// tokens in place: unit u (or unit 0 for all heads) of `keep`, `m` slots per unit, moves to
-/// slots [0, m) in increasing slot order, chunk by chunk through a bounded scratch. `tokens`
-/// holds n_slots entries (one list) or heads x n_slots (one list per head, packed to heads x m),
-/// or is null. Nothing moves when the keep set is inconsistent (bad_keep is recorded) or the
-/// status word already holds a fault.
+/// slots [0, m) in increasing slot order, phase by phase through a bounded scratch (one chunk of
+/// K and V rows and one of token entries per phase, two launches each: compact_launch; the keep
+/// set checked in the first). `tokens` holds n_slots entries (one list) or heads x n_slots (one
+/// list per head, packed to heads x m), or is null. Nothing moves when the keep set is
+/// inconsistent (bad_keep is recorded) or the status word already holds a fault.
 template <class L, row_source R>
 void compact_steps(const L& launch, status_word* st, const R& k, const R& v, token* tokens, std::int64_t n_tokens,
                    const_keep_view keep, std::int64_t m, std::span<std::byte> scratch,
@@ -161,7 +171,6 @@ void compact_steps(const L& launch, status_word* st, const R& k, const R& v, tok
   const auto chunks = detail::compact_chunks::of(m, k.n_heads, row_bytes, limit);
   INFKV_REQUIRE(2 * heads * chunks.slots * (row_bytes / 2) < (std::int64_t(1) << 32), "k.head_dim", k.head_dim,
                 "one slot's K and V rows of ", heads, " heads must span fewer than 2^32 16-bit words");
-  detail::check_keep(launch, keep, m, st);
   std::byte* buf = scratch.data();
   std::uint64_t all = reinterpret_cast<std::uintptr_t>(buf);
   for (const R* t : {&k, &v}) {
@@ -175,24 +184,26 @@ void compact_steps(const L& launch, status_word* st, const R& k, const R& v, tok
              std::uint64_t(t->head_stride * es);
   }
   const int word = detail::word_bytes(row_bytes, {all});
-  for (std::int64_t a = 0; a < m; a += chunks.slots)
+  const std::int64_t entries = tokens == nullptr ? 0 : (n_tokens == n ? 1 : heads) * m;
+  const std::int64_t phases =
+      std::max({std::int64_t(1), (m + chunks.slots - 1) / chunks.slots, (entries + chunks.tokens - 1) / chunks.tokens});
+  auto* tbuf = reinterpret_cast<token*>(buf + chunks.token_offset(std::int32_t(heads), row_bytes));
+  for (std::int64_t c = 0; c < phases; ++c) {
+    const std::int64_t a = std::min(m, c * chunks.slots), ta = std::min(entries, c * chunks.tokens);
+    const detail::compact_phase ph{a,   std::min(m, a + chunks.slots), ta, std::min(entries, ta + chunks.tokens), buf,
+                                   tbuf};
     for (const bool gather : {true, false}) {
-      const std::int64_t b = std::min(m, a + chunks.slots);
+      const bool check = c == 0 && gather;
       if (word == 16)
-        detail::move_chunk<detail::w16>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+        detail::compact_launch<detail::w16>(launch, k, v, tokens, n, keep, m, ph, row_bytes, gather, check, st);
       else if (word == 8)
-        detail::move_chunk<std::uint64_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+        detail::compact_launch<std::uint64_t>(launch, k, v, tokens, n, keep, m, ph, row_bytes, gather, check, st);
       else if (word == 4)
-        detail::move_chunk<std::uint32_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+        detail::compact_launch<std::uint32_t>(launch, k, v, tokens, n, keep, m, ph, row_bytes, gather, check, st);
       else
-        detail::move_chunk<std::uint16_t>(launch, k, v, keep, m, a, b, buf, row_bytes, gather, st);
+        detail::compact_launch<std::uint16_t>(launch, k, v, tokens, n, keep, m, ph, row_bytes, gather, check, st);
     }
-  if (tokens == nullptr) return;
-  const std::int64_t entries = (n_tokens == n ? 1 : heads) * m;
-  for (std::int64_t a = 0; a < entries; a += chunks.tokens)
-    for (const bool gather : {true, false})
-      detail::move_token_chunk(launch, tokens, n, keep, m, a, std::min(entries, a + chunks.tokens),
-                               reinterpret_cast<token*>(buf), gather, st);
+  }
 }
 
 /// Keeps the slots of `keep` (`m` per unit) in H2O's state, compacted to the front as the cache
