@@ -32,6 +32,14 @@ using namespace infkv_test;
 namespace {
 
 /// A CUDA backend run on the host records faults in a host status word (a device one on a GPU).
+/// Selection blocks of 32 threads: the host emulates every thread of a block as a fiber, so the
+/// tests that run thousands of small selections take the narrowest blocks (the selection's own
+/// test covers 32 to 256).
+host_cuda_backend narrow_selection(host_cuda_backend be) {
+  be.select_threads = 32;
+  return be;
+}
+
 template <class B>
 B with_status(B be, cuda::status_word& word) {
   word = cuda::status_ok;
@@ -205,8 +213,8 @@ TEST_CASE("cuda steps (host): given equal scores the keep sets are the CPU's, ti
   std::mt19937_64 gen(7);
   for (int round = 0; round < 60; ++round) {
     CAPTURE(round);
-    const host_cuda_backend gpu_be{
-        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
+    const host_cuda_backend gpu_be = narrow_selection(host_cuda_backend{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}});
     const std::int64_t n = 1 + std::int64_t(gen() % 700);
     const auto heads = std::int32_t(1 + gen() % 4);
     const auto tokens = random_tokens(gen, n);
@@ -259,8 +267,8 @@ TEST_CASE("cuda steps (host): tie ranks from the time order: many equal position
   std::mt19937_64 gen(23);
   for (int round = 0; round < 30; ++round) {
     CAPTURE(round);
-    const host_cuda_backend gpu_be{
-        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5, 64}[std::size_t(round % 5)])}};
+    const host_cuda_backend gpu_be = narrow_selection(host_cuda_backend{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5, 64}[std::size_t(round % 5)])}});
     const std::int64_t n =
         std::vector<std::int64_t>{1, 2, 7, 33, 100, 257}[std::size_t(round % 6)] + std::int64_t(gen() % 3);
     const std::int64_t levels = 1 + std::int64_t(gen() % std::uint64_t(round % 3 == 0 ? 2 : n / 4 + 1));
@@ -361,12 +369,11 @@ TEST_CASE("cuda steps (host): heavy ties, caps of the protected count and of all
   }
 }
 
-TEST_CASE(
-    "cuda steps (host): the selection's blocks keep the CPU's sets whatever their buffer and size, in two launches") {
-  // Buffers of 0 and 7 candidate keys send every radix pass through global memory (or gather
-  // late), 8,192 gathers in the first; blocks of 32 to 256 threads; slot counts past a tile of the
-  // emission (threads x 16); distinct scores (done within the score digits), heavy ties (rank
-  // digits), -inf (a first digit of 255) and single levels.
+TEST_CASE("cuda steps (host): the selection's blocks keep the CPU's sets whatever their buffer, size and slice") {
+  // Buffers of 0 and 7 candidate keys send every radix pass through the candidates' regions in
+  // global memory, 100 and 8,192 hold them; blocks of 32 to 256 threads; slices of 33 to 4,096
+  // slots (one part to hundreds per unit); distinct scores (done within the score digits), heavy
+  // ties (rank digits), -inf (the last first digit) and single levels.
   const cpu::backend cpu_be{};
   std::mt19937_64 gen(41);
   const float levels[] = {-std::numeric_limits<float>::infinity(), -0.f, 0.f, 1.f, 1.5f};
@@ -375,6 +382,7 @@ TEST_CASE(
     host_cuda_backend gpu_be{host_launcher{.block = 1 + std::int64_t(gen() % 300)}};
     gpu_be.select_buffer = std::vector<std::int64_t>{0, 7, 100, 8192}[std::size_t(round % 4)];
     gpu_be.select_threads = std::vector<int>{32, 64, 256}[std::size_t(round % 3)];
+    gpu_be.select_slice = std::vector<std::int64_t>{33, 100, 1000, 4096, 250}[std::size_t(round % 5)];
     const std::int64_t n = std::vector<std::int64_t>{1, 40, 700, 1100, 5000, 9000}[std::size_t(round % 6)];
     CAPTURE(n);
     const auto units = std::int64_t(1 + gen() % 3);
@@ -395,7 +403,7 @@ TEST_CASE(
     const std::int64_t before = host_launcher::block_launches, each = host_launcher::each_launches;
     CHECK(select_direct(gpu_be, s, tokens, caps, keep, &st) == select_direct(cpu_be, s, tokens, caps, keep));
     CHECK(st.ok());
-    CHECK(host_launcher::block_launches - before == 1);  // a block per unit
+    CHECK(host_launcher::block_launches - before == 4);  // histogram, gather, finish, emit
     CHECK(host_launcher::each_launches - each == 2);     // the time order's keys, the tie ranks
   }
 }
@@ -406,8 +414,8 @@ TEST_CASE("cuda steps (host): AdaKV over many heads: capacities and keep sets ar
   int decided_by_ties = 0;
   for (int round = 0; round < 30; ++round) {
     CAPTURE(round);
-    const host_cuda_backend gpu_be{
-        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}};
+    const host_cuda_backend gpu_be = narrow_selection(host_cuda_backend{
+        host_launcher{.block = std::int64_t(std::vector<int>{37, 1, 256, 5}[std::size_t(round % 4)])}});
     const std::int64_t n = 20 + std::int64_t(gen() % 300), rows = 8 + std::int64_t(gen() % 57);
     const auto tokens = random_tokens(gen, n);
     const budget keep{.sinks = std::int64_t(gen() % 3), .recent = std::int64_t(gen() % 4)};
@@ -1220,7 +1228,7 @@ TEST_CASE("cuda steps (host): a batch plan keeps, for every sequence and policy,
     std::mt19937_64 gen(seed + 99);
     const batch_keys keys(gen, c);
     cuda::status_word word = cuda::status_ok;
-    const host_cuda_backend be = with_status(host_cuda_backend{}, word);
+    const host_cuda_backend be = with_status(narrow_selection(host_cuda_backend{}), word);
     check_batch_equals_runs(be, c, keys.tensor_rows);
     check_batch_equals_runs(be, c, keys.paged_rows);
     CHECK(cuda::decode(word).ok());

@@ -104,6 +104,48 @@ INFKV_HOST_DEVICE inline void shared_add(std::uint32_t* c, std::uint32_t v) {
 #endif
 }
 
+/// A value per thread scanned across the block: what the threads before it hold, and everyone's
+/// sum (every thread gets both). `part` is shared memory of c.threads entries; Hillis-Steele steps,
+/// two barriers each (log2 threads of them), and a barrier before it returns, after which `part`
+/// may be written again.
+template <class T>
+struct block_scanned {
+  T before, total;
+};
+template <class T, class Ctx>
+INFKV_HOST_DEVICE block_scanned<T> block_scan(const Ctx& c, T mine, T* part) {
+  part[c.thread] = mine;
+  c.sync();
+  for (int off = 1; off < c.threads; off *= 2) {
+    const T v = c.thread >= off ? part[c.thread - off] : T(0);
+    c.sync();
+    part[c.thread] += v;
+    c.sync();
+  }
+  const block_scanned<T> r{T(part[c.thread] - mine), part[c.threads - 1]};
+  c.sync();
+  return r;
+}
+
+/// Exclusive prefix sums of a[0, count) in shared memory, in place: each thread a run of
+/// ceil(count / threads) entries, the runs' sums by block_scan. Returns the sum of all (every
+/// thread); a barrier after the writes.
+template <class T, class Ctx>
+INFKV_HOST_DEVICE T block_exclusive_scan(const Ctx& c, T* a, std::int64_t count, T* part) {
+  const std::int64_t per = (count + c.threads - 1) / c.threads, lo0 = std::int64_t(c.thread) * per;
+  const std::int64_t lo = lo0 < count ? lo0 : count, hi = lo + per < count ? lo + per : count;
+  T mine = 0;
+  for (std::int64_t j = lo; j < hi; ++j) mine += a[j];
+  const block_scanned<T> r = block_scan(c, mine, part);
+  T run = r.before;
+  for (std::int64_t j = lo; j < hi; ++j) {
+    const T x = a[j];
+    a[j] = run, run += x;
+  }
+  c.sync();
+  return r.total;
+}
+
 /// `bytes` rounded up to a multiple of 128 (each piece of a block's shared memory starts there).
 INFKV_HOST_DEVICE constexpr std::size_t shared_round(std::size_t bytes) { return (bytes + 127) / 128 * 128; }
 

@@ -294,10 +294,29 @@ struct radix_scratch {
             c.take<counter>(segments * select_bins)};
   }
 };
-/// The selection: per slot its tie rank (top_blocks; protected slots marked).
+/// Bits of the selection's first digit (top_split): a histogram of 4,096 bins per unit.
+inline constexpr int top_digit = 12;
+inline constexpr std::int64_t top_bins = std::int64_t(1) << top_digit;
+/// The selection (top_split): per slot its tie rank (protected slots marked); per unit the first
+/// digit's histogram, the candidate keys that share the boundary digit (a region of `slice` per
+/// part of `slice` slots), the digit, how many of its keys are kept, the bound; per (unit, part)
+/// the slots it keeps for sure, its candidates and its offset in the output.
 struct select_scratch {
   std::uint32_t* rank;
-  static select_scratch carve(carver& c, std::int64_t n) { return {c.take<std::uint32_t>(n)}; }
+  counter* hist;
+  std::uint64_t* cand;
+  std::int64_t *digit, *need;
+  std::uint64_t* bound;
+  std::int64_t *sure, *count, *offset;
+  static select_scratch carve(carver& c, std::int64_t n, std::int64_t units, std::int64_t parts) {
+    select_scratch w{};
+    w.rank = c.take<std::uint32_t>(n), w.hist = c.take<counter>(units * top_bins);
+    w.cand = c.take<std::uint64_t>(units * n);
+    w.digit = c.take<std::int64_t>(units), w.need = c.take<std::int64_t>(units), w.bound = c.take<std::uint64_t>(units);
+    w.sure = c.take<std::int64_t>(units * parts), w.count = c.take<std::int64_t>(units * parts);
+    w.offset = c.take<std::int64_t>(units * parts);
+    return w;
+  }
 };
 /// AdaKV: per (row, time index) the keys, the radix select's state (one segment), per row the
 /// wins, the blended share and its floor.

@@ -1,7 +1,8 @@
 // infkv CUDA backend: the selection steps of basic_backend (steps.hpp declares them, with the
 // scoring steps): the radix select that finds AdaKV's threshold over all rows (MSB-first 8-bit
-// digit histograms over many blocks), AdaKV's allocation, the per-unit selection (a block per unit
-// that finds its threshold and emits its kept slots: top_blocks) and a union's mark. Included at
+// digit histograms over many blocks), AdaKV's allocation, the per-unit selection (top_split: a
+// first-digit histogram over many blocks, the boundary digit's candidates selected by a block per
+// unit, the kept slots emitted by many blocks) and a union's mark. Included at
 // the end of steps.hpp.
 #pragma once
 
@@ -12,153 +13,249 @@
 
 namespace infkv::cuda::detail {
 
-/// keep_top's selection, a block per unit u: the unit keeps its protected slots and the `need`
-/// candidates of smallest key, key(j) = descending score bits << 32 | tie rank << (32 - rank
-/// bits) (unique per slot: the rank is), and writes them in slot order at its offset. Radix select
-/// MSB-first with 8-bit digits over the keys formed on the fly from the score row and the rank
-/// (no key array): per pass a histogram in shared memory of the digit of the candidates that share
-/// the digits found so far, then thread 0 finds the digit holding the wanted rank; it stops as
-/// soon as that digit's candidates are exactly the ones still wanted (distinct scores: within the
-/// four score digits). Once the candidates that share the found digits fit in shared memory
-/// (`buffer` keys), the pass that reads them from global memory also copies them there and the
-/// later passes read only those. The emission reads the row again in tiles of threads x per
-/// slots: each thread counts its `per` slots, thread 0 scans the counts, each thread writes its
-/// kept slots.
-struct top_blocks {
-  static constexpr int per = 16, bins = 256;
+/// keep_top's selection. Unit u keeps its protected slots and the `want` candidates of smallest
+/// key, key(j) = descending score bits << 32 | tie rank << (32 - rank bits) (unique per slot: the
+/// rank is), written in slot order at its offset. Parts are runs of `slice` slots; four
+/// block-level steps after the ranks:
+///  1. histogram, a block per (unit, part): every score checked; the first digit (the key's top
+///     12 bits) of each candidate counted in shared memory, then added to the unit's histogram
+///     (integer atomics: the same sums in any order).
+///  2. gather, a block per (unit, part): the block scans the unit's histogram and finds the digit
+///     d holding the wanted rank (every block the same one): smaller digits are kept, larger ones
+///     dropped; when only some of d's keys are kept, the block copies its keys of digit d to its
+///     part's region; it counts the slots it keeps for sure.
+///  3. finish, a block per unit: radix select MSB-first (8-bit digits, 4 bits last) below the
+///     first digit over the candidates only (held in shared memory when `buffer` keys hold them,
+///     else read from their regions on each pass) for the unit's bound; then per part its kept
+///     count (for sure, and its candidates under the bound) scanned into its offset.
+///  4. emit, a block per (unit, part): each thread counts a run of the part's slots, a block scan
+///     gives each its offset, each thread writes its kept slots.
+/// Every scan over threads or bins is a block scan (block_scan): no thread walks them alone.
+struct top_split {
+  static constexpr int first_shift = 64 - top_digit, bins = 256;
   static constexpr std::uint32_t guarded_rank = ~std::uint32_t{0};  ///< a protected slot's rank
   score_view s;
   const std::uint32_t* rank;  ///< per slot, guarded_rank when protected
   const std::int64_t* caps;   ///< per unit, or null: `cap` each
-  std::int64_t cap, n, guarded, room, units;
+  std::int64_t cap, n, guarded, room, units, slice, parts;
   int rb;
   std::int64_t *offsets, *slots;
   status_word* st;
-  std::int64_t buffer;  ///< candidate keys the block can hold in shared memory
-  int threads;          ///< the block's threads
+  select_scratch w;
+  std::int64_t buffer;  ///< candidate keys the finishing block holds in shared memory
+  int threads;          ///< every block's threads
 
-  /// Shared memory: the histogram, the tile's counts, the state, the candidate buffer.
-  std::size_t shared_bytes() const {
-    return shared_round(bins * 4) + shared_round(std::size_t(threads) * 8) + shared_round(sizeof(state)) +
+  struct gather_state {
+    std::int64_t digit, need, in_digit;
+    std::uint32_t sure, fill;
+  };
+  struct finish_state {
+    std::uint64_t prefix, bound;
+    std::int64_t want;
+    std::uint32_t fill;
+    int done;
+  };
+
+  std::size_t histogram_shared() const { return shared_round(top_bins * 4); }
+  std::size_t gather_shared() const {
+    return shared_round(top_bins * 4) + shared_round(std::size_t(threads) * 4) + shared_round(sizeof(gather_state));
+  }
+  std::size_t finish_shared() const {
+    return shared_round(bins * 4) + shared_round(std::size_t(threads) * 8) + shared_round(sizeof(finish_state)) +
            shared_round(std::size_t(buffer) * 8);
   }
-
-  struct state {
-    std::uint64_t prefix, bound;  ///< the digits found so far; the exclusive bound once done
-    std::int64_t want, candidates, fill;
-    int done, buffered;
-  };
+  std::size_t emit_shared() const { return shared_round(std::size_t(threads) * 8); }
 
   INFKV_HOST_DEVICE std::uint64_t key(std::int64_t u, std::int64_t j) const {
     const std::uint32_t r = rank[j];
     if (r == guarded_rank) return no_key;
     return (std::uint64_t(descending_bits(s(u, j))) << 32) | (std::uint64_t(r) << (32 - rb));
   }
-
+  /// Candidates unit u keeps besides its protected slots (at most n - guarded of them exist).
+  INFKV_HOST_DEVICE std::int64_t wanted(std::int64_t u) const {
+    const std::int64_t want = caps ? caps[u] : cap;
+    return (want < n ? want : n) - guarded;
+  }
   /// Slots unit u keeps: the protected ones and min(need, candidates) others.
   INFKV_HOST_DEVICE std::int64_t kept_count(std::int64_t u) const {
     const std::int64_t want = caps ? caps[u] : cap, m = want < n ? want : n;
     return m > guarded ? m : guarded;
   }
+  INFKV_HOST_DEVICE std::int64_t begin(std::int64_t p) const { return p * slice; }
+  INFKV_HOST_DEVICE std::int64_t end(std::int64_t p) const { return (p + 1) * slice < n ? (p + 1) * slice : n; }
 
   template <class Ctx>
-  INFKV_HOST_DEVICE void operator()(const Ctx& c) const {
+  INFKV_HOST_DEVICE void histogram(const Ctx& c) const {
+    const std::int64_t u = c.block / parts, p = c.block % parts;
+    auto* h = reinterpret_cast<std::uint32_t*>(c.shared);
+    for (std::int64_t b = c.thread; b < top_bins; b += c.threads) h[b] = 0;
+    c.sync();
+    for (std::int64_t j = begin(p) + c.thread; j < end(p); j += c.threads) {
+      if (const float v = s(u, j); v != v) record(st, encode(fault::nan_score, u, 0, j));
+      if (const std::uint64_t k = key(u, j); k != no_key) shared_add(h + (k >> first_shift), 1);
+    }
+    c.sync();
+    for (std::int64_t b = c.thread; b < top_bins; b += c.threads)
+      if (h[b] != 0) add_count(w.hist + u * top_bins + b, h[b]);
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void gather(const Ctx& c) const {
+    const std::int64_t u = c.block / parts, p = c.block % parts;
+    auto* h = reinterpret_cast<std::uint32_t*>(c.shared);
+    auto* part = reinterpret_cast<std::uint32_t*>(c.shared + shared_round(top_bins * 4));
+    auto* z =
+        reinterpret_cast<gather_state*>(c.shared + shared_round(top_bins * 4) + shared_round(std::size_t(threads) * 4));
+    for (std::int64_t b = c.thread; b < top_bins; b += c.threads) h[b] = std::uint32_t(w.hist[u * top_bins + b]);
+    const std::int64_t want = wanted(u);
+    if (c.thread == 0) {  // nothing wanted: no digit kept (digit 0, need 0); fewer than wanted: all
+      z->digit = want <= 0 ? 0 : top_bins, z->need = 0, z->in_digit = 0, z->sure = 0, z->fill = 0;
+    }
+    c.sync();
+    const std::int64_t total = block_exclusive_scan(c, h, top_bins, part);
+    for (std::int64_t b = c.thread; b < top_bins; b += c.threads) {
+      const std::int64_t before = h[b], next = b + 1 < top_bins ? std::int64_t(h[b + 1]) : total;
+      if (want > 0 && before < want && want <= next) {
+        if (want == next)  // all of this digit: the next one bounds
+          z->digit = b + 1, z->need = 0;
+        else
+          z->digit = b, z->need = want - before, z->in_digit = next - before;
+      }
+    }
+    c.sync();
+    const std::int64_t digit = z->digit, need = z->need;
+    std::uint32_t sure = 0;
+    for (std::int64_t j = begin(p) + c.thread; j < end(p); j += c.threads) {
+      const std::uint64_t k = key(u, j);
+      const auto d = std::int64_t(k >> first_shift);
+      if (k == no_key || d < digit) {
+        ++sure;
+      } else if (need > 0 && d == digit) {
+#if defined(__CUDA_ARCH__)
+        w.cand[u * n + begin(p) + atomicAdd(&z->fill, 1u)] = k;
+#else
+        w.cand[u * n + begin(p) + z->fill++] = k;
+#endif
+      }
+    }
+    shared_add(&z->sure, sure);
+    c.sync();
+    if (c.thread == 0) {
+      w.sure[u * parts + p] = z->sure, w.count[u * parts + p] = z->fill;
+      if (p == 0) w.digit[u] = digit, w.need[u] = need;
+    }
+  }
+
+  /// Calls f(key) for every candidate of unit u (from shared memory once held there).
+  template <class Ctx, class F>
+  INFKV_HOST_DEVICE void each_candidate(const Ctx& c, std::int64_t u, const std::uint64_t* held, bool buffered,
+                                        std::int64_t fill, F f) const {
+    if (buffered) {
+      for (std::int64_t x = c.thread; x < fill; x += c.threads) f(held[x]);
+      return;
+    }
+    for (std::int64_t p = 0; p < parts; ++p) {
+      const std::int64_t cnt = w.count[u * parts + p];
+      for (std::int64_t x = c.thread; x < cnt; x += c.threads) f(w.cand[u * n + begin(p) + x]);
+    }
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void finish(const Ctx& c) const {
     const std::int64_t u = c.block;
     auto* hist = reinterpret_cast<std::uint32_t*>(c.shared);
-    auto* counts = reinterpret_cast<std::int64_t*>(c.shared + shared_round(bins * 4));
-    auto* z = reinterpret_cast<state*>(c.shared + shared_round(bins * 4) + shared_round(std::size_t(threads) * 8));
-    auto* held = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::byte*>(z) + shared_round(sizeof(state)));
-    std::int64_t base = 0;  // thread 0's: the slots the units before u keep, then its running offset
+    auto* part = reinterpret_cast<std::int64_t*>(c.shared + shared_round(bins * 4));
+    auto* z =
+        reinterpret_cast<finish_state*>(c.shared + shared_round(bins * 4) + shared_round(std::size_t(threads) * 8));
+    auto* held = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::byte*>(z) + shared_round(sizeof(finish_state)));
+    const std::int64_t digit = w.digit[u], need = w.need[u];
+    std::int64_t mine = 0;  // this thread's share of the candidates
+    for (std::int64_t p = c.thread; p < parts; p += c.threads) mine += w.count[u * parts + p];
+    const std::int64_t total = block_scan(c, mine, part).total;
+    const bool buffered = need > 0 && total <= buffer;
     if (c.thread == 0) {
-      const std::int64_t want = caps ? caps[u] : cap;
-      z->want = (want < n ? want : n) - guarded, z->candidates = n - guarded;
-      z->prefix = 0, z->bound = 0, z->fill = 0, z->buffered = 0, z->done = z->want <= 0 ? 1 : 0;
-      for (std::int64_t v = 0; v < u; ++v) base += kept_count(v);
-      offsets[u] = base;
-      if (u == units - 1) offsets[units] = base + kept_count(u);
+      z->prefix = std::uint64_t(digit), z->want = need, z->fill = 0, z->done = need > 0 ? 0 : 1;
+      z->bound = digit >= top_bins ? no_key : std::uint64_t(digit) << first_shift;  // need 0: digits below
     }
-    const auto check = [&](std::int64_t j) {  // every score is checked, kept or not
-      if (const float v = s(u, j); v != v) record(st, encode(fault::nan_score, u, 0, j));
-    };
     c.sync();
-    if (z->done)  // no pass reads the row: check it here
-      for (std::int64_t j = c.thread; j < n; j += c.threads) check(j);
-    for (int shift = 56; !z->done; shift -= 8) {
-      for (int b = c.thread; b < bins; b += c.threads) hist[b] = 0;
-      c.sync();
-      const int above = shift + 8;
-      const std::uint64_t pre = z->prefix;
-      const bool from_buffer = z->buffered != 0, gather = !from_buffer && z->candidates <= buffer;
-      const auto count = [&](std::uint64_t k) {
-        if (k == no_key || (above < 64 && k >> above != pre)) return false;
-        shared_add(hist + (std::uint32_t(k >> shift) & std::uint32_t(bins - 1)), 1);
-        return true;
-      };
-      if (from_buffer) {
-        for (std::int64_t x = c.thread; x < z->fill; x += c.threads) count(held[x]);
-      } else {
-        for (std::int64_t j = c.thread; j < n; j += c.threads) {
-          if (shift == 56) check(j);
-          const std::uint64_t k = key(u, j);
-          if (count(k) && gather) {
+    if (buffered) {
+      each_candidate(c, u, held, false, 0, [&](std::uint64_t k) {
 #if defined(__CUDA_ARCH__)
-            held[atomicAdd(reinterpret_cast<unsigned long long*>(&z->fill), 1ull)] = k;
+        held[atomicAdd(&z->fill, 1u)] = k;
 #else
-            held[z->fill++] = k;
+        held[z->fill++] = k;
 #endif
-          }
-        }
-      }
+      });
       c.sync();
-      if (c.thread == 0) {
-        std::int64_t before = 0, digit = bins;  // candidates of smaller digits; the digit found
-        for (std::int64_t d = 0; d < bins && digit == bins; ++d)
-          if (before + std::int64_t(hist[d]) >= z->want)
-            digit = d;
-          else
-            before += hist[d];
-        if (digit == bins) {  // fewer candidates than wanted (first pass only): all of them
-          z->bound = no_key, z->done = 1;
-        } else {
-          const std::uint64_t found = (above < 64 ? pre << 8 : 0) | std::uint64_t(digit);
-          const std::int64_t in_digit = hist[digit];
-          if (const std::uint64_t next = found + 1; before + in_digit == z->want || shift == 0) {
-            // exactly the ones wanted (or the last digit); a first digit of 255 bounds nothing
-            z->bound = shift == 0 ? next : next >> (64 - shift) != 0 ? no_key : next << shift;
+    }
+    for (int shift = first_shift - 8, width = 8; z->done == 0; width = shift == 4 ? 4 : 8, shift -= width) {
+      for (int b = c.thread; b < bins; b += c.threads) hist[b] = 0;
+      const std::uint64_t pre = z->prefix;
+      const std::int64_t want = z->want;
+      const int above = shift + width;
+      c.sync();
+      each_candidate(c, u, held, buffered, z->fill, [&](std::uint64_t k) {
+        if (k >> above == pre) shared_add(hist + (std::uint32_t(k >> shift) & ((1u << width) - 1)), 1);
+      });
+      c.sync();
+      const auto in_all =
+          std::int64_t(block_exclusive_scan(c, hist, std::int64_t(1) << width, reinterpret_cast<std::uint32_t*>(part)));
+      for (int b = c.thread; b < (1 << width); b += c.threads) {
+        const std::int64_t before = hist[b], next = b + 1 < (1 << width) ? std::int64_t(hist[b + 1]) : in_all;
+        if (before < want && want <= next) {
+          const std::uint64_t found = (pre << width) | std::uint64_t(b), after = found + 1;
+          if (want == next || shift == 0) {  // exactly the ones wanted (or the last digit)
+            z->bound = shift == 0 ? after : after >> (64 - shift) != 0 ? no_key : after << shift;
             z->done = 1;
           } else {
-            z->prefix = found, z->want -= before, z->candidates = in_digit;
+            z->prefix = found, z->want = want - before;
           }
-          z->buffered = z->buffered || gather ? 1 : 0;
         }
       }
       c.sync();
     }
-    // Emission in slot order: per tile, each thread counts its slots, thread 0 turns the counts
-    // into offsets (its running base carried across tiles), each thread writes its kept slots.
     const std::uint64_t bound = z->bound;
-    const auto kept = [&](std::int64_t j) { return rank[j] == guarded_rank || key(u, j) < bound; };
-    const std::int64_t tile = std::int64_t(c.threads) * per;
-    for (std::int64_t t0 = 0; t0 < n; t0 += tile) {
-      const std::int64_t lo = t0 + std::int64_t(c.thread) * per, hi = lo + per < n ? lo + per : n;
-      std::int64_t mine = 0;
-      for (std::int64_t j = lo; j < hi; ++j) mine += kept(j) ? 1 : 0;
-      counts[c.thread] = mine;
-      c.sync();
-      if (c.thread == 0)
-        for (int t = 0; t < c.threads; ++t) {
-          const std::int64_t k = counts[t];
-          counts[t] = base, base += k;
-        }
-      c.sync();
-      std::int64_t at = counts[c.thread];
-      for (std::int64_t j = lo; j < hi; ++j)
-        if (kept(j)) {
-          if (at < room) slots[at] = j;
-          ++at;
-        }
-      c.sync();  // the next tile's counts overwrite these
+    // Offsets: per part, what it keeps for sure and its candidates under the bound, scanned in
+    // pieces of `threads` parts from the slots the units before u keep.
+    std::int64_t run = 0;
+    for (std::int64_t v = 0; v < u; ++v) run += kept_count(v);
+    if (c.thread == 0) {
+      offsets[u] = run;
+      if (u == units - 1) offsets[units] = run + kept_count(u);
+      w.bound[u] = bound;
     }
+    for (std::int64_t p0 = 0; p0 < parts; p0 += c.threads) {
+      const std::int64_t p = p0 + c.thread;
+      std::int64_t kept = 0;
+      if (p < parts) {
+        kept = w.sure[u * parts + p];
+        if (need > 0)
+          for (std::int64_t x = 0; x < w.count[u * parts + p]; ++x)
+            kept += w.cand[u * n + begin(p) + x] < bound ? 1 : 0;
+      }
+      const block_scanned<std::int64_t> r = block_scan(c, kept, part);
+      if (p < parts) w.offset[u * parts + p] = run + r.before;
+      run += r.total;
+    }
+  }
+
+  template <class Ctx>
+  INFKV_HOST_DEVICE void emit(const Ctx& c) const {
+    const std::int64_t u = c.block / parts, p = c.block % parts;
+    auto* part = reinterpret_cast<std::int64_t*>(c.shared);
+    const std::uint64_t bound = w.bound[u];
+    const std::int64_t len = end(p) - begin(p), per = (len + c.threads - 1) / c.threads;
+    const std::int64_t lo0 = begin(p) + std::int64_t(c.thread) * per, lo = lo0 < end(p) ? lo0 : end(p),
+                       hi = lo + per < end(p) ? lo + per : end(p);
+    const auto kept = [&](std::int64_t j) { return rank[j] == guarded_rank || key(u, j) < bound; };
+    std::int64_t mine = 0;
+    for (std::int64_t j = lo; j < hi; ++j) mine += kept(j) ? 1 : 0;
+    std::int64_t at = w.offset[u * parts + p] + block_scan(c, mine, part).before;
+    for (std::int64_t j = lo; j < hi; ++j)
+      if (kept(j)) {
+        if (at < room) slots[at] = j;
+        ++at;
+      }
   }
 };
 
@@ -303,13 +400,19 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
   }
   status_word* st = checked_status();
   const token* t = tokens.data();
+  const std::int64_t parts = select_parts(n);
   detail::carver c{scratch.data(), 0};
-  const auto w = detail::select_scratch::carve(c, n);
+  const auto w = detail::select_scratch::carve(c, n, units, parts);
   std::uint32_t* rank = w.rank;
+  detail::counter* hist = w.hist;
+  const std::int64_t bins = units * detail::top_bins;
   // Tie rank, newer position first, then the lower slot: the slot at time index i, whose
   // positions' run spans [b, e) of the time order (found by binary search: positions do not
-  // decrease along it), ranks (n - e) + (i - b); protected slots are marked instead.
-  launch.for_each(n, [=] INFKV_HOST_DEVICE(std::int64_t i) {
+  // decrease along it), ranks (n - e) + (i - b); protected slots are marked instead. The same
+  // launch clears the first digit's histograms.
+  launch.for_each(std::max(n, bins), [=] INFKV_HOST_DEVICE(std::int64_t i) {
+    if (i < bins) hist[i] = 0;
+    if (i >= n) return;
     const std::int64_t p = t[order[i]].pos;
     std::int64_t b = 0, e = i + 1, hi = i;
     while (b < hi)
@@ -322,14 +425,34 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
         e = m + 1;
       else
         hi = m;
-    rank[order[i]] = i < sinks || i >= n - recent ? detail::top_blocks::guarded_rank : std::uint32_t((n - e) + (i - b));
+    rank[order[i]] = i < sinks || i >= n - recent ? detail::top_split::guarded_rank : std::uint32_t((n - e) + (i - b));
   });
   // out.slots holds units x cap entries: AdaKV's capacities add up to it (allocate guarantees it).
-  const detail::top_blocks top{
-      s,     rank, caps,          cap,           n, std::min(n, sinks + recent), units * cap, units, rb, offsets,
-      slots, st,   select_buffer, select_threads};
-  launch.for_blocks(units, top.threads, top.shared_bytes(),
-                    [=] INFKV_HOST_DEVICE(const typename L::block_context& ctx) { top(ctx); });
+  const detail::top_split top{s,
+                              rank,
+                              caps,
+                              cap,
+                              n,
+                              std::min(n, sinks + recent),
+                              units * cap,
+                              units,
+                              select_slice,
+                              parts,
+                              rb,
+                              offsets,
+                              slots,
+                              st,
+                              w,
+                              select_buffer,
+                              select_threads};
+  using ctx = typename L::block_context;
+  launch.for_blocks(units * parts, top.threads, top.histogram_shared(),
+                    [=] INFKV_HOST_DEVICE(const ctx& x) { top.histogram(x); });
+  launch.for_blocks(units * parts, top.threads, top.gather_shared(),
+                    [=] INFKV_HOST_DEVICE(const ctx& x) { top.gather(x); });
+  launch.for_blocks(units, top.threads, top.finish_shared(), [=] INFKV_HOST_DEVICE(const ctx& x) { top.finish(x); });
+  launch.for_blocks(units * parts, top.threads, top.emit_shared(),
+                    [=] INFKV_HOST_DEVICE(const ctx& x) { top.emit(x); });
 }
 
 template <class L>

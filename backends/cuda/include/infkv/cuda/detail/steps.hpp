@@ -37,8 +37,9 @@
 //                                       block-level steps (block_steps.hpp): f(ctx) per thread
 //                                       of every block, with shared memory and barriers
 //
-// Per eviction the time order is the one sort; the selection finds each unit's threshold by a
-// radix select in one block per unit and emits its kept slots there (top_blocks), AdaKV's
+// Per eviction the time order is the one sort; the selection finds each unit's threshold from a
+// first-digit histogram built by many blocks, a radix select over the boundary digit's candidates
+// in one block per unit, and emits the kept slots from many blocks again (top_split); AdaKV's
 // allocation by a radix select over all rows in launches of many blocks.
 // This file holds the scoring steps; select_steps.hpp (included at its end) the selection steps.
 #pragma once
@@ -62,6 +63,11 @@ struct basic_backend {
   /// tests: every pass through global memory, and faster host emulation).
   std::int64_t select_buffer = 8192;
   int select_threads = 256;
+  /// Slots per block of the selection's launches of many blocks (smaller in tests: many parts).
+  std::int64_t select_slice = 4096;
+  std::int64_t select_parts(std::int64_t n) const {
+    return std::max<std::int64_t>((n + select_slice - 1) / select_slice, 1);
+  }
   /// Bits of the largest position the caller's tokens hold (a promise: a position at or above
   /// 2^position_bits is recorded as bad_position): the time order sorts that many bits, a radix
   /// pass per 8. 31 (the default) holds any of llama.cpp's 32-bit positions; 63 every position
@@ -90,7 +96,7 @@ struct basic_backend {
       detail::order_scratch::carve(c, n);
       c.take<std::byte>(std::int64_t(L::temp_bytes(n)));
     });
-    consider([&](detail::carver& c) { detail::select_scratch::carve(c, n); });
+    consider([&](detail::carver& c) { detail::select_scratch::carve(c, n, units, select_parts(n)); });
     consider([&](detail::carver& c) { detail::allocate_scratch::carve(c, units * n, units); });
     return need;
   }
@@ -323,9 +329,11 @@ struct basic_backend {
 
   /// Per unit u keeps caps[u] slots (or `cap`): the protected sinks and recent slots, then the
   /// best by `keep_before`, by (descending score bits, tie rank) keys; the tie rank comes from the
-  /// time order (binary searches, no sort). Two launches: the ranks, then a block per unit that
-  /// finds its threshold by radix select and writes its kept slots, increasing, at its offset in
-  /// out.slots (detail::top_blocks). s.data null keeps every slot.
+  /// time order (binary searches, no sort). Five launches (detail::top_split): the ranks, a
+  /// first-digit histogram and a gather of the boundary digit's candidates by blocks of
+  /// select_slice slots, a block per unit that finds its threshold among those candidates, and
+  /// blocks of select_slice slots writing the kept slots, increasing, at their unit's offset in
+  /// out.slots. s.data null keeps every slot.
   void keep_top(score_view s, std::span<const token> tokens, const std::int64_t* order, const std::int64_t* caps,
                 std::int64_t cap, const budget& keep, keep_view out, std::span<std::byte> scratch) const;
 
