@@ -470,11 +470,11 @@ def kernel_cost_section(gpu_dir, md):
                  fmt(sum(roof.values()), 1), "<= 350, <= 20 kernels"])
     md.append(table(["step", "kernels", "MB moved", "tensor GFLOP", "M exp", "estimate, strided (us)",
                      "paged (us)", "roofline (us)", "target (us)"], rows) + "\n")
-    bits_path = os.path.join(gpu_dir, "kernel_cost_bits31.json")
-    if os.path.exists(bits_path):  # the same eviction with the backend told positions fit 31 bits
+    bits_path = os.path.join(gpu_dir, "kernel_cost_bits63.json")
+    if os.path.exists(bits_path):  # the same eviction with the backend told positions take 63 bits
         kb = load(bits_path)
         lb = totals(kb["layouts"]["strided"]["launches"])
-        md.append(f"With `position_bits = {kb['case']['position_bits']}` (llama.cpp's positions are 32-bit; commit "
+        md.append(f"With `position_bits = {kb['case']['position_bits']}` (every position infkv takes; commit "
                   f"{kb['commit']}): the time order takes {lb['time order']['kernels']} kernels, "
                   f"{fmt(lb['time order']['us'], 1)} us, and the whole eviction "
                   f"{sum(lb[k]['kernels'] for k in groups)} kernels, {fmt(sum(lb[k]['us'] for k in groups), 1)} us "
@@ -500,9 +500,11 @@ def kernel_cost_section(gpu_dir, md):
                         others) + "\n")
     comp = lay["strided"]["compaction"]
     least = roof["compaction"] * 1e-6 * g["bandwidth"]
-    md.append(f"The compaction moves its least traffic ({least / 1e6:.0f} MB) at "
-              f"{least / (comp['us'] * 1e-6) / g['bandwidth']:.0%} of the bandwidth by this estimate; paged keys "
-              f"take {tb / ta['us']:.2f}x the strided time.\n")
+    rate = least / (comp["us"] * 1e-6)
+    md.append(f"The compaction moves its least traffic ({least / 1e6:.0f} MB) at {rate / 1e12:.2f} TB/s by this "
+              f"estimate: {rate / (g['bandwidth'] * g['bandwidth_eff']):.0%} of the copy bandwidth the model grants "
+              f"({g['bandwidth_eff']:.0%} of {g['bandwidth'] / 1e12:.1f} TB/s), {rate / g['bandwidth']:.0%} of the "
+              f"peak; paged keys take {tb / ta['us']:.2f}x the strided time.\n")
     rows = []
     for l in kc["layouts"]["strided"]["launches"]:
         rows.append([l["step"], l["kind"] + (f" ({l['kernels']} kernels)" if l["kernels"] > 1 else ""),

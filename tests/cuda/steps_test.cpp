@@ -325,6 +325,12 @@ TEST_CASE("cuda steps (host): the time order sorts the position bits it is promi
   CHECK(st.a == 2);
   CHECK(st.e == 19);
   CHECK_THROWS_WITH_AS(cuda::raise_if(st, "cuda::run"), doctest::Contains("at or above 2^19"), infkv::invalid_argument);
+  for (const std::int64_t slice : {std::int64_t(0), std::int64_t(4097)}) {  // the selection's slices
+    host_cuda_backend be;
+    be.select_slice = slice;
+    CHECK_THROWS_WITH_AS((void)be.scratch_bytes(spec, layer_shape{.n_slots = n}),
+                         doctest::Contains("backend.select_slice"), infkv::invalid_argument);
+  }
   for (const int bits : {0, 64}) {
     host_cuda_backend be;
     cuda::status_word word = cuda::status_ok;

@@ -294,26 +294,30 @@ struct radix_scratch {
             c.take<counter>(segments * select_bins)};
   }
 };
-/// Bits of the selection's first digit (top_split): a histogram of 4,096 bins per unit.
+/// Bits of the selection's first digit (top_split): a histogram of 4,096 bins per unit; its
+/// second digit has 8 bits.
 inline constexpr int top_digit = 12;
-inline constexpr std::int64_t top_bins = std::int64_t(1) << top_digit;
+inline constexpr std::int64_t top_bins = std::int64_t(1) << top_digit, top_bins2 = 256;
 /// The selection (top_split): per slot its tie rank (protected slots marked); per unit the first
-/// digit's histogram, the candidate keys that share the boundary digit (a region of `slice` per
-/// part of `slice` slots), the digit, how many of its keys are kept, the bound; per (unit, part)
-/// the slots it keeps for sure, its candidates and its offset in the output.
+/// digit's histogram and the second digit's (one array, cleared at once), the candidate keys that
+/// share the boundary digit (a region of `slice` per part of `slice` slots, grouped by their
+/// second digit), the first digit, how many of its keys are kept, the bound; per (unit, part) the
+/// slots it keeps for sure, where each second digit's group starts in its region (257 entries,
+/// the last its candidates), and its offset in the output.
 struct select_scratch {
   std::uint32_t* rank;
-  counter* hist;
+  counter *hist, *hist2;
   std::uint64_t* cand;
   std::int64_t *digit, *need;
   std::uint64_t* bound;
-  std::int64_t *sure, *count, *offset;
+  std::int64_t *sure, *groups, *offset;
   static select_scratch carve(carver& c, std::int64_t n, std::int64_t units, std::int64_t parts) {
     select_scratch w{};
-    w.rank = c.take<std::uint32_t>(n), w.hist = c.take<counter>(units * top_bins);
+    w.rank = c.take<std::uint32_t>(n), w.hist = c.take<counter>(units * (top_bins + top_bins2));
+    w.hist2 = w.hist + units * top_bins;
     w.cand = c.take<std::uint64_t>(units * n);
     w.digit = c.take<std::int64_t>(units), w.need = c.take<std::int64_t>(units), w.bound = c.take<std::uint64_t>(units);
-    w.sure = c.take<std::int64_t>(units * parts), w.count = c.take<std::int64_t>(units * parts);
+    w.sure = c.take<std::int64_t>(units * parts), w.groups = c.take<std::int64_t>(units * parts * (top_bins2 + 1));
     w.offset = c.take<std::int64_t>(units * parts);
     return w;
   }

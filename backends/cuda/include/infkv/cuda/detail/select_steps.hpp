@@ -22,15 +22,20 @@ namespace infkv::cuda::detail {
 ///     (integer atomics: the same sums in any order).
 ///  2. gather, a block per (unit, part): the block scans the unit's histogram and finds the digit
 ///     d holding the wanted rank (every block the same one): smaller digits are kept, larger ones
-///     dropped; when only some of d's keys are kept, the block copies its keys of digit d to its
-///     part's region; it counts the slots it keeps for sure.
-///  3. finish, a block per unit: radix select MSB-first (8-bit digits, 4 bits last) below the
-///     first digit over the candidates only (held in shared memory when `buffer` keys hold them,
-///     else read from their regions on each pass) for the unit's bound; then per part its kept
-///     count (for sure, and its candidates under the bound) scanned into its offset.
+///     dropped; it counts the slots it keeps for sure and, when only some of d's keys are kept,
+///     sorts its keys of digit d by their second digit (the next 8 bits) into its part's region,
+///     with where each group starts, and adds their second digits to the unit's histogram of them.
+///  3. finish, a block per unit: the second digit d2 holding the rank still wanted, from that
+///     histogram; then radix select MSB-first (8-bit digits, 4 bits last) over the groups d2 of
+///     the parts only (held in shared memory when `buffer` keys hold them, else read from the
+///     regions on each pass) for the unit's bound; then per part its kept count (for sure, its
+///     groups below d2, its keys of group d2 under the bound) scanned into its offset.
 ///  4. emit, a block per (unit, part): each thread counts a run of the part's slots, a block scan
 ///     gives each its offset, each thread writes its kept slots.
-/// Every scan over threads or bins is a block scan (block_scan): no thread walks them alone.
+/// So the scores are read by many blocks, and the one block per unit reads only the keys that
+/// share the boundary's first 20 bits (most of a unit's row when its scores are close together
+/// share the first 12). Every scan over threads or bins is a block scan (block_scan): no thread
+/// walks them alone.
 struct top_split {
   static constexpr int first_shift = 64 - top_digit, bins = 256;
   static constexpr std::uint32_t guarded_rank = ~std::uint32_t{0};  ///< a protected slot's rank
@@ -46,19 +51,20 @@ struct top_split {
   int threads;          ///< every block's threads
 
   struct gather_state {
-    std::int64_t digit, need, in_digit;
+    std::int64_t digit, need;
     std::uint32_t sure, fill;
   };
   struct finish_state {
     std::uint64_t prefix, bound;
-    std::int64_t want;
+    std::int64_t want, second;
     std::uint32_t fill;
     int done;
   };
 
   std::size_t histogram_shared() const { return shared_round(top_bins * 4); }
   std::size_t gather_shared() const {
-    return shared_round(top_bins * 4) + shared_round(std::size_t(threads) * 4) + shared_round(sizeof(gather_state));
+    return shared_round(top_bins * 4) + shared_round(std::size_t(threads) * 4) + shared_round(sizeof(gather_state)) +
+           2 * shared_round(top_bins2 * 4) + shared_round(std::size_t(slice) * 8);
   }
   std::size_t finish_shared() const {
     return shared_round(bins * 4) + shared_round(std::size_t(threads) * 8) + shared_round(sizeof(finish_state)) +
@@ -83,6 +89,13 @@ struct top_split {
   }
   INFKV_HOST_DEVICE std::int64_t begin(std::int64_t p) const { return p * slice; }
   INFKV_HOST_DEVICE std::int64_t end(std::int64_t p) const { return (p + 1) * slice < n ? (p + 1) * slice : n; }
+  /// Where group g (a second digit; top_bins2: the end) of part p of unit u starts in its region.
+  INFKV_HOST_DEVICE std::int64_t& group(std::int64_t u, std::int64_t p, std::int64_t g) const {
+    return w.groups[(u * parts + p) * (top_bins2 + 1) + g];
+  }
+  INFKV_HOST_DEVICE static std::uint32_t second_digit(std::uint64_t k) {
+    return std::uint32_t(k >> (first_shift - 8)) & std::uint32_t(top_bins2 - 1);
+  }
 
   template <class Ctx>
   INFKV_HOST_DEVICE void histogram(const Ctx& c) const {
@@ -102,14 +115,18 @@ struct top_split {
   template <class Ctx>
   INFKV_HOST_DEVICE void gather(const Ctx& c) const {
     const std::int64_t u = c.block / parts, p = c.block % parts;
-    auto* h = reinterpret_cast<std::uint32_t*>(c.shared);
-    auto* part = reinterpret_cast<std::uint32_t*>(c.shared + shared_round(top_bins * 4));
-    auto* z =
-        reinterpret_cast<gather_state*>(c.shared + shared_round(top_bins * 4) + shared_round(std::size_t(threads) * 4));
+    std::byte* at = c.shared;
+    auto* h = reinterpret_cast<std::uint32_t*>(at);
+    auto* part = reinterpret_cast<std::uint32_t*>(at += shared_round(top_bins * 4));
+    auto* z = reinterpret_cast<gather_state*>(at += shared_round(std::size_t(threads) * 4));
+    auto* g = reinterpret_cast<std::uint32_t*>(at += shared_round(sizeof(gather_state)));
+    auto* cursor = reinterpret_cast<std::uint32_t*>(at += shared_round(top_bins2 * 4));
+    auto* held = reinterpret_cast<std::uint64_t*>(at += shared_round(top_bins2 * 4));
     for (std::int64_t b = c.thread; b < top_bins; b += c.threads) h[b] = std::uint32_t(w.hist[u * top_bins + b]);
+    for (std::int64_t b = c.thread; b < top_bins2; b += c.threads) g[b] = 0, cursor[b] = 0;
     const std::int64_t want = wanted(u);
     if (c.thread == 0) {  // nothing wanted: no digit kept (digit 0, need 0); fewer than wanted: all
-      z->digit = want <= 0 ? 0 : top_bins, z->need = 0, z->in_digit = 0, z->sure = 0, z->fill = 0;
+      z->digit = want <= 0 ? 0 : top_bins, z->need = 0, z->sure = 0, z->fill = 0;
     }
     c.sync();
     const std::int64_t total = block_exclusive_scan(c, h, top_bins, part);
@@ -119,7 +136,7 @@ struct top_split {
         if (want == next)  // all of this digit: the next one bounds
           z->digit = b + 1, z->need = 0;
         else
-          z->digit = b, z->need = want - before, z->in_digit = next - before;
+          z->digit = b, z->need = want - before;
       }
     }
     c.sync();
@@ -132,31 +149,49 @@ struct top_split {
         ++sure;
       } else if (need > 0 && d == digit) {
 #if defined(__CUDA_ARCH__)
-        w.cand[u * n + begin(p) + atomicAdd(&z->fill, 1u)] = k;
+        held[atomicAdd(&z->fill, 1u)] = k;
 #else
-        w.cand[u * n + begin(p) + z->fill++] = k;
+        held[z->fill++] = k;
 #endif
+        shared_add(g + second_digit(k), 1);
       }
     }
     shared_add(&z->sure, sure);
     c.sync();
+    const std::uint32_t fill = z->fill;
     if (c.thread == 0) {
-      w.sure[u * parts + p] = z->sure, w.count[u * parts + p] = z->fill;
+      w.sure[u * parts + p] = z->sure, group(u, p, top_bins2) = fill;
       if (p == 0) w.digit[u] = digit, w.need[u] = need;
+    }
+    if (need == 0) return;  // (every thread: need is the block's)
+    for (std::int64_t b = c.thread; b < top_bins2; b += c.threads)
+      if (g[b] != 0) add_count(w.hist2 + u * top_bins2 + b, g[b]);
+    block_exclusive_scan(c, g, top_bins2, part);
+    for (std::int64_t b = c.thread; b < top_bins2; b += c.threads) group(u, p, b) = g[b];
+    for (std::int64_t x = c.thread; x < fill; x += c.threads) {
+      const std::uint64_t k = held[x];
+      const std::uint32_t b = second_digit(k);
+#if defined(__CUDA_ARCH__)
+      const std::uint32_t slot = g[b] + atomicAdd(cursor + b, 1u);
+#else
+      const std::uint32_t slot = g[b] + cursor[b]++;
+#endif
+      w.cand[u * n + begin(p) + slot] = k;
     }
   }
 
-  /// Calls f(key) for every candidate of unit u (from shared memory once held there).
+  /// Calls f(key) for every candidate of group `second` of unit u (from shared memory once held
+  /// there).
   template <class Ctx, class F>
-  INFKV_HOST_DEVICE void each_candidate(const Ctx& c, std::int64_t u, const std::uint64_t* held, bool buffered,
-                                        std::int64_t fill, F f) const {
+  INFKV_HOST_DEVICE void each_candidate(const Ctx& c, std::int64_t u, std::int64_t second, const std::uint64_t* held,
+                                        bool buffered, std::int64_t fill, F f) const {
     if (buffered) {
       for (std::int64_t x = c.thread; x < fill; x += c.threads) f(held[x]);
       return;
     }
     for (std::int64_t p = 0; p < parts; ++p) {
-      const std::int64_t cnt = w.count[u * parts + p];
-      for (std::int64_t x = c.thread; x < cnt; x += c.threads) f(w.cand[u * n + begin(p) + x]);
+      const std::int64_t lo = group(u, p, second), hi = group(u, p, second + 1);
+      for (std::int64_t x = lo + c.thread; x < hi; x += c.threads) f(w.cand[u * n + begin(p) + x]);
     }
   }
 
@@ -169,17 +204,40 @@ struct top_split {
         reinterpret_cast<finish_state*>(c.shared + shared_round(bins * 4) + shared_round(std::size_t(threads) * 8));
     auto* held = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::byte*>(z) + shared_round(sizeof(finish_state)));
     const std::int64_t digit = w.digit[u], need = w.need[u];
-    std::int64_t mine = 0;  // this thread's share of the candidates
-    for (std::int64_t p = c.thread; p < parts; p += c.threads) mine += w.count[u * parts + p];
-    const std::int64_t total = block_scan(c, mine, part).total;
-    const bool buffered = need > 0 && total <= buffer;
     if (c.thread == 0) {
-      z->prefix = std::uint64_t(digit), z->want = need, z->fill = 0, z->done = need > 0 ? 0 : 1;
+      z->fill = 0, z->done = need > 0 ? 0 : 1, z->second = 0;
       z->bound = digit >= top_bins ? no_key : std::uint64_t(digit) << first_shift;  // need 0: digits below
     }
+    // The second digit holding the rank wanted, from the unit's histogram of them.
+    for (int b = c.thread; b < bins; b += c.threads) hist[b] = need > 0 ? std::uint32_t(w.hist2[u * top_bins2 + b]) : 0;
     c.sync();
+    const auto in_first =
+        std::int64_t(block_exclusive_scan(c, hist, top_bins2, reinterpret_cast<std::uint32_t*>(part)));
+    std::int64_t in_second = 0;  // this thread's view of the candidates in the second digit found
+    for (int b = c.thread; b < bins && need > 0; b += c.threads) {
+      const std::int64_t before = hist[b], next = b + 1 < bins ? std::int64_t(hist[b + 1]) : in_first;
+      if (before < need && need <= next) {
+        const std::uint64_t found = (std::uint64_t(digit) << 8) | std::uint64_t(b), after = found + 1;
+        z->second = b;
+        if (need == next) {
+          z->bound = after >> (72 - first_shift) != 0 ? no_key : after << (first_shift - 8);
+          z->done = 1;
+        } else {
+          z->prefix = found, z->want = need - before;
+        }
+      }
+    }
+    c.sync();
+    const std::int64_t second = z->second;
+    const bool selecting = z->done == 0;
+    if (selecting) {
+      for (std::int64_t p = c.thread; p < parts; p += c.threads)
+        in_second += group(u, p, second + 1) - group(u, p, second);
+    }
+    const std::int64_t total = block_scan(c, in_second, part).total;
+    const bool buffered = selecting && total <= buffer;
     if (buffered) {
-      each_candidate(c, u, held, false, 0, [&](std::uint64_t k) {
+      each_candidate(c, u, second, held, false, 0, [&](std::uint64_t k) {
 #if defined(__CUDA_ARCH__)
         held[atomicAdd(&z->fill, 1u)] = k;
 #else
@@ -188,13 +246,13 @@ struct top_split {
       });
       c.sync();
     }
-    for (int shift = first_shift - 8, width = 8; z->done == 0; width = shift == 4 ? 4 : 8, shift -= width) {
+    for (int shift = first_shift - 16, width = 8; z->done == 0; width = shift == 4 ? 4 : 8, shift -= width) {
       for (int b = c.thread; b < bins; b += c.threads) hist[b] = 0;
       const std::uint64_t pre = z->prefix;
       const std::int64_t want = z->want;
       const int above = shift + width;
       c.sync();
-      each_candidate(c, u, held, buffered, z->fill, [&](std::uint64_t k) {
+      each_candidate(c, u, second, held, buffered, z->fill, [&](std::uint64_t k) {
         if (k >> above == pre) shared_add(hist + (std::uint32_t(k >> shift) & ((1u << width) - 1)), 1);
       });
       c.sync();
@@ -215,8 +273,9 @@ struct top_split {
       c.sync();
     }
     const std::uint64_t bound = z->bound;
-    // Offsets: per part, what it keeps for sure and its candidates under the bound, scanned in
-    // pieces of `threads` parts from the slots the units before u keep.
+    // Offsets: per part, what it keeps for sure, its groups below the second digit and its keys
+    // of that group under the bound, scanned in pieces of `threads` parts from the slots the
+    // units before u keep.
     std::int64_t run = 0;
     for (std::int64_t v = 0; v < u; ++v) run += kept_count(v);
     if (c.thread == 0) {
@@ -229,9 +288,11 @@ struct top_split {
       std::int64_t kept = 0;
       if (p < parts) {
         kept = w.sure[u * parts + p];
-        if (need > 0)
-          for (std::int64_t x = 0; x < w.count[u * parts + p]; ++x)
+        if (need > 0) {
+          kept += group(u, p, second);
+          for (std::int64_t x = group(u, p, second); x < group(u, p, second + 1); ++x)
             kept += w.cand[u * n + begin(p) + x] < bound ? 1 : 0;
+        }
       }
       const block_scanned<std::int64_t> r = block_scan(c, kept, part);
       if (p < parts) w.offset[u * parts + p] = run + r.before;
@@ -391,6 +452,7 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
   const std::int64_t n = out.n_slots, units = out.n_units, sinks = keep.sinks, recent = keep.recent;
   check_sort_bits(units, n);
   const int rb = detail::bits_for(n);
+  const std::int64_t parts = select_parts(n);
   std::int64_t* offsets = out.offsets;
   std::int64_t* slots = out.slots;
   if (s.data == nullptr || n == 0) {
@@ -400,12 +462,11 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
   }
   status_word* st = checked_status();
   const token* t = tokens.data();
-  const std::int64_t parts = select_parts(n);
   detail::carver c{scratch.data(), 0};
   const auto w = detail::select_scratch::carve(c, n, units, parts);
   std::uint32_t* rank = w.rank;
   detail::counter* hist = w.hist;
-  const std::int64_t bins = units * detail::top_bins;
+  const std::int64_t bins = units * (detail::top_bins + detail::top_bins2);
   // Tie rank, newer position first, then the lower slot: the slot at time index i, whose
   // positions' run spans [b, e) of the time order (found by binary search: positions do not
   // decrease along it), ranks (n - e) + (i - b); protected slots are marked instead. The same

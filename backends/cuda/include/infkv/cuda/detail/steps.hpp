@@ -66,6 +66,8 @@ struct basic_backend {
   /// Slots per block of the selection's launches of many blocks (smaller in tests: many parts).
   std::int64_t select_slice = 4096;
   std::int64_t select_parts(std::int64_t n) const {
+    INFKV_REQUIRE(select_slice >= 1 && select_slice <= 4096, "backend.select_slice", select_slice,
+                  "must be in [1, 4096] (a block of the selection holds a slice's keys in shared memory)");
     return std::max<std::int64_t>((n + select_slice - 1) / select_slice, 1);
   }
   /// Bits of the largest position the caller's tokens hold (a promise: a position at or above
