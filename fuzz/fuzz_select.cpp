@@ -74,7 +74,9 @@ void check(const layer_inputs<R>& in, const budget& b, granularity g) {
                            .protect_sinks = pol.spec().protect_sinks,
                            .protect_recent = pol.spec().protect_recent};
     cuda::status_word status = cuda::status_ok;
-    const infkv_test::host_cuda_backend gb{{}, &status};
+    infkv_test::host_cuda_backend gb{{}, &status};
+    gb.position_bits = 63;                         // the fuzzed positions go up to max_position, which the CPU takes
+    gb.select_threads = 32, gb.select_slice = 16;  // narrow blocks (fibers on the host), many parts
     const plan gp = make_plan(gb, spec, b, shape_of(fixed), {.g = g});
     cpu::workspace gws(gp.workspace_bytes);
     std::vector<std::int64_t> offsets(std::size_t(gp.offsets_size())), slots(std::size_t(gp.kept_total));

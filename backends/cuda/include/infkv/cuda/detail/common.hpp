@@ -299,7 +299,7 @@ struct radix_scratch {
 inline constexpr int top_digit = 12;
 inline constexpr std::int64_t top_bins = std::int64_t(1) << top_digit, top_bins2 = 256;
 /// The selection (top_split): per slot its tie rank (protected slots marked); per unit the first
-/// digit's histogram and the second digit's (one array, cleared at once), the candidate keys that
+/// digit's histogram and the second digit's, the candidate keys that
 /// share the boundary digit (a region of `slice` per part of `slice` slots, grouped by their
 /// second digit), the first digit, how many of its keys are kept, the bound; per (unit, part) the
 /// slots it keeps for sure, where each second digit's group starts in its region (257 entries,
@@ -313,8 +313,8 @@ struct select_scratch {
   std::int64_t *sure, *groups, *offset;
   static select_scratch carve(carver& c, std::int64_t n, std::int64_t units, std::int64_t parts) {
     select_scratch w{};
-    w.rank = c.take<std::uint32_t>(n), w.hist = c.take<counter>(units * (top_bins + top_bins2));
-    w.hist2 = w.hist + units * top_bins;
+    w.rank = c.take<std::uint32_t>(n), w.hist = c.take<counter>(units * top_bins);
+    w.hist2 = c.take<counter>(units * top_bins2);
     w.cand = c.take<std::uint64_t>(units * n);
     w.digit = c.take<std::int64_t>(units), w.need = c.take<std::int64_t>(units), w.bound = c.take<std::uint64_t>(units);
     w.sure = c.take<std::int64_t>(units * parts), w.groups = c.take<std::int64_t>(units * parts * (top_bins2 + 1));

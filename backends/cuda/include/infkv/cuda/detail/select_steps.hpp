@@ -465,14 +465,15 @@ void basic_backend<L>::keep_top(score_view s, std::span<const token> tokens, con
   detail::carver c{scratch.data(), 0};
   const auto w = detail::select_scratch::carve(c, n, units, parts);
   std::uint32_t* rank = w.rank;
-  detail::counter* hist = w.hist;
-  const std::int64_t bins = units * (detail::top_bins + detail::top_bins2);
+  detail::counter *hist = w.hist, *hist2 = w.hist2;
+  const std::int64_t bins = units * detail::top_bins, bins2 = units * detail::top_bins2;
   // Tie rank, newer position first, then the lower slot: the slot at time index i, whose
   // positions' run spans [b, e) of the time order (found by binary search: positions do not
   // decrease along it), ranks (n - e) + (i - b); protected slots are marked instead. The same
   // launch clears the first digit's histograms.
   launch.for_each(std::max(n, bins), [=] INFKV_HOST_DEVICE(std::int64_t i) {
     if (i < bins) hist[i] = 0;
+    if (i < bins2) hist2[i] = 0;
     if (i >= n) return;
     const std::int64_t p = t[order[i]].pos;
     std::int64_t b = 0, e = i + 1, hi = i;
