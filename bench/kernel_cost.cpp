@@ -9,7 +9,7 @@
 //
 // --policy tova | keydiff | expected_attention: that policy's scoring and selection instead
 // (strided keys, no compaction: the compaction is SnapKV's).
-// --position-bits: the backend's promise on positions (basic_backend::position_bits, 63 by
+// --position-bits: the backend's promise on positions (basic_backend::position_bits, 31 by
 // default); the time order's sort runs a pass per 8 of them.
 #include <cstdio>
 #include <cstdlib>

@@ -146,6 +146,18 @@ INFKV_HOST_DEVICE T block_exclusive_scan(const Ctx& c, T* a, std::int64_t count,
   return r.total;
 }
 
+/// After block_exclusive_scan over h[0, count) (`total` their sum), calls f(b, before, next) for
+/// the one bin b whose keys hold rank `want` (1-based): h[b] < want <= h[b + 1] (total past the
+/// last); for none when want <= 0 or want > total. Each thread tries its bins.
+template <class Ctx, class F>
+INFKV_HOST_DEVICE void at_wanted_bin(const Ctx& c, const std::uint32_t* h, std::int64_t count, std::int64_t total,
+                                     std::int64_t want, F f) {
+  for (std::int64_t b = c.thread; b < count; b += c.threads) {
+    const std::int64_t before = h[b], next = b + 1 < count ? std::int64_t(h[b + 1]) : total;
+    if (want > 0 && before < want && want <= next) f(b, before, next);
+  }
+}
+
 /// `bytes` rounded up to a multiple of 128 (each piece of a block's shared memory starts there).
 INFKV_HOST_DEVICE constexpr std::size_t shared_round(std::size_t bytes) { return (bytes + 127) / 128 * 128; }
 
