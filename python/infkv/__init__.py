@@ -44,6 +44,7 @@ from ._infkv import (  # noqa: F401
     natural_granularity,
     plan_options,
     pooling,
+    reconstruction_scores,
     protect,
     reduction,
     rerotate,

@@ -105,6 +105,25 @@ void bind_pipeline(nb::module_& m) {
   m.def("run_scores", &run_scores, "plan"_a, "layer"_a,
         "One layer's scores after the policy's finish (pooling, group mean, bias): float32 [rows, slots].");
   m.def(
+      "reconstruction_scores",
+      [](const layer& l, int threads) {
+        INFKV_REQUIRE(l.keys && l.queries, "layer", l.keys ? "without queries" : "without keys",
+                      "context-reconstruction scores read the keys and the reconstruction's queries");
+        const auto in = l.inputs();
+        (void)infkv::cpu::workers({.threads = threads}, 1);  // checks the thread count
+        infkv::score_matrix s;
+        {
+          nb::gil_scoped_release unlocked;
+          s = infkv::cpu::reconstruction(in, {.threads = threads});
+        }
+        return to_numpy(s.data, {std::size_t(s.rows), std::size_t(s.cols)});
+      },
+      "layer"_a, nb::kw_only(), "threads"_a = 1,
+      "Context-reconstruction scores (KVzip) of one pass: per KV head and key, the largest softmax probability "
+      "any of the layer's queries (those of the head's group) gives it, over the keys each sees; float32 "
+      "[kv_heads, slots]. The layer's keys are all the queries attend to (the sinks, the chunk reconstructed, "
+      "the reconstruction's own keys); take the maximum over passes for a longer context.");
+  m.def(
       "select",
       [](const any_policy& pol, const infkv::budget& b, const layer& l, std::optional<infkv::granularity> g,
          infkv::reduction r, int threads) {

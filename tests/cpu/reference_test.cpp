@@ -229,3 +229,71 @@ TEST_CASE("every registered policy matches its float64 reference on every type, 
     });
   });
 }
+
+namespace {
+/// Context-reconstruction scores: per KV head, the largest probability any query of the head's
+/// group gives each key.
+ref_matrix ref_reconstruction(const problem& p) {
+  const std::int32_t g = p.hq / p.hkv;
+  ref_matrix out(std::size_t(p.hkv), std::vector<double>(std::size_t(p.n), 0.0));
+  for (std::int32_t hq = 0; hq < p.hq; ++hq)
+    for (std::int64_t i = 0; i < p.nq; ++i) {
+      const auto pr = ref_probs(p, i, hq);
+      for (std::int64_t j = 0; j < p.n; ++j)
+        out[std::size_t(hq / g)][std::size_t(j)] =
+            std::max(out[std::size_t(hq / g)][std::size_t(j)], pr[std::size_t(j)]);
+    }
+  return out;
+}
+
+/// Scratch bytes of one worker's reconstruction_into over `in`.
+template <class In>
+std::size_t detail_bytes(const In& in) {
+  return cpu::detail::window_scratch_bytes(in);
+}
+}  // namespace
+
+TEST_CASE("reconstruction scores (KVzip) match the reference on every type, view and GQA group") {
+  for_each_setup(300, [](const problem& p, const auto& in, const std::string& label) {
+    const auto got = cpu::reconstruction(in);
+    check_close(got, ref_reconstruction(p), rtol_stored, atol_stored, label);
+    check_close(got, ref_reconstruction(exact(p)), rtol_exact(p.type), atol_exact(p.type), label + " exact");
+    CHECK(cpu::reconstruction(in, cpu::executor{2}).data == got.data);
+    // A second pass over the same keys max-accumulates: nothing changes; from a larger start, the start stays.
+    score_matrix again = got;
+    const cpu::workspace work(detail_bytes(in));
+    cpu::reconstruction_into(in, again.view(), work.span().data());
+    CHECK(again.data == got.data);
+    score_matrix high(got.rows, got.cols, 2.f);
+    cpu::reconstruction_into(in, high.view(), work.span().data());
+    for (float v : high.data) CHECK(v == 2.f);
+  });
+}
+
+TEST_CASE("reconstruction scores: keys nobody sees score 0, chunks accumulate, and bad shapes name out.rows") {
+  problem p = make_problem(17, 40, 2, 2, 8, 6, dtype::f32);
+  const stored keys = store(p.k, p.n, p.hkv, p.d, p.type, layout::nhd);
+  const stored queries = store_queries(p);
+  layer_inputs<> in{keys.tensor, {}, queries.tensor, p.qpos, p.tokens, 0.f};
+  const auto all = cpu::reconstruction(in);
+  std::int64_t max_q = 0;
+  for (auto q : p.qpos) max_q = std::max(max_q, q);
+  for (std::int64_t j = 0; j < p.n; ++j)
+    if (p.tokens[std::size_t(j)].pos > max_q)
+      for (std::int64_t h = 0; h < all.rows; ++h) CHECK(all(h, j) == 0.f);
+  // Two halves of the queries, accumulated, give the whole.
+  score_matrix halves(all.rows, all.cols);
+  const cpu::workspace work(detail_bytes(in));
+  for (std::int64_t first : {std::int64_t(0), p.nq / 2}) {
+    layer_inputs<> part = in;
+    const std::int64_t count = first == 0 ? p.nq / 2 : p.nq - p.nq / 2;
+    part.queries.data = in.queries.row(first, 0);
+    part.queries.n_slots = count;
+    part.query_pos = std::span<const std::int64_t>(p.qpos).subspan(std::size_t(first), std::size_t(count));
+    cpu::reconstruction_into(part, halves.view(), work.span().data());
+  }
+  check_close(halves, ref_reconstruction(p), rtol_stored, atol_stored, "two halves");
+  score_matrix wrong(all.rows + 1, all.cols);
+  CHECK_THROWS_WITH_AS(cpu::reconstruction_into(in, wrong.view(), work.span().data()), doctest::Contains("out.rows"),
+                       infkv::error);
+}

@@ -1,5 +1,6 @@
 // infkv CPU backend: attention recomputed from Q and K (so policies work with flash attention
-// on): per-key probability mass from a window of queries, and attention outputs. The softmax is
+// on): per-key probability mass from a window of queries, the largest probability any query gives
+// each key (context reconstruction, KVzip), and attention outputs. The softmax is
 // computed a key tile at a time with bounded memory (detail/softmax.hpp).
 #pragma once
 
@@ -69,6 +70,47 @@ score_matrix window_attention(const layer_inputs<R>& in, const executor& ex = {}
   score_matrix out(in.keys.n_heads, in.keys.n_slots);
   const workspace work(std::size_t(workers(ex, in.keys.n_heads)) * detail::window_scratch_bytes(in));
   window_attention_into(in, out.view(), false, work.span().data(), ex);
+  return out;
+}
+
+/// Context-reconstruction scores (KVzip: Kim et al., arXiv 2505.23416; kvpress's KVzipPress): per
+/// KV head h and key j, the largest softmax probability any query of h's group gives key j (visible
+/// keys only: tokens[j].pos <= query_pos[i]), max-accumulated into `out` (out(h, j) = max(out(h, j),
+/// that probability)). The keys are all the queries attend to: for KVzip the attention sinks, the
+/// chunk of the context the queries reconstruct and the reconstruction's own keys; chunks of a
+/// longer context accumulate into one row of the caller's. `scratch` holds workers(ex, Hkv) x
+/// detail::window_scratch_bytes(in) bytes, 64-byte aligned. Cost O(Hq n_q n d); parallel over KV
+/// heads; results do not depend on the thread count.
+template <row_source R>
+void reconstruction_into(const layer_inputs<R>& in, score_view out, std::byte* scratch, const executor& ex = {}) {
+  detail::check_attention_inputs(in);
+  const std::int32_t hkv = in.keys.n_heads, group = in.queries.n_heads / hkv;
+  INFKV_REQUIRE(out.rows == hkv && out.cols == in.keys.n_slots, "out.rows", out.rows, "must be ", hkv, " x ",
+                in.keys.n_slots, "; out.cols = ", out.cols);
+  const float scale = detail::effective_scale(in.scale, in.keys.head_dim);
+  const std::size_t per_worker = detail::window_scratch_bytes(in);
+  parallel_for_workers(ex, hkv, [&](std::int64_t w, std::int64_t h) {
+    float* row = out.row(h);
+    detail::softmax_tiles(in, std::int32_t(h), group, scale, 0, scratch + std::size_t(w) * per_worker,
+                          [&](std::int64_t t0, std::int64_t tn, const float* e, const float* c) {
+                            for (std::int64_t r = 0; r < group * in.queries.n_slots; ++r) {
+                              const float cr = c[r];
+                              if (cr == 0.f) continue;
+                              const float* x = e + r * detail::key_tile;
+                              for (std::int64_t j = 0; j < tn; ++j) row[t0 + j] = std::max(row[t0 + j], cr * x[j]);
+                            }
+                          });
+  });
+}
+
+/// Context-reconstruction scores of one pass (see reconstruction_into): [Hkv][n_slots], zero where
+/// no query sees a key.
+template <row_source R>
+score_matrix reconstruction(const layer_inputs<R>& in, const executor& ex = {}) {
+  detail::check_attention_inputs(in);
+  score_matrix out(in.keys.n_heads, in.keys.n_slots);
+  const workspace work(std::size_t(workers(ex, in.keys.n_heads)) * detail::window_scratch_bytes(in));
+  reconstruction_into(in, out.view(), work.span().data(), ex);
   return out;
 }
 
