@@ -63,7 +63,15 @@ struct settings : infkv_tools::policy_knobs {
   /// Score a sliding-window model's global layers only (session_options::score_global_layers).
   bool score_global_layers = false;
   infkv::llama_cpp::proxy_mode proxy = infkv::llama_cpp::proxy_mode::after_cache;
+  /// Context reconstruction (KVzip) scores every eviction, the cached tokens repeated this many
+  /// per pass (session::evict_reconstructed; the policy gives only its protected tokens); 0: the
+  /// policy's own scores.
+  std::int64_t reconstruct = 0;
 };
+
+/// Cells and batch room one reconstruction pass needs beside the cache: the chunk, the previous
+/// chunk's tail and the prompt (kvpress's, about 20 tokens).
+inline std::int64_t reconstruct_room(const settings& s) { return s.reconstruct > 0 ? s.reconstruct + 64 : 0; }
 
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
 /// question, two sequences when questions are asked.
@@ -196,8 +204,9 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
     o.archive = a;
     o.scratch_seq = 1;
   }
-  if (s.question_known) o.scratch_seq = 1;
-  o.whole_segments = s.whole_segments;  // proxy queries decode the question there, as questions are asked
+  if (s.question_known || s.reconstruct > 0) o.scratch_seq = 1;
+  if (s.reconstruct > 0) o.capture = true;  // the passes' queries and keys
+  o.whole_segments = s.whole_segments;      // proxy queries decode the question there, as questions are asked
   o.score_global_layers = s.score_global_layers;
   return o;
 }
@@ -213,7 +222,8 @@ class session_runner final : public runner {
         cap_(s.budget + max_feed),
         session_(m, session_options_for(k, s)) {
     budget_.validate();
-    auto p = runner_params(s, cap_, max_feed);
+    auto p = runner_params(s, cap_ + reconstruct_room(s), std::max(max_feed, reconstruct_room(s)));
+    if (s.reconstruct > 0) p.n_seq_max = 2;  // the passes decode on sequence 1
     session_.attach(p);
     const auto& rope = session_.rope();
     if (k == kind::expected_attention && rope.has_rope && !rope.supported)
@@ -248,9 +258,11 @@ class session_runner final : public runner {
     std::vector<std::int64_t> before;  // positions in stream order, aligned with cached_
     for (const auto& t : session_.tokens()) before.push_back(t.pos);
     std::sort(before.begin(), before.end());
-    const auto r = infkv_tools::with_policy(kind_, set_, [&](const auto& p) {
-      return question.empty() ? session_.evict(p, budget_) : session_.evict(p, budget_, question, set_.proxy);
-    });
+    const auto r = set_.reconstruct > 0 ? session_.evict_reconstructed(budget_, {.chunk = set_.reconstruct})
+                                        : infkv_tools::with_policy(kind_, set_, [&](const auto& p) {
+                                            return question.empty() ? session_.evict(p, budget_)
+                                                                    : session_.evict(p, budget_, question, set_.proxy);
+                                          });
     INFKV_REQUIRE(session_.size() <= set_.budget, "session slots after eviction", session_.size(),
                   "exceed --budget = ", set_.budget);
     std::size_t out = 0;

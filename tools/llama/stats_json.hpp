@@ -20,6 +20,8 @@ inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
           {"rerotate", t.rerotate},
           {"archive", t.archive},
           {"recall", t.recall},
+          {"proxy", t.proxy},
+          {"reconstruct", t.reconstruct},
           {"decodes", t.decodes},
           {"decoded_tokens", t.decoded_tokens},
           {"evictions", t.evictions},

@@ -140,6 +140,11 @@ void add_options(CLI::App& app, options& o) {
   app.add_flag("--whole-segments", o.s.whole_segments,
                "keep whole sentences and lines of the text first (by their mean score), the rest of the budget "
                "token by token (evicting policies)");
+  app.add_option("--reconstruct", o.s.reconstruct,
+                 "score every eviction by context reconstruction (KVzip, query-agnostic): the cached tokens are "
+                 "repeated on a second sequence, this many per pass, and each keeps the largest attention any "
+                 "repeating query gives it; the policy named gives only its protected tokens (sinks, recent)")
+      ->check(at_least(1, true, 8192));
   app.add_option("--proxy", o.proxy,
                  "how --question-known computes the question's queries: after_cache (decoded after the cache at "
                  "every eviction) or alone (decoded once by itself, turned to the positions after the cache)")
@@ -184,6 +189,24 @@ std::vector<stream::policy_info> check(const options& o) {
   if (o.s.prefetch_tokens > 0 && o.s.archive_bits == 0)
     usage_error(fmt::format("--prefetch = {}: needs --archive BITS", o.s.prefetch_tokens));
   if (o.s.question_known && !retrieval) usage_error("--question-known: only with --needle or --passkey DISTANCE");
+  if (o.s.reconstruct > 0) {
+    if (o.s.question_known)
+      usage_error(
+          fmt::format("--reconstruct = {}: context reconstruction is query-agnostic; its single-turn "
+                      "answers are its streaming ones (run it without --question-known)",
+                      o.s.reconstruct));
+    if (o.s.archive_bits > 0)
+      usage_error(fmt::format("--reconstruct = {}: recalled slots have no token ids to repeat; not with --archive",
+                              o.s.reconstruct));
+    for (const auto& p : chosen)
+      if (p.k != stream::kind::full &&
+          (infkv_tools::engine_only(p.k) ||
+           infkv_tools::with_policy(p.k, o.s, [](const auto& x) { return x.spec().parts() > 1; })))
+        usage_error(
+            fmt::format("--policy = {}: --reconstruct scores an infkv session's cache by one score; {} "
+                        "cannot take it",
+                        p.name, p.name));
+  }
   for (const auto& p : chosen) {
     if (!o.s.question_known || p.k == stream::kind::full) break;
     const bool steers = !infkv_tools::engine_only(p.k) && infkv_tools::with_policy(p.k, o.s, [](const auto& x) {
@@ -278,6 +301,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"interleave", o.interleave},
             {"question_known", o.s.question_known},
             {"whole_segments", o.s.whole_segments},
+            {"reconstruct", o.s.reconstruct},
             {"score_layers", o.s.score_global_layers ? "global" : "all"},
             {"proxy", o.proxy},
             {"smooth", o.smooth}}},

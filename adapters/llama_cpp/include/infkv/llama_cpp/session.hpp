@@ -51,6 +51,7 @@ class session {
  public:
   explicit session(const llama_model* model, session_options opt = {})
       : model_(model), opt_(opt), observer_(checked_layers(model), opt.values, [this](const node_rows& r) {
+          if (r.kind == node_kind::key && pass_capture_) return take_pass_keys(r);
           layers_[std::size_t(r.layer)].take(r);
         }) {
     INFKV_REQUIRE(opt_.window >= 0, "session_options.window", opt_.window, "must be >= 0");
@@ -343,7 +344,9 @@ class session {
     }
     std::vector<std::int64_t> pos(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) pos[std::size_t(i)] = batch.pos[i];
-    book_.append(pos, meta.segment, meta.kind, meta.segments);
+    book_.append(pos, meta.segment, meta.kind, meta.segments,
+                 batch.token != nullptr ? std::span<const llama_token>(batch.token, std::size_t(n))
+                                        : std::span<const llama_token>{});
     if (opt_.capture) {
       const stopwatch w{stats_.append};
       if (engine_)
@@ -418,6 +421,132 @@ class session {
   /// The positions of the last proxy() queries.
   std::span<const std::int64_t> proxy_positions() const { return proxy_pos_; }
 
+  /// Context-reconstruction scores (KVzip: Kim et al., arXiv 2505.23416; kvpress's KVzipPress) of
+  /// every cached slot, one [KV heads][size()] matrix per layer (empty for layers not scored, see
+  /// scored_layers()): the cached tokens are repeated in time order, `o.chunk` at a time, on the
+  /// scratch sequence after the cache (o.first, or o.next and the previous chunk's last o.tail
+  /// tokens; o.suffix; the chunk), and each slot of a chunk scores the largest softmax probability
+  /// any query of its pass (of the slot's KV head's group) gives it over the first o.sinks slots,
+  /// the chunk and the pass's own keys (cpu::reconstruction_into). The scratch sequence is emptied
+  /// after every pass. Needs the cached tokens' ids (decode() records them; recalled slots and
+  /// embeddings have none), session_options::scratch_seq, and room in the context for one pass
+  /// beside the cache. Extra memory during the call: one pass's queries and keys per layer (f32).
+  /// Cost: one llama_decode of about size() + passes x (prompt + tail) tokens in all
+  /// (session_stats::reconstruct). Valid until the next call.
+  std::span<const score_matrix> reconstruct(const reconstruction_options& o = {}) {
+    INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before reconstructing");
+    INFKV_REQUIRE(o.chunk >= 1, "reconstruction_options.chunk", o.chunk, "must be >= 1");
+    INFKV_REQUIRE(o.tail >= 0, "reconstruction_options.tail", o.tail, "must be >= 0");
+    INFKV_REQUIRE(o.sinks >= 0, "reconstruction_options.sinks", o.sinks, "must be >= 0");
+    INFKV_REQUIRE(size() > 0, "size()", 0, "nothing is cached to reconstruct");
+    if (engine_ && shift_pending_)
+      infkv::fail(
+          "infkv: reconstruct: the last eviction moved positions, and llama.cpp re-rotates the keys the scores "
+          "read at its next decode: decode before reconstructing (or use key_source::copy)");
+    const stopwatch w{stats_.reconstruct};
+    const std::int64_t n = size();
+    const std::span<const llama_token> ids = book_.ids();
+    for (std::int64_t s = 0; s < n; ++s)
+      INFKV_REQUIRE(ids[std::size_t(s)] >= 0, "slot " + std::to_string(s) + " token id", ids[std::size_t(s)],
+                    "is unknown (recalled from the archive or decoded from embeddings): context reconstruction "
+                    "repeats the cached tokens");
+    const auto prompt = [&](const std::vector<llama_token>& ids_given, const std::string& text, const char* what) {
+      return ids_given.empty() ? tokenize(text, what) : ids_given;
+    };
+    const std::vector<llama_token> first = prompt(o.first_ids, o.first, "reconstruction_options.first"),
+                                   next = prompt(o.next_ids, o.next, "reconstruction_options.next"),
+                                   suffix = prompt(o.suffix_ids, o.suffix, "reconstruction_options.suffix");
+    std::vector<std::int64_t> order(static_cast<std::size_t>(n));  // slots in time order
+    std::iota(order.begin(), order.end(), std::int64_t(0));
+    std::ranges::stable_sort(order, {}, [&](std::int64_t s) { return tokens()[std::size_t(s)].pos; });
+    const std::vector<std::int32_t>& scored = scored_layers();
+    recon_.assign(layers_.size(), score_matrix{});
+    const std::int64_t p0 = next_pos();
+    std::vector<llama_token> pass;
+    std::vector<float> keys;
+    std::vector<token> key_tokens;
+    std::vector<std::int64_t> qpos;
+    for (std::int64_t a = 0; a < n; a += o.chunk) {
+      const std::int64_t b = std::min(n, a + o.chunk), sink = std::min(o.sinks, a);
+      pass.assign((a == 0 ? first : next).begin(), (a == 0 ? first : next).end());
+      for (std::int64_t i = std::max<std::int64_t>(0, a - o.tail); a > 0 && i < a; ++i)
+        pass.push_back(ids[std::size_t(order[std::size_t(i)])]);
+      pass.insert(pass.end(), suffix.begin(), suffix.end());
+      for (std::int64_t i = a; i < b; ++i) pass.push_back(ids[std::size_t(order[std::size_t(i)])]);
+      const auto m = std::int64_t(pass.size());
+      INFKV_REQUIRE(n + m <= std::int64_t(llama_n_ctx(ctx_)), "reconstruction_options.chunk", o.chunk, "a pass of ", m,
+                    " tokens does not fit the context beside the ", n, " cached (n_ctx = ", llama_n_ctx(ctx_), ")");
+      INFKV_REQUIRE(m <= std::int64_t(llama_n_batch(ctx_)), "reconstruction_options.chunk", o.chunk, "a pass of ", m,
+                    " tokens exceeds the context's n_batch = ", llama_n_batch(ctx_));
+      if (const std::string why = decode_aside(pass, p0, true, "context reconstruction", true); !why.empty())
+        infkv::raise<engine_error>("infkv: context reconstruction: ", why, "; nothing was evicted");
+      qpos.resize(std::size_t(m));
+      std::iota(qpos.begin(), qpos.end(), p0);
+      const std::int64_t nk = sink + (b - a) + m;
+      for (const std::int32_t l : scored) {
+        const layer_inputs<const_paged_rows> in = inputs(l);
+        const std::int32_t hkv = in.keys.n_heads, d = std::int32_t(in.keys.head_dim);
+        if (recon_[std::size_t(l)].rows == 0) recon_[std::size_t(l)] = score_matrix(hkv, n);
+        keys.resize(std::size_t(nk * hkv * d));
+        key_tokens.resize(std::size_t(nk));
+        for (std::int64_t k = 0; k < sink + (b - a); ++k) {  // the sinks, then the chunk
+          const std::int64_t slot = order[std::size_t(k < sink ? k : a + k - sink)];
+          key_tokens[std::size_t(k)] = tokens()[std::size_t(slot)];
+          for (std::int32_t h = 0; h < hkv; ++h)
+            to_f32(in.keys.type, in.keys.row(slot, h), keys.data() + (k * hkv + h) * d, d);
+        }
+        const std::vector<float>& own = pass_keys_[std::size_t(l)];  // the pass's keys, f32 [m][hkv][d]
+        INFKV_REQUIRE(std::int64_t(own.size()) == m * hkv * d, "layer " + std::to_string(l) + " pass keys", own.size(),
+                      "must hold ", m, " x ", hkv, " x ", d, " floats");
+        std::copy(own.begin(), own.end(), keys.begin() + std::ptrdiff_t((sink + b - a) * hkv * d));
+        for (std::int64_t i = 0; i < m; ++i) key_tokens[std::size_t(sink + b - a + i)] = {p0 + i, 0, modality::text};
+        const layer_inputs<> pass_in{.keys = nhd(static_cast<const void*>(keys.data()), dtype::f32, nk, hkv, d),
+                                     .queries = layers_[std::size_t(l)].batch_queries(),
+                                     .query_pos = qpos,
+                                     .tokens = key_tokens,
+                                     .scale = opt_.scale};
+        score_matrix got(hkv, nk);
+        const cpu::workspace work(std::size_t(cpu::workers(opt_.executor, hkv)) *
+                                  cpu::detail::window_scratch_bytes(pass_in));
+        cpu::reconstruction_into(pass_in, got.view(), work.span().data(), opt_.executor);
+        for (std::int32_t h = 0; h < hkv; ++h)
+          for (std::int64_t i = a; i < b; ++i) recon_[std::size_t(l)](h, order[std::size_t(i)]) = got(h, sink + i - a);
+      }
+    }
+    for (auto& v : pass_keys_) std::vector<float>().swap(v);  // the pass's rows are not kept
+    for (auto& l : layers_) l.shrink_queries();
+    return recon_;
+  }
+
+  /// Evicts down to `b` by context-reconstruction scores (reconstruct(o)): the KV heads and scored
+  /// layers combined into one score per token with the session's reduction, then the first
+  /// b.sinks and last b.recent tokens kept and the highest scores after them (whole positions or
+  /// whole segments first, as evict does). The query-agnostic score of KVzip: no question needed.
+  eviction_result evict_reconstructed(const budget& b, const reconstruction_options& o = {}) {
+    b.validate();
+    if (b.keep_count(size()) >= size()) return {0, size(), {}, false};
+    const std::span<const score_matrix> per_layer = reconstruct(o);
+    std::optional<stopwatch> w{std::in_place, stats_.score};
+    score_matrix row(1, size());  // scores are probabilities, >= 0
+    std::int64_t units = 0;
+    for (const score_matrix& m : per_layer) {
+      if (m.rows == 0) continue;
+      units += m.rows;
+      for (std::int64_t h = 0; h < m.rows; ++h)
+        for (std::int64_t s = 0; s < m.cols; ++s)
+          row(0, s) = opt_.reduce == reduction::max ? std::max(row(0, s), m(h, s)) : row(0, s) + m(h, s);
+    }
+    if (opt_.reduce == reduction::mean)
+      for (float& v : row.data) v /= float(units);
+    const std::int64_t cap = b.keep_count(size());
+    const keep_set keep =
+        book_.shares_positions() ? cpu::select_whole_positions(row.row(0), tokens(), cap, b.sinks, b.recent)
+        : opt_.whole_segments    ? cpu::select_whole_segments(row.row(0), tokens(), cap, b.sinks, b.recent)
+                                 : cpu::select_top(row, tokens(), b);
+    w.reset();
+    return apply(keep);
+  }
+
  private:
   /// evict's scoring and removal, with the window queries, or (`proxy`) with proxy_queries().
   template <policy P>
@@ -473,7 +602,8 @@ class session {
   /// session's cells (`share`: they are shared into it first) or alone, and leaves each layer's
   /// queries of it in layer_cache::batch_queries(); the scratch sequence is emptied again.
   /// Returns why it failed (empty on success). `what` names the caller.
-  std::string decode_aside(std::span<const llama_token> question, std::int64_t p0, bool share, const char* what) {
+  std::string decode_aside(std::span<const llama_token> question, std::int64_t p0, bool share, const char* what,
+                           bool keys = false) {
     INFKV_REQUIRE(ctx_ != nullptr, "ctx", "null", "bind a context before ", what);
     INFKV_REQUIRE(opt_.capture, "session_options.capture", "false", what, " reads queries: capture must be on");
     INFKV_REQUIRE(std::uint32_t(question.size()) <= llama_n_batch(ctx_), "question.size()", question.size(),
@@ -501,17 +631,44 @@ class session {
     }
     batch.n_tokens = std::int32_t(n);
     for (auto& l : layers_) l.begin(n, n, false, llama_n_ctx(ctx_));
-    observer_.begin({.queries = true, .keys = false});
+    if (keys) pass_keys_.resize(layers_.size()), pass_seen_.assign(layers_.size(), 0), pass_capture_ = true;
+    observer_.begin({.queries = true, .keys = keys});
     const std::int32_t rc = llama_decode(ctx_, batch);
     observer_.end();
+    pass_capture_ = false;
     route().clear_scratch();
     std::string why = rc != 0 ? "llama_decode of the question returned " + std::to_string(rc) : observer_.error();
     for (std::int32_t l = 0; why.empty() && l < n_layers(); ++l)
-      if (observer_.layers()[std::size_t(l)].n_q != n)
-        why = "cb_eval saw " + std::to_string(observer_.layers()[std::size_t(l)].n_q) + " query rows of layer " +
-              std::to_string(l) + " for " + std::to_string(n) + " question tokens";
+      if (observer_.layers()[std::size_t(l)].n_q != n || (keys && pass_seen_[std::size_t(l)] != n))
+        why = "cb_eval saw " + std::to_string(observer_.layers()[std::size_t(l)].n_q) + " query rows" +
+              (keys ? " and " + std::to_string(pass_seen_[std::size_t(l)]) + " key rows" : std::string()) +
+              " of layer " + std::to_string(l) + " for " + std::to_string(n) + " tokens";
     if (rc == 0) shift_pending_ = false;  // llama.cpp turned any pending shift of its keys in this decode
     return why;
+  }
+
+  /// A pass's key rows of one layer, f32, into pass_keys_ (decode_aside with keys).
+  void take_pass_keys(const node_rows& r) {
+    auto& v = pass_keys_[std::size_t(r.layer)];
+    std::int64_t& seen = pass_seen_[std::size_t(r.layer)];
+    if (seen == 0) v.clear();
+    const std::int64_t row = r.heads * r.head_dim;
+    v.resize(std::size_t((seen + r.n_tokens) * row));
+    for (std::int64_t i = 0; i < r.n_tokens; ++i)
+      for (std::int64_t h = 0; h < r.heads; ++h)
+        r.row_to(i, h, dtype::f32, v.data() + (seen + i) * row + h * r.head_dim, nullptr);
+    seen += r.n_tokens;
+  }
+
+  /// `text`'s tokens (no special tokens added or parsed); `what` names the option it comes from.
+  std::vector<llama_token> tokenize(const std::string& text, const char* what) const {
+    const llama_vocab* v = llama_model_get_vocab(model_);
+    std::vector<llama_token> out(text.size() + 8);
+    std::int32_t n =
+        llama_tokenize(v, text.data(), std::int32_t(text.size()), out.data(), std::int32_t(out.size()), false, false);
+    INFKV_REQUIRE(n >= 0, what, text, "llama_tokenize failed on it");
+    out.resize(std::size_t(n));
+    return out;
   }
 
   /// proxy_views_ and proxy_pos_: each layer's queries of `question` at the positions after the
@@ -1004,6 +1161,10 @@ class session {
   std::vector<std::vector<float>> alone_;       // ... its queries per layer, at positions from alone_pos_
   std::vector<std::vector<float>> turned_;      // ... turned to the eviction's positions
   std::int64_t alone_pos_ = 0;
+  std::vector<score_matrix> recon_;            // reconstruct(): each layer's scores
+  std::vector<std::vector<float>> pass_keys_;  // ... one pass's keys per layer (f32), during the call
+  std::vector<std::int64_t> pass_seen_;        // ... the rows of each layer seen so far
+  bool pass_capture_ = false;                  // key rows go to pass_keys_ (a reconstruction pass)
 };
 
 }  // namespace infkv::llama_cpp

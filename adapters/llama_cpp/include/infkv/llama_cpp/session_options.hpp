@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <llama.h>
@@ -156,10 +157,27 @@ struct session_stats {
   double archive = 0;     ///< reading new rows out of llama.cpp's cache and quantizing them (archive)
   double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
   double proxy = 0;  ///< proxy queries: decoding a known question aside and turning its queries (evict with a question)
+  double reconstruct = 0;  ///< context reconstruction: the passes decoded aside and their scores (KVzip)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
   std::int64_t observed = 0;  ///< decodes whose graph was split to copy rows out (the others ran unsplit)
   /// The session's own work outside llama_decode.
-  double overhead() const { return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive + proxy; }
+  double overhead() const {
+    return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive + proxy + reconstruct;
+  }
+};
+
+/// How session::reconstruct repeats the cached tokens (context reconstruction, KVzip). The
+/// prompts are kvpress's KVzipPress's for a model without a chat template.
+struct reconstruction_options {
+  std::int64_t chunk = 512;  ///< cached tokens repeated per pass (kvpress: 2048): bounds the pass's memory
+  std::int64_t tail = 8;     ///< the previous chunk's last tokens quoted after `next` (kvpress: 8)
+  std::int64_t sinks = 4;    ///< the first tokens every later pass also attends to (kvpress's n_sink)
+  std::string first = "\n\nRepeat the previous context exactly.";
+  std::string next = "\n\nRepeat the part of the previous context exactly, starting with";
+  std::string suffix = "\n";  ///< after the prompt, before the chunk
+  /// Token ids used in place of first, next and suffix where not empty (the texts are tokenized
+  /// with the model's vocabulary otherwise).
+  std::vector<llama_token> first_ids{}, next_ids{}, suffix_ids{};
 };
 
 /// Bytes a session holds beside llama.cpp's cache (`session::memory()`), and llama.cpp's own K and

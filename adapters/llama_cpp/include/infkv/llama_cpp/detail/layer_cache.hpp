@@ -196,6 +196,12 @@ class layer_cache {
     if (n_slots_ > 0) cpu::rerotate(keys(), delta, r, ex);
   }
 
+  /// Frees what a long pass's queries grew the query buffer to (the window stays).
+  void shrink_queries() {
+    queries_.resize(query_pos_.size() * q_row());
+    queries_.shrink_to_fit();
+  }
+
   /// Bytes this layer holds: key and value storage, window queries (with a batch's landing rows),
   /// the conversion row.
   std::int64_t key_bytes() const { return std::int64_t(keys_.capacity()); }

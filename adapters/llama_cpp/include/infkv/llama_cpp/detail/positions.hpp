@@ -20,13 +20,16 @@
 namespace infkv::llama_cpp::detail {
 
 /// The cached tokens of one sequence in slot order, and where the stream goes on. Each token also
-/// has its origin: the position it had when decoded plus every compaction's shift before it, i.e.
-/// its position in the stream as keep mode would hold it (equal to its position in keep mode).
+/// has its token id (-1 where the session was not told it: embeddings, recalled slots) and its origin: the position it
+/// had when decoded plus every compaction's shift before it, i.e. its position in the stream as keep mode would hold it
+/// (equal to its position in keep mode).
 class position_book {
  public:
   std::span<const token> tokens() const { return tokens_; }
   /// Each cached slot's origin (the stream's position of its token).
   std::span<const std::int64_t> origins() const { return origins_; }
+  /// Each cached slot's token id, -1 where unknown.
+  std::span<const llama_token> ids() const { return ids_; }
   /// The origin of position `pos`: a cached slot's, or for a position past the cache's, as the
   /// next decoded token's would be.
   std::int64_t origin_of(std::int64_t pos) const {
@@ -38,7 +41,8 @@ class position_book {
   bool empty() const { return tokens_.empty(); }
   /// Bytes of the bookkeeping (its capacity).
   std::int64_t bytes() const {
-    return std::int64_t(tokens_.capacity() * sizeof(token) + origins_.capacity() * sizeof(std::int64_t));
+    return std::int64_t(tokens_.capacity() * sizeof(token) + origins_.capacity() * sizeof(std::int64_t) +
+                        ids_.capacity() * sizeof(llama_token));
   }
   /// Oldest and newest cached positions (-1 when nothing is cached).
   std::int64_t min_pos() const { return empty() ? -1 : std::ranges::min_element(tokens_, {}, &token::pos)->pos; }
@@ -50,12 +54,14 @@ class position_book {
   /// Marks the stream positions below `end` as taken.
   void reserve(std::int64_t end) { reserved_ = std::max(reserved_, end); }
 
-  /// The tokens of a successful decode at positions `pos`, appended after the cached ones.
+  /// The tokens of a successful decode at positions `pos`, appended after the cached ones, with
+  /// their ids (`ids` empty: unknown).
   void append(std::span<const std::int64_t> pos, std::int32_t segment, modality kind,
-              std::span<const std::int32_t> segments = {}) {
+              std::span<const std::int32_t> segments = {}, std::span<const llama_token> ids = {}) {
     for (std::size_t i = 0; i < pos.size(); ++i) {
       tokens_.push_back({pos[i], segments.empty() ? segment : segments[i], kind});
       origins_.push_back(pos[i] + drift_);
+      ids_.push_back(ids.empty() ? -1 : ids[i]);
     }
     if (!pos.empty()) {
       stream_next_ = std::max(stream_next_, *std::ranges::max_element(pos) + 1);
@@ -66,13 +72,16 @@ class position_book {
   void keep(const keep_set& keep) {
     std::vector<token> kept;
     std::vector<std::int64_t> origins;
-    for (auto s : keep.unit(0)) kept.push_back(tokens_[std::size_t(s)]), origins.push_back(origins_[std::size_t(s)]);
-    tokens_ = std::move(kept), origins_ = std::move(origins);
+    std::vector<llama_token> ids;
+    for (auto s : keep.unit(0))
+      kept.push_back(tokens_[std::size_t(s)]), origins.push_back(origins_[std::size_t(s)]),
+          ids.push_back(ids_[std::size_t(s)]);
+    tokens_ = std::move(kept), origins_ = std::move(origins), ids_ = std::move(ids);
   }
   /// Appends tokens that come back into a compacted cache (their `pos` is their origin) and
   /// compacts (compact()): returns each slot's delta, the appended ones' from their origin.
   std::vector<std::int64_t> insert(std::span<const token> back) {
-    for (const token& t : back) tokens_.push_back(t), origins_.push_back(t.pos);
+    for (const token& t : back) tokens_.push_back(t), origins_.push_back(t.pos), ids_.push_back(-1);
     return compact();
   }
   /// True when two cached slots share a position (an M-RoPE image's tokens share their t).
@@ -117,6 +126,7 @@ class position_book {
  private:
   std::vector<token> tokens_;
   std::vector<std::int64_t> origins_;  // each slot's origin
+  std::vector<llama_token> ids_;       // each slot's token id (-1: unknown)
   std::int64_t drift_ = 0;             // origin - position of the next decoded token
   std::int64_t origin_next_ = 0;       // the stream's next origin
   std::int64_t stream_next_ = 0;
