@@ -120,7 +120,8 @@ TEST_CASE("llama reconstruction: every chunk's scores equal the float64 referenc
 
   // Pass 1: the first prompt, the suffix, slots [0, 64); pass 2: the next prompt, the last 8 of
   // the first chunk, the suffix, slots [64, 100), the 4 sinks attended too.
-  const std::vector<llama_token> chunk1(context.begin(), context.begin() + 64), chunk2(context.begin() + 64, context.end());
+  const std::vector<llama_token> chunk1(context.begin(), context.begin() + 64),
+      chunk2(context.begin() + 64, context.end());
   const std::vector<llama_token> tail(context.begin() + 56, context.begin() + 64);
   const auto ref1 = reference_pass(model.get(), context, concat({o.first_ids, o.suffix_ids, chunk1}), 0, 64, 0);
   const auto ref2 = reference_pass(model.get(), context, concat({o.next_ids, tail, o.suffix_ids, chunk2}), 64, 100, 4);
@@ -142,7 +143,8 @@ TEST_CASE("llama reconstruction: every chunk's scores equal the float64 referenc
   CHECK(top > 0.0);
 }
 
-TEST_CASE("llama reconstruction: the eviction keeps sinks, recent tokens and the best mean scores, and the stream goes on") {
+TEST_CASE(
+    "llama reconstruction: the eviction keeps sinks, recent tokens and the best mean scores, and the stream goes on") {
   auto model = tiny_model(2);
   const auto context = random_tokens(100, 31);
   lc::reconstruction_options o;
@@ -161,7 +163,8 @@ TEST_CASE("llama reconstruction: the eviction keeps sinks, recent tokens and the
   for (std::int64_t j = 92; j < 100; ++j) want.insert(j);
   std::vector<std::int64_t> rest;
   for (std::int64_t j = 4; j < 92; ++j) rest.push_back(j);
-  std::stable_sort(rest.begin(), rest.end(), [&](std::int64_t x, std::int64_t y) { return mean[std::size_t(x)] > mean[std::size_t(y)]; });
+  std::stable_sort(rest.begin(), rest.end(),
+                   [&](std::int64_t x, std::int64_t y) { return mean[std::size_t(x)] > mean[std::size_t(y)]; });
   for (std::size_t i = 0; want.size() < 40; ++i) want.insert(rest[i]);
   const auto r = s.evict_reconstructed(b, o);
   CHECK(s.size() == 40);

@@ -143,7 +143,10 @@ void add_options(CLI::App& app, options& o) {
   app.add_option("--reconstruct", o.s.reconstruct,
                  "score every eviction by context reconstruction (KVzip, query-agnostic): the cached tokens are "
                  "repeated on a second sequence, this many per pass, and each keeps the largest attention any "
-                 "repeating query gives it; the policy named gives only its protected tokens (sinks, recent)")
+                 "repeating query gives it; the policy named gives only its protected tokens (sinks, recent). With "
+                 "--question-known each question's prompt is prefilled on its own, the question unused (KVzip is "
+                 "query-agnostic): with a --block as long as the prompts, one eviction after the prompt, as kvpress's "
+                 "KVzipPress compresses")
       ->check(at_least(1, true, 8192));
   app.add_option("--proxy", o.proxy,
                  "how --question-known computes the question's queries: after_cache (decoded after the cache at "
@@ -190,11 +193,6 @@ std::vector<stream::policy_info> check(const options& o) {
     usage_error(fmt::format("--prefetch = {}: needs --archive BITS", o.s.prefetch_tokens));
   if (o.s.question_known && !retrieval) usage_error("--question-known: only with --needle or --passkey DISTANCE");
   if (o.s.reconstruct > 0) {
-    if (o.s.question_known)
-      usage_error(
-          fmt::format("--reconstruct = {}: context reconstruction is query-agnostic; its single-turn "
-                      "answers are its streaming ones (run it without --question-known)",
-                      o.s.reconstruct));
     if (o.s.archive_bits > 0)
       usage_error(fmt::format("--reconstruct = {}: recalled slots have no token ids to repeat; not with --archive",
                               o.s.reconstruct));
@@ -208,7 +206,8 @@ std::vector<stream::policy_info> check(const options& o) {
                         p.name, p.name));
   }
   for (const auto& p : chosen) {
-    if (!o.s.question_known || p.k == stream::kind::full) break;
+    if (!o.s.question_known || o.s.reconstruct > 0) break;  // reconstruction ignores the question
+    if (p.k == stream::kind::full) continue;
     const bool steers = !infkv_tools::engine_only(p.k) && infkv_tools::with_policy(p.k, o.s, [](const auto& x) {
       const auto sp = x.spec();
       return sp.reads_queries() && !sp.accumulates();
