@@ -184,6 +184,7 @@ class session {
     m.workspace = workspace_ ? std::int64_t(workspace_->span().size()) : 0;
     m.tokens = book_.bytes() + std::int64_t(cells_.capacity() * sizeof(std::int32_t));
     m.archive = archive_ ? archive_->bytes() : 0;
+    for (const auto& r : recon_) m.scores += std::int64_t(r.data.capacity() * sizeof(float));
     return m;
   }
   /// Where the time went since bind (or the last reset_stats()).
@@ -444,6 +445,13 @@ class session {
           "infkv: reconstruct: the last eviction moved positions, and llama.cpp re-rotates the keys the scores "
           "read at its next decode: decode before reconstructing (or use key_source::copy)");
     const stopwatch w{stats_.reconstruct};
+    struct release {  // a pass's rows are not kept, whether the call succeeds or not
+      session& s;
+      ~release() {
+        for (auto& v : s.pass_keys_) std::vector<float>().swap(v);
+        for (auto& l : s.layers_) l.shrink_queries();
+      }
+    } released{*this};
     const std::int64_t n = size();
     const std::span<const llama_token> ids = book_.ids();
     for (std::int64_t s = 0; s < n; ++s)
@@ -469,7 +477,7 @@ class session {
     for (std::int64_t a = 0; a < n; a += o.chunk) {
       const std::int64_t b = std::min(n, a + o.chunk), sink = std::min(o.sinks, a);
       pass.assign((a == 0 ? first : next).begin(), (a == 0 ? first : next).end());
-      for (std::int64_t i = std::max<std::int64_t>(0, a - o.tail); a > 0 && i < a; ++i)
+      for (std::int64_t i = a - std::min(o.tail, o.chunk); a > 0 && i < a; ++i)  // the previous chunk's tail
         pass.push_back(ids[std::size_t(order[std::size_t(i)])]);
       pass.insert(pass.end(), suffix.begin(), suffix.end());
       for (std::int64_t i = a; i < b; ++i) pass.push_back(ids[std::size_t(order[std::size_t(i)])]);
@@ -513,8 +521,6 @@ class session {
           for (std::int64_t i = a; i < b; ++i) recon_[std::size_t(l)](h, order[std::size_t(i)]) = got(h, sink + i - a);
       }
     }
-    for (auto& v : pass_keys_) std::vector<float>().swap(v);  // the pass's rows are not kept
-    for (auto& l : layers_) l.shrink_queries();
     return recon_;
   }
 

@@ -190,10 +190,11 @@ struct session_memory {
   std::int64_t workspace = 0;  ///< the pipeline's workspace, kept between evictions
   std::int64_t tokens = 0;     ///< the position bookkeeping (and each cached token's cell, key_source::engine)
   std::int64_t archive = 0;    ///< the archive (session_options::archive), allocated at bind
+  std::int64_t scores = 0;     ///< the last reconstruct()'s scores (a float per layer, KV head and slot)
   /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
   /// types (computed; 0 before the first decode shows the heads).
   std::int64_t kv = 0;
-  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens + archive; }
+  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens + archive + scores; }
 };
 
 /// What one recall did.
