@@ -32,14 +32,7 @@ lc::session_options archive_options(const setup& c) {
 }
 
 context_ptr archive_context(llama_model* m, lc::session& s, const setup& c, std::uint32_t seqs = 2) {
-  auto p = context_params({.flash_attn = c.fa, .n_ctx = 256, .n_ubatch = 32, .type_k = c.type});
-  p.n_seq_max = seqs;
-  p.kv_unified = true;
-  s.attach(p);
-  context_ptr ctx(llama_init_from_model(m, p));
-  REQUIRE(ctx != nullptr);
-  s.bind(ctx.get());
-  return ctx;
+  return shared_context(m, s, {.flash_attn = c.fa, .n_ctx = 256, .n_ubatch = 32, .type_k = c.type}, seqs);
 }
 
 /// The session's host rows (f32) of every cached position: [layer] -> position -> (K row, V row).

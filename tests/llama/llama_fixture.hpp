@@ -65,6 +65,27 @@ inline context_ptr bound_context(llama_model* m, infkv::llama_cpp::session& s, c
   return ctx;
 }
 
+/// A context of `seqs` sequences in one unified cache (the second the session's scratch sequence:
+/// it shares the session's cells without copying them), created from parameters attached to `s`,
+/// and bound to it.
+inline context_ptr shared_context(llama_model* m, infkv::llama_cpp::session& s, const ctx_config& c,
+                                  std::uint32_t seqs = 2) {
+  auto p = context_params(c);
+  p.n_seq_max = seqs;
+  p.kv_unified = true;
+  s.attach(p);
+  context_ptr ctx(llama_init_from_model(m, p));
+  REQUIRE(ctx != nullptr);
+  s.bind(ctx.get());
+  return ctx;
+}
+
+/// Decodes `toks` into `s`, 16 tokens a decode.
+inline void feed(infkv::llama_cpp::session& s, const std::vector<llama_token>& toks) {
+  for (std::size_t i = 0; i < toks.size(); i += 16)
+    REQUIRE(s.decode(std::span(toks).subspan(i, std::min<std::size_t>(16, toks.size() - i))) == 0);
+}
+
 /// A plain context (no session).
 inline context_ptr plain_context(llama_model* m, const ctx_config& c = {}) {
   auto p = context_params(c);

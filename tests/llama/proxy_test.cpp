@@ -27,20 +27,7 @@ ctx_config two_sequences() { return {.n_ctx = 160, .n_ubatch = 16}; }
 
 /// A context with two sequences (the second the scratch one), bound to `s`.
 context_ptr scratch_context(llama_model* m, lc::session& s, const ctx_config& c = two_sequences()) {
-  auto p = context_params(c);
-  p.n_seq_max = 2;
-  p.kv_unified = true;  // one cache the sequences share: the scratch sequence copies no cells
-  s.attach(p);
-  context_ptr ctx(llama_init_from_model(m, p));
-  REQUIRE(ctx != nullptr);
-  s.bind(ctx.get());
-  return ctx;
-}
-
-/// Decodes `toks` into `s` in chunks of 16.
-void feed(lc::session& s, const std::vector<llama_token>& toks) {
-  for (std::size_t i = 0; i < toks.size(); i += 16)
-    REQUIRE(s.decode(std::span(toks).subspan(i, std::min<std::size_t>(16, toks.size() - i))) == 0);
+  return shared_context(m, s, c);
 }
 
 /// One layer's queries as floats [n][heads][d].

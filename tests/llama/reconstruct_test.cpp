@@ -26,19 +26,7 @@ lc::session_options recon_options(std::int64_t window = 0) {
 }
 
 context_ptr two_seq_context(llama_model* m, lc::session& s) {
-  auto p = context_params({.n_ctx = 256, .n_ubatch = 16});
-  p.n_seq_max = 2;
-  p.kv_unified = true;
-  s.attach(p);
-  context_ptr ctx(llama_init_from_model(m, p));
-  REQUIRE(ctx != nullptr);
-  s.bind(ctx.get());
-  return ctx;
-}
-
-void feed(lc::session& s, const std::vector<llama_token>& toks) {
-  for (std::size_t i = 0; i < toks.size(); i += 16)
-    REQUIRE(s.decode(std::span(toks).subspan(i, std::min<std::size_t>(16, toks.size() - i))) == 0);
+  return shared_context(m, s, {.n_ctx = 256, .n_ubatch = 16});
 }
 
 /// The reference scores of one pass, per layer [kv heads][chunk]: a session decodes `context`, then
