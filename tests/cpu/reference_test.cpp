@@ -246,11 +246,6 @@ ref_matrix ref_reconstruction(const problem& p) {
   return out;
 }
 
-/// Scratch bytes of one worker's reconstruction_into over `in`.
-template <class In>
-std::size_t detail_bytes(const In& in) {
-  return cpu::detail::window_scratch_bytes(in);
-}
 }  // namespace
 
 TEST_CASE("reconstruction scores (KVzip) match the reference on every type, view and GQA group") {
@@ -261,7 +256,7 @@ TEST_CASE("reconstruction scores (KVzip) match the reference on every type, view
     CHECK(cpu::reconstruction(in, cpu::executor{2}).data == got.data);
     // A second pass over the same keys max-accumulates: nothing changes; from a larger start, the start stays.
     score_matrix again = got;
-    const cpu::workspace work(detail_bytes(in));
+    const cpu::workspace work(cpu::detail::window_scratch_bytes(in));
     cpu::reconstruction_into(in, again.view(), work.span().data());
     CHECK(again.data == got.data);
     score_matrix high(got.rows, got.cols, 2.f);
@@ -283,7 +278,7 @@ TEST_CASE("reconstruction scores: keys nobody sees score 0, chunks accumulate, a
       for (std::int64_t h = 0; h < all.rows; ++h) CHECK(all(h, j) == 0.f);
   // Two halves of the queries, accumulated, give the whole.
   score_matrix halves(all.rows, all.cols);
-  const cpu::workspace work(detail_bytes(in));
+  const cpu::workspace work(cpu::detail::window_scratch_bytes(in));
   for (std::int64_t first : {std::int64_t(0), p.nq / 2}) {
     layer_inputs<> part = in;
     const std::int64_t count = first == 0 ? p.nq / 2 : p.nq - p.nq / 2;

@@ -533,22 +533,15 @@ class session {
     if (b.keep_count(size()) >= size()) return {0, size(), {}, false};
     const std::span<const score_matrix> per_layer = reconstruct(o);
     std::optional<stopwatch> w{std::in_place, stats_.score};
-    score_matrix row(1, size());  // scores are probabilities, >= 0
+    score_matrix row(1, size());
     std::int64_t units = 0;
-    for (const score_matrix& m : per_layer) {
-      if (m.rows == 0) continue;
-      units += m.rows;
-      for (std::int64_t h = 0; h < m.rows; ++h)
-        for (std::int64_t s = 0; s < m.cols; ++s)
-          row(0, s) = opt_.reduce == reduction::max ? std::max(row(0, s), m(h, s)) : row(0, s) + m(h, s);
-    }
-    if (opt_.reduce == reduction::mean)
-      for (float& v : row.data) v /= float(units);
+    for (const score_matrix& m : per_layer)
+      if (m.rows > 0) cpu::detail::reduce_into(row.view(), m.view(), opt_.reduce, units == 0), units += m.rows;
+    cpu::detail::finish_reduction(row.view(), opt_.reduce, units);
     const std::int64_t cap = b.keep_count(size());
-    const keep_set keep =
-        book_.shares_positions() ? cpu::select_whole_positions(row.row(0), tokens(), cap, b.sinks, b.recent)
-        : opt_.whole_segments    ? cpu::select_whole_segments(row.row(0), tokens(), cap, b.sinks, b.recent)
-                                 : cpu::select_top(row, tokens(), b);
+    const keep_set keep = book_.shares_positions() || opt_.whole_segments
+                              ? select_whole(row.row(0), cap, b.sinks, b.recent)
+                              : cpu::select_top(row, tokens(), b);
     w.reset();
     return apply(keep);
   }
@@ -589,11 +582,8 @@ class session {
     if (book_.shares_positions() || opt_.whole_segments) {
       // M-RoPE images: whole positions only (seq_rm removes by position); or whole segments first
       const score_view s = run_decision_scores(pl, be, layers, workspace_->span());
-      const std::span<const float> row{s.data, std::size_t(s.cols)};
       const keep_set keep =
-          book_.shares_positions()
-              ? cpu::select_whole_positions(row, tokens(), pl.keep_per_unit, pl.effective.sinks, pl.effective.recent)
-              : cpu::select_whole_segments(row, tokens(), pl.keep_per_unit, pl.effective.sinks, pl.effective.recent);
+          select_whole({s.data, std::size_t(s.cols)}, pl.keep_per_unit, pl.effective.sinks, pl.effective.recent);
       w.reset();
       return apply(keep);
     }
@@ -651,6 +641,13 @@ class session {
               " of layer " + std::to_string(l) + " for " + std::to_string(n) + " tokens";
     if (rc == 0) shift_pending_ = false;  // llama.cpp turned any pending shift of its keys in this decode
     return why;
+  }
+
+  /// One row of per-token scores' keep set where slots go whole: M-RoPE images' shared positions
+  /// (always), or whole segments first (session_options::whole_segments).
+  keep_set select_whole(std::span<const float> row, std::int64_t cap, std::int64_t sinks, std::int64_t recent) const {
+    return book_.shares_positions() ? cpu::select_whole_positions(row, tokens(), cap, sinks, recent)
+                                    : cpu::select_whole_segments(row, tokens(), cap, sinks, recent);
   }
 
   /// A pass's key rows of one layer, f32, into pass_keys_ (decode_aside with keys).
