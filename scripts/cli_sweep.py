@@ -107,6 +107,8 @@ def cases(a, tmp):
     ints(a.stream, st, "--union-share", ["-0.1", "1.5", "nan", "abc"])
     ints(a.stream, st, "--keydiff-kernel", ["-1", "0", "4", HUGE, "abc"])
     ints(a.stream, st, "--reduce", ["sum", "abc"])
+    ints(a.stream, st, "--cache-type", ["q5_1", "f32", "abc"])
+    out.append((a.stream, st + ["--cache-type", "q4_0", "--archive", "4"], "--cache-type", None))
     out.append((a.stream, with_opt(st, "--policy", "recent_keydiff") + ["--recent-share", "1"], "--budget", None))
     ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])  # --tokens belongs to the text stream
     pk = [a.stream, "--model", a.model, "--passkey", "300", "--trials", "1", "--budget", "256", "--block", "64",

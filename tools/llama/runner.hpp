@@ -67,6 +67,9 @@ struct settings : infkv_tools::policy_knobs {
   /// per pass (session::evict_reconstructed; the policy gives only its protected tokens); 0: the
   /// policy's own scores.
   std::int64_t reconstruct = 0;
+  /// llama.cpp's K and V cache type (q8_0, q4_0: quantized full caches, llama.cpp then attends with
+  /// flash attention, which its quantized V cache needs).
+  ggml_type cache_type = GGML_TYPE_F16;
 };
 
 /// Cells and batch room one reconstruction pass needs beside the cache: the chunk, the previous
@@ -76,8 +79,11 @@ inline std::int64_t reconstruct_room(const settings& s) { return s.reconstruct >
 /// The parameters of a runner's context: `cells` plus the question room, batches of a block or a
 /// question, two sequences when questions are asked.
 inline llama_context_params runner_params(const settings& s, std::int64_t cells, std::int64_t n_batch) {
-  return context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
-                        s.ask_room > 0 || s.archive_bits > 0 ? 2 : 1);
+  auto p = context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
+                          s.ask_room > 0 || s.archive_bits > 0 ? 2 : 1);
+  p.type_k = p.type_v = s.cache_type;
+  if (s.cache_type != GGML_TYPE_F16) p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  return p;
 }
 
 /// The budget (with its protected tokens) a policy evicts to; nullopt for full and recompute.
@@ -86,12 +92,12 @@ inline std::optional<infkv::budget> policy_budget(kind k, const settings& s) {
 }
 
 /// Fails naming `flag` = `value` before anything is allocated when `cells` cache cells (llama.cpp's
-/// f16 K/V plus the session's f16 key copies) cannot fit in the memory available now; `who`
+/// K/V of type `t` plus the session's f16 key copies) cannot fit in the memory available now; `who`
 /// needs them.
 inline void check_cells(const llama_model* m, std::string_view flag, std::int64_t value, std::string_view who,
-                        double cells) {
+                        double cells, ggml_type t = GGML_TYPE_F16) {
   const model_shape sh(m);
-  const double per_cell = double(sh.kv_bytes(1) + sh.key_copy_bytes(1)), avail = memory_available();
+  const double per_cell = double(sh.kv_bytes(1, t) + sh.key_copy_bytes(1)), avail = memory_available();
   if (avail > 0 && cells * per_cell > avail)
     infkv_tools::fail(
         "{} = {}: {} needs {:.0f} cache cells, about {:.0f} MiB of K/V and key copies ({:.1f} KiB a "
@@ -148,8 +154,11 @@ class runner {
   /// Logits of the i-th token of the last feed.
   std::span<const float> logits(std::int64_t i) const { return logits_at(ctx_.get(), first_out_ + i); }
   llama_context* context() const { return ctx_.get(); }
-  /// Bytes of the K/V buffers llama.cpp allocated (computed: n_ctx * layers * 2 * kv_heads * head_dim * f16).
-  std::int64_t kv_alloc_bytes() const { return shape_.kv_bytes(llama_n_ctx(ctx_.get())); }
+  /// Bytes of K and V of `cells` cache cells in the context's cache type.
+  std::int64_t kv_bytes(std::int64_t cells) const { return shape_.kv_bytes(cells, kv_type_); }
+  /// Bytes of the K/V buffers llama.cpp allocated (computed: n_ctx * layers * 2 * kv_heads * head_dim
+  /// elements of the cache type).
+  std::int64_t kv_alloc_bytes() const { return kv_bytes(llama_n_ctx(ctx_.get())); }
   /// Bytes of the sequence's state as llama.cpp serialises it (llama_state_seq_get_size: the cells in use).
   std::int64_t kv_state_bytes() const { return std::int64_t(llama_state_seq_get_size(ctx_.get(), 0)); }
   const model_shape& shape() const { return shape_; }
@@ -157,6 +166,13 @@ class runner {
  protected:
   /// The position the stream's next token takes.
   virtual std::int64_t next_pos() const = 0;
+
+  /// Creates the runner's context with `p` (`cells` names its size in the error).
+  void create_context(const llama_context_params& p, std::int64_t cells) {
+    kv_type_ = p.type_k;
+    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(model_), p));
+    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", cells);
+  }
 
   /// answer_on of this runner's context.
   answer answer_on(llama_seq_id seq, std::span<const llama_token> question,
@@ -180,6 +196,7 @@ class runner {
   model_shape shape_;
   context_ptr ctx_;
   std::int64_t first_out_ = 0;
+  ggml_type kv_type_ = GGML_TYPE_F16;
   std::vector<std::int64_t> cached_;  ///< stream indices of the cached tokens, ascending (= position order)
   std::int64_t fed_ = 0;
   infkv::llama_cpp::session_stats stats_;  ///< runners without a session: decodes and memory calls
@@ -232,8 +249,7 @@ class session_runner final : public runner {
           "(normal and NeoX only); its queries cannot be taken to before RoPE",
           rope.kind);
     set_.rotary = rope.has_rope ? std::optional(rope.params) : std::nullopt;
-    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", cap_);
+    create_context(p, cap_);
     session_.bind(ctx_.get());
   }
 
@@ -336,8 +352,7 @@ class full_runner final : public runner {
  public:
   full_runner(const llama_model* m, const settings& s, std::int64_t total, std::int64_t max_feed) : runner(m) {
     auto p = runner_params(s, total, max_feed);
-    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", total);
+    create_context(p, total);
   }
   void feed(std::span<const llama_token> toks, bool) override {
     plain_decode(toks, n_, stream_logits ? 0 : std::int64_t(toks.size()) - 1);
@@ -359,8 +374,7 @@ class recompute_runner final : public runner {
  public:
   recompute_runner(const llama_model* m, const settings& s, std::int64_t max_feed) : runner(m), budget_(s.budget) {
     auto p = runner_params(s, s.budget + max_feed, s.budget + max_feed);
-    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", s.budget + max_feed);
+    create_context(p, s.budget + max_feed);
   }
   void feed(std::span<const llama_token> toks, bool extend) override {
     if (extend && n_ > 0) {
@@ -415,8 +429,7 @@ class shift_runner final : public runner {
   shift_runner(const llama_model* m, const settings& s, std::int64_t max_feed)
       : runner(m), n_ctx_(s.budget + max_feed), keep_(s.sinks) {
     auto p = runner_params(s, n_ctx_, max_feed);
-    ctx_.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
-    if (!ctx_) infkv_tools::engine_fail("infkv-stream: cannot create a context of {} cells", n_ctx_);
+    create_context(p, n_ctx_);
     if (!llama_memory_can_shift(llama_get_memory(ctx_.get())))
       infkv_tools::fail(
           "--policy context_shift: this model's cache cannot shift positions (llama_memory_can_shift = false)");

@@ -76,8 +76,8 @@ struct passkey_trial {
   /// against a bounded cache for an evicting runner (less than re-prefilling it whole)
   double decode_seconds = 0.0;
   std::int64_t archive_bytes = 0;  ///< the archive's pages held (archive::held_bytes) when asked
-  std::int64_t cache_bytes = 0;    ///< the cache's slots at the question, in f16 K and V
-  std::int64_t full_bytes = 0;     ///< every stream token before the question, in f16 K and V
+  std::int64_t cache_bytes = 0;    ///< the cache's slots at the question, K and V in the cache's type
+  std::int64_t full_bytes = 0;     ///< every stream token before the question, K and V in the cache's type
   /// The best other candidate's log-probability (-inf when there is none).
   double best_other_logprob() const {
     return p.forced() ? logprobs[best_other] : -std::numeric_limits<double>::infinity();
@@ -264,8 +264,8 @@ inline passkey_trial ask_and_grade(runner& r, const probe& pr, std::int64_t gen)
   t.recall_seconds = r.stats().recall - before.recall;
   t.decode_seconds = before.decode;
   t.archive_bytes = r.archive_bytes();
-  t.cache_bytes = r.shape().kv_bytes(r.slots());
-  t.full_bytes = r.shape().kv_bytes(t.p.at);
+  t.cache_bytes = r.kv_bytes(r.slots());
+  t.full_bytes = r.kv_bytes(t.p.at);
   t.answer = a.text, t.logprobs = a.logprobs;
   t.needle_logprob = t.logprobs[t.p.truth];
   t.rank = forced_rank(t.logprobs, t.p.truth);

@@ -90,7 +90,8 @@ inline nlohmann::json to_json(const run_summary& s) {
 
 /// What every JSON output says about its memory figures.
 inline const char* memory_note =
-    "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim * 2 bytes (f16 cache); "
+    "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim elements of the cache type "
+    "(f16 unless --cache-type); "
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
     "host_bytes: measured, session::memory().total(): the session's key (and value) copies in the cache's type, "
     "window and staged queries, H2O state, workspace and bookkeeping; rss_bytes: "

@@ -56,6 +56,7 @@ struct options {
   std::string mode() const { return !passkey.empty() ? "--passkey" : "--needle"; }
   std::uint64_t seed = 1;
   std::string key_type;               ///< --key-type (empty: the cache's own)
+  std::string cache_type = "f16";     ///< --cache-type
   std::string keys = "auto";          ///< --keys
   std::string proxy = "after_cache";  ///< --proxy
   bool list = false;
@@ -97,6 +98,10 @@ void add_options(CLI::App& app, options& o) {
       ->check(infkv_tools::writable_file());
   app.add_option("--key-type", o.key_type, "type of the session's host key copies (default: the cache's own, f16)")
       ->check(CLI::IsMember({"f32", "f16"}));
+  app.add_option("--cache-type", o.cache_type,
+                 "llama.cpp's K and V cache type: f16, or q8_0 / q4_0 (quantized, attended with flash attention; "
+                 "for the full cache at equal bytes, or beside an evicting policy, whose key copies are then f16)")
+      ->check(CLI::IsMember({"f16", "q8_0", "q4_0"}));
   app.add_option("--keys", o.keys,
                  "where the policies read the keys: auto (llama.cpp's cache where the session can read it), "
                  "copy (host copies taken at every decode), engine (llama.cpp's cache or an error)")
@@ -242,15 +247,15 @@ std::vector<stream::policy_info> check(const options& o) {
 }
 
 /// Fails naming --budget (or --tokens, for the full cache) before anything is allocated when the
-/// largest cache a run needs cannot fit in the memory available now: llama.cpp's f16 K/V plus the
-/// session's f16 key copies, per cell, times the cells.
+/// largest cache a run needs cannot fit in the memory available now: llama.cpp's K/V (in the cache
+/// type) plus the session's f16 key copies, per cell, times the cells.
 void check_memory(const options& o, const std::vector<stream::policy_info>& chosen, const llama_model* m) {
   const stream::model_shape sh(m);
   for (const auto& p : chosen) {
     const bool full = p.k == stream::kind::full;
     const double cells = full ? double(o.tokens > 0 ? std::min<std::int64_t>(o.tokens, sh.n_ctx_train) : sh.n_ctx_train)
                               : double(o.s.budget) + double(o.s.block);
-    stream::check_cells(m, full ? "--tokens" : "--budget", full ? o.tokens : o.s.budget, p.name, cells);
+    stream::check_cells(m, full ? "--tokens" : "--budget", full ? o.tokens : o.s.budget, p.name, cells, o.s.cache_type);
   }
 }
 
@@ -296,6 +301,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"prefetch_tokens", o.s.prefetch_tokens},
             {"recall_bias", o.s.recall_bias},
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
+            {"cache_type", o.cache_type},
             {"keys", o.keys},
             {"interleave", o.interleave},
             {"question_known", o.s.question_known},
@@ -557,6 +563,10 @@ int main(int argc, char** argv) {
   o.s.proxy = o.proxy == "alone" ? infkv::llama_cpp::proxy_mode::alone : infkv::llama_cpp::proxy_mode::after_cache;
   if (o.s.compact_positions && o.s.keep_positions) usage_error("--compact-positions and --keep-positions: choose one");
   if (o.s.compact_positions && o.s.archive_bits == 0) usage_error("--compact-positions: needs --archive BITS");
+  o.s.cache_type = o.cache_type == "q8_0" ? GGML_TYPE_Q8_0 : o.cache_type == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_F16;
+  if (o.s.cache_type != GGML_TYPE_F16 && o.s.archive_bits > 0)
+    usage_error("--cache-type = " + o.cache_type +
+                ": the archive reads and restores f16 caches only; not with --archive");
   if (o.s.archive_bits > 0 && !o.s.compact_positions)
     o.s.keep_positions = true;  // recalled rows go back at their own positions
   if (o.list) {

@@ -180,6 +180,23 @@ elseif(MODE STREQUAL "passkey")
   if(NOT whole OR NOT asked EQUAL 3)
     message(FATAL_ERROR "--whole-segments: setting ${whole}, ${asked} questions (3)")
   endif()
+  # A quantized full cache (q4_0: 4.5 bits an element) beside SnapKV on it: the bytes reported are
+  # the q4_0 cache's, 9/32 of f16's, and every question is asked.
+  run_stream(--cache-type --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
+             --policy full,snapkv --cache-type q4_0)
+  string(JSON ct GET "${json}" settings cache_type)
+  string(JSON at GET "${json}" runs 0 trials 0 asked_at)
+  string(JSON bytes GET "${json}" runs 0 trials 0 cache_bytes)
+  string(JSON layers GET "${json}" model_shape layers)
+  string(JSON kv_heads GET "${json}" model_shape kv_heads)
+  string(JSON head_dim GET "${json}" model_shape head_dim)
+  string(JSON asked LENGTH "${json}" runs 1 trials)
+  math(EXPR f16_bytes "${at} * ${layers} * 2 * ${kv_heads} * ${head_dim} * 2")
+  math(EXPR q4_bytes "${f16_bytes} * 9 / 32")
+  if(NOT ct STREQUAL "q4_0" OR NOT bytes EQUAL q4_bytes OR NOT asked EQUAL 3)
+    message(FATAL_ERROR "--cache-type q4_0: setting ${ct}, the full cache's ${bytes} bytes at ${at} tokens "
+                        "(${q4_bytes} expected), SnapKV asked ${asked} questions (3)")
+  endif()
   run_stream(--needle --model ${MODEL} --text ${TEXT} --needle 300 --trials 3 --budget 128 --block 32
              --policy full,streaming_llm,expected_attention)
   # The JSON names the program that made it and the needle protocol (scripts/eval_sweep.py's record).
@@ -260,7 +277,8 @@ elseif(MODE STREQUAL "bad_flag")
                "--recall;8" "--recall;8;--archive;4;--keep-positions;--passkey;100" "--prefetch;8"
                "--compact-positions" "--compact-positions;--archive;4;--keep-positions"
                "--question-known" "--question-known;--passkey;100" "--proxy;later"
-               "--whole-segments;--policy;saddle_union;--passkey;100")
+               "--whole-segments;--policy;saddle_union;--passkey;100" "--cache-type;q5_1"
+               "--cache-type;q4_0;--archive;4")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
