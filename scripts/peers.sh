@@ -4,7 +4,9 @@
 # answers them with OpenVINO GenAI's cache eviction and kvpress's presses at each budget
 # (scripts/peers_single_turn.py), one thread each. JSONs with scripts/provenance.py's record under
 # OUT (default bench/results/peers); steps whose JSON exists are kept. ONLY=openvino or
-# ONLY=kvpress runs one side (the two sides can run at once, a core each).
+# ONLY=kvpress runs one side (the two sides can run at once, a core each). LATER=1: kvpress's
+# SnapKV and ChunkKV with the question later (the context compressed alone, the question decoded
+# after it: infkv's streaming setting), OUT/kvpress_later_BUDGET.json.
 #   scripts/peers.sh [OUT] [SEEDS (1-3)] [BUDGETS (1024,512)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,13 @@ step() {  # step NAME PYTHON ARGS...: writes OUT/NAME.json unless it exists
   python3 scripts/provenance.py "$out/$name.json.tmp" "scripts/peers.sh $* (seeds $seeds)"
   mv "$out/$name.json.tmp" "$out/$name.json"
 }
+if [ "${LATER:-0}" = 1 ]; then
+  for b in ${budgets//,/ }; do
+    step "kvpress_later_$b" "$(scripts/python_env.sh | tail -n 1)/bin/python" kvpress --budget "$b" \
+      --presses snapkv,chunkkv --question-later
+  done
+  exit 0
+fi
 first=1
 for b in ${budgets//,/ }; do
   if [ "${ONLY:-openvino}" = openvino ]; then

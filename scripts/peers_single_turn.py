@@ -18,7 +18,8 @@ one prefill; `infkv-stream --needle ... --export-questions Q.json` writes them a
              dequantized to f32): the prompt prefilled whole, then compressed to --budget slots
              (compression_ratio = 1 - budget / prompt tokens; kvpress's SnapKV, ChunkKV over SnapKV,
              KVzip), the answer decoded after it at the prompt's own positions. Forced choice (each
-             candidate teacher-forced, its log-probability summed) and greedy.
+             candidate teacher-forced, its log-probability summed) and greedy. --question-later:
+             the context alone prefilled and compressed, the question decoded after it.
   table      the markdown table of one or more JSONs written by the two (standard library only).
 
 Both print progress on stderr and write one JSON (--out): settings, versions, one record per
@@ -168,20 +169,28 @@ def run_kvpress(a, questions):
     out = []
     with torch.no_grad():
         for p in chosen:
-            setting = "transformers full" if p == "full" else f"kvpress {p}"
+            setting = ("transformers full" if p == "full" else f"kvpress {p}") + (
+                ", question later" if a.question_later else "")
             for q in questions:
-                ids = torch.tensor([q["prompt"] + q["question"]])
+                # single turn: context and question in one prefill, compressed together; question
+                # later: the context alone prefilled and compressed, the question decoded after it
+                ids = torch.tensor([q["prompt"] + ([] if a.question_later else q["question"])])
                 n = ids.shape[1]
                 cache = DynamicCache()
                 t0 = time.perf_counter()
                 if p == "full":
                     hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
                 else:
-                    with presses[setting](1.0 - a.budget / n)(model):
+                    with presses[f"kvpress {p}"](1.0 - a.budget / n)(model):
                         hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
-                last = torch.log_softmax(model.lm_head(hidden[0, -1]).double(), -1)
                 prefill_s = time.perf_counter() - t0
                 kept = cache.get_seq_length()
+                if a.question_later:
+                    nq = len(q["question"])
+                    hidden = model.model(input_ids=torch.tensor([q["question"]]), past_key_values=cache,
+                                         position_ids=torch.arange(n, n + nq)[None]).last_hidden_state
+                    n, kept = n + nq, kept + nq
+                last = torch.log_softmax(model.lm_head(hidden[0, -1]).double(), -1)
                 logprobs = []
                 for c in q["choices"]:
                     lp = float(last[c[0]])
@@ -257,6 +266,9 @@ def main():
     kp = sub.choices["kvpress"]
     kp.add_argument("--presses", default="full,snapkv,chunkkv,kvzip")
     kp.add_argument("--window", type=int, default=32, help="SnapKV's window (infkv's snapkv: 32)")
+    kp.add_argument("--question-later", action="store_true",
+                    help="compress the context alone, then decode the question after it (the question unknown "
+                         "to the press, as in infkv's streaming setting)")
     t = sub.add_parser("table")
     t.add_argument("json", nargs="+")
     a = ap.parse_args()
