@@ -81,7 +81,19 @@ def table(head, rows):
 
 def load(doc_dir, data):
     """A CSV and its record DATA.json (scripts/eval_sweep.py), or a JSON result with its
-    "provenance" (scripts/provenance.py)."""
+    "provenance" (scripts/provenance.py). DATA#A,B keeps only the CSV rows of policies A and B, or
+    the JSON records of settings A and B (a setting's blanks written as _)."""
+    data, _, only = data.partition("#")
+    rows, record = load_all(doc_dir, data)
+    if not only:
+        return rows, record
+    keep = set(only.split(","))
+    if isinstance(rows, dict):
+        return dict(rows, records=[r for r in rows["records"] if r["setting"].replace(" ", "_") in keep]), record
+    return [r for r in rows if r["policy"] in keep], record
+
+
+def load_all(doc_dir, data):
     path = os.path.join(doc_dir, data)
     # eval_sweep's video answers (X_answers.csv) are recorded in the sweep's X.json
     record_path = path if data.endswith(".json") else os.path.splitext(path)[0].removesuffix("_answers") + ".json"
@@ -485,6 +497,29 @@ def needles_archive(rows, record):
                   "archive + cache / full f16 K and V"], body)
 
 
+def needles_bytes(datas, records):
+    """Equal bytes (DATA: eval_sweep.py CSVs, the first holding the f16 full cache): per model of
+    the first CSV and policy, on the same questions, the forced-choice successes, those among the
+    f16 full cache's, the statement tokens cached, and the K and V held when the question is asked
+    (the cache's, in its type, plus an archive's), as a share of the f16 full cache's then: mean and
+    range. Only the first CSV's full cache counts as `full`."""
+    first = datas[0]
+    rows = first + [r for d in datas[1:] for r in d if r["policy"] != "full"]
+    body = []
+    for model in OrderedDict.fromkeys(r["model"] for r in first):
+        mine = [r for r in rows if r["model"] == model]
+        ref = {(r["seed"], r["trial"], r["distance"]): int(r["cache_bytes"]) for r in mine if r["policy"] == "full"}
+        mine = [r for r in mine if (r["seed"], r["trial"], r["distance"]) in ref]
+        for policy, v in needle_stats(mine)[model].items():
+            held = [(int(r["cache_bytes"]) + int(r["archive_bytes"])) / ref[(r["seed"], r["trial"], r["distance"])]
+                    for r in mine if r["policy"] == policy]
+            body.append([MODEL_NAMES.get(model, model), f"`{policy}`", rate(v["forced"], v["n"]),
+                         rate(v["kept"], v["kept_of"]) if policy != "full" else "-", f"{100 * v['cached']:.0f}%",
+                         f"{100 * sum(held) / len(held):.0f}% ({100 * min(held):.0f}-{100 * max(held):.0f}%)"])
+    return table(["model", "policy", "forced choice", "of the f16 full cache's forced successes",
+                  "statement tokens cached", "K and V held when asked, of the f16 full cache's: mean (range)"], body)
+
+
 def peers_single_turn(datas, records):
     """The single-turn side by side (DATA: JSONs of scripts/peers_single_turn.py + infkv-stream
     CSVs of eval_sweep.py, SmolLM2 at distance 2048): per budget and engine setting the forced-choice
@@ -552,7 +587,8 @@ GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies
               "trace_policies": trace_policies, "video_memory": video_memory, "video_facts": video_facts,
               "targets": targets, "needles_cached": needles_cached, "kvpress_prefill": kvpress_prefill,
               "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory,
-              "needles_archive": needles_archive, "peers_single_turn": peers_single_turn}
+              "needles_archive": needles_archive, "peers_single_turn": peers_single_turn,
+              "needles_bytes": needles_bytes}
 
 
 def generate(doc_path):
@@ -578,10 +614,10 @@ def generate(doc_path):
             loaded = [load(doc_dir, d) for d in data.split("+")]
             out += GENERATORS[gen]([x[0] for x in loaded], [x[1] for x in loaded])
             for d, (_, record) in zip(data.split("+"), loaded):
-                out += provenance(d, record)
+                out += provenance(d.partition("#")[0], record)
         else:
             rows, record = load(doc_dir, data)
-            out += GENERATORS[gen](rows, record) + provenance(data, record)
+            out += GENERATORS[gen](rows, record) + provenance(data.partition("#")[0], record)
         i = j
     return lines, out
 
@@ -608,6 +644,14 @@ def self_test():
     got = {"targets": targets([blocks, needles], [{}, {}]), "needles_cached": needles_cached(needles, {}),
            "needles_policies": needles_policies([r for r in needles if r["policy"] != "full"], {}),
            "needles_cached, no full cache": needles_cached([r for r in needles if r["policy"] != "full"], {})}
+    # equal bytes: the f16 full cache holds 1000 bytes at every question, a q4_0 one 281, A 250 plus
+    # an archive of 50; a second file's full cache (answering nothing) is not the reference
+    fulls = [r for r in needles if r["policy"] == "full"]
+    first = ([dict(r, cache_bytes="1000", archive_bytes="0") for r in fulls] +
+             [dict(r, policy="full:cache-type=q4_0", cache_bytes="281", archive_bytes="0") for r in fulls])
+    second = ([dict(r, cache_bytes="250", archive_bytes="50") for r in needles if r["policy"] == "A"] +
+              [dict(r, forced_success="0", cache_bytes="9", archive_bytes="0") for r in fulls])
+    got["needles_bytes"] = needles_bytes([first, second], [{}, {}])
     want = {"targets": ["| `A` | 1.0200 (1.0200-1.0200) | not met | 2/3 (21-94%) | not met | 65% |",
                         "| `B` | 1.0050 (1.0050-1.0050) | met | 2/3 (21-94%) | not met | 65% |"],
             "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"],
@@ -616,7 +660,10 @@ def self_test():
                                  "| `A` | 3/4 (30-95%) | 3/4 (30-95%) | 3 | 65% |"],
             # and needles_cached counts every question, the one the full cache missed included
             "needles_cached, no full cache": ["| m (2 policies, every question: no full cache) | 0/2 (0-66%) | - | "
-                                              "2/2 (34-100%) | 4/4 (51-100%) |"]}
+                                              "2/2 (34-100%) | 4/4 (51-100%) |"],
+            "needles_bytes": ["| m | `full` | 3/4 (30-95%) | - | 100% | 100% (100-100%) |",
+                              "| m | `full:cache-type=q4_0` | 3/4 (30-95%) | 3/3 (44-100%) | 100% | 28% (28-28%) |",
+                              "| m | `A` | 3/4 (30-95%) | 2/3 (21-94%) | 65% | 30% (30-30%) |"]}
     bad = 0
     for name, lines in want.items():
         for line in lines:
