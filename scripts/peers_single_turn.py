@@ -184,7 +184,7 @@ def run_kvpress(a, questions):
                     with presses[f"kvpress {p}"](1.0 - a.budget / n)(model):
                         hidden = model.model(input_ids=ids, past_key_values=cache).last_hidden_state
                 prefill_s = time.perf_counter() - t0
-                kept = cache.get_seq_length()
+                kept, peak = cache.get_seq_length(), n
                 if a.question_later:
                     nq = len(q["question"])
                     hidden = model.model(input_ids=torch.tensor([q["question"]]), past_key_values=cache,
@@ -210,7 +210,7 @@ def run_kvpress(a, questions):
                     nxt = int(model(torch.tensor([[nxt]]), past_key_values=cache,
                                     position_ids=torch.tensor([[n + i]])).logits[0, -1].argmax())
                 decode_s = time.perf_counter() - t0
-                out.append(record(setting, q, tok.decode(gen), (rank == 1, rank), n, kept,
+                out.append(record(setting, q, tok.decode(gen), (rank == 1, rank), peak, kept,
                                   prefill_s, decode_s, len(gen) - 1))
                 r = out[-1]
                 print(f"[{setting}] {q['kind']} {q['person']} {q['needle']}: rank {rank}, {r['answer']!r} "
