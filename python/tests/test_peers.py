@@ -81,6 +81,20 @@ def test_kvpress_side_keeps_the_budget_and_grades_both_ways(question, tmp_path):
     assert "| 1024 | kvpress snapkv | 1 |" in table
 
 
+def test_kvpress_side_with_the_question_later_compresses_the_context_alone(question, tmp_path):
+    got, q, _ = run_side(question, tmp_path, sys.executable, "kvpress", "--presses", "full,snapkv", "--question-later")
+    full, snap = got["records"]
+    n, nq = len(q["prompt"]), len(q["question"])
+    assert (full["setting"], full["peak_tokens"], full["after_tokens"]) == ("transformers full, question later", n,
+                                                                            n + nq)
+    # the context alone compressed to the budget, the question decoded after it
+    assert (snap["setting"], snap["peak_tokens"], snap["after_tokens"]) == ("kvpress snapkv, question later", n,
+                                                                            BUDGET + nq)
+    # without compression the question decoded after the context is the single-turn prefill
+    single, _, _ = run_side(question, tmp_path, sys.executable, "kvpress", "--presses", "full")
+    assert full["rank"] == single["records"][0]["rank"] and full["answer"] == single["records"][0]["answer"]
+
+
 def test_openvino_side_reads_the_cache_it_held(question, tmp_path):
     env = subprocess.run([str(ROOT / "scripts" / "openvino_env.sh")], capture_output=True, text=True, check=True)
     python = os.path.join(env.stdout.strip().splitlines()[-1], "bin", "python")
