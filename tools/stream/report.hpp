@@ -93,7 +93,8 @@ inline const char* memory_note =
     "kv_alloc_bytes: computed, llama_n_ctx * layers * 2 (K, V) * kv_heads * head_dim elements of the cache type "
     "(f16 unless --cache-type); "
     "kv_state_bytes: measured, llama_state_seq_get_size of the sequence after the eviction (cells in use); "
-    "host_bytes: measured, session::memory().total(): the session's key (and value) copies in the cache's type, "
+    "host_bytes: measured, session::memory().total(): the session's key (and value) copies in the cache's type (f16 "
+    "for a quantized cache), "
     "window and staged queries, H2O state, workspace and bookkeeping; rss_bytes: "
     "/proc/self/statm";
 
