@@ -497,6 +497,31 @@ def needles_archive(rows, record):
                   "archive + cache / full f16 K and V"], body)
 
 
+def needles_pairs(rows, record):
+    """Reading against finding: per model, the first policy of the data (A) beside each other one
+    (B) on the questions where both held the asked statement whole when asking (after any recall:
+    key_recalled = key_tokens), split by which of the two answer it by forced choice, with each
+    one's misses there that chose another person's value of the same kind (bound)."""
+    body = []
+    for model in OrderedDict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        policies = list(OrderedDict.fromkeys(r["policy"] for r in mine))
+        at = {(r["policy"], r["seed"], r["trial"], r["distance"]): r for r in mine}
+        for b in policies[1:]:
+            both = [(at[(policies[0], *k)], at[(b, *k)]) for p, *k in at if p == b and (policies[0], *k) in at]
+            both = [(x, y) for x, y in both if all(r["key_recalled"] == r["key_tokens"] for r in (x, y))]
+            ok = lambda r: r["forced_success"] == "1"
+            count = lambda f: sum(1 for x, y in both if f(x, y))
+            bound_a = sum(bound(mine, x) for x, _ in both if not ok(x))
+            bound_b = sum(bound(mine, y) for _, y in both if not ok(y))
+            body.append([MODEL_NAMES.get(model, model), f"`{policies[0]}`", f"`{b}`", len(both),
+                         count(lambda x, y: ok(x) and ok(y)), count(lambda x, y: ok(x) and not ok(y)),
+                         count(lambda x, y: ok(y) and not ok(x)), count(lambda x, y: not ok(x) and not ok(y)),
+                         f"{bound_a}/{count(lambda x, y: not ok(x))}, {bound_b}/{count(lambda x, y: not ok(y))}"])
+    return table(["model", "A", "B", "questions with the statement whole in both", "both answer", "only A",
+                  "only B", "neither", "misses bound to another person: A, B"], body)
+
+
 def needles_bytes(datas, records):
     """Equal bytes (DATA: eval_sweep.py CSVs, the first holding the f16 full cache): per model of
     the first CSV and policy, on the same questions, the forced-choice successes, those among the
@@ -588,7 +613,7 @@ GENERATORS = {"needles_full": needles_full, "needles_policies": needles_policies
               "targets": targets, "needles_cached": needles_cached, "kvpress_prefill": kvpress_prefill,
               "kvpress_decoding": kvpress_decoding, "prefill_memory": prefill_memory,
               "needles_archive": needles_archive, "peers_single_turn": peers_single_turn,
-              "needles_bytes": needles_bytes}
+              "needles_bytes": needles_bytes, "needles_pairs": needles_pairs}
 
 
 def generate(doc_path):
@@ -652,6 +677,17 @@ def self_test():
     second = ([dict(r, cache_bytes="250", archive_bytes="50") for r in needles if r["policy"] == "A"] +
               [dict(r, forced_success="0", cache_bytes="9", archive_bytes="0") for r in fulls])
     got["needles_bytes"] = needles_bytes([first, second], [{}, {}])
+    # reading against finding: four people's colours in one stream; question 4 has B's statement
+    # cut (5 of 10 tokens), so three count: both right; A right and B wrong (Anna's red for Ben,
+    # bound); both wrong (A a colour the stream never states, B Anna's red for Cara, bound)
+    pairs, people = [], [("Anna", "red"), ("Ben", "blue"), ("Cara", "green"), ("Dan", "pink")]
+    for t, (a, b, kept) in enumerate([("1", "1", 10), ("1", "0", 10), ("0", "0", 10), ("1", "1", 5)]):
+        for policy, ok, other, k in (("A", a, "violet", 10), ("B", b, "red", kept)):
+            pairs.append({"model": "m", "people": "4", "seed": "1", "trial": str(t), "distance": "2048",
+                          "policy": policy, "stream": "0", "kind": "colour", "person": people[t][0],
+                          "needle": people[t][1], "forced_success": ok, "best_other": other,
+                          "key_tokens": "10", "key_recalled": str(k)})
+    got["needles_pairs"] = needles_pairs(pairs, {})
     want = {"targets": ["| `A` | 1.0200 (1.0200-1.0200) | not met | 2/3 (21-94%) | not met | 65% |",
                         "| `B` | 1.0050 (1.0050-1.0050) | met | 2/3 (21-94%) | not met | 65% |"],
             "needles_cached": ["| m (2 policies) | 0/2 (0-66%) | - | 2/2 (34-100%) | 2/2 (34-100%) |"],
@@ -663,7 +699,8 @@ def self_test():
                                               "2/2 (34-100%) | 4/4 (51-100%) |"],
             "needles_bytes": ["| m | `full` | 3/4 (30-95%) | - | 100% | 100% (100-100%) |",
                               "| m | `full:cache-type=q4_0` | 3/4 (30-95%) | 3/3 (44-100%) | 100% | 28% (28-28%) |",
-                              "| m | `A` | 3/4 (30-95%) | 2/3 (21-94%) | 65% | 30% (30-30%) |"]}
+                              "| m | `A` | 3/4 (30-95%) | 2/3 (21-94%) | 65% | 30% (30-30%) |"],
+            "needles_pairs": ["| m | `A` | `B` | 3 | 1 | 1 | 0 | 1 | 0/1, 2/2 |"]}
     bad = 0
     for name, lines in want.items():
         for line in lines:
