@@ -4,6 +4,7 @@
 // Normal layout (GPT-J / llama.cpp "norm"): pairs (2i, 2i+1); NeoX layout: pairs (i, i + dims/2).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
@@ -56,13 +57,21 @@ INFKV_HOST_DEVICE inline void rope_pair(rope_style s, std::int32_t i, std::int32
 
 /// Compact position mode: gives the slots positions first, first + 1, ... in time order and
 /// returns each slot's delta (new - old) for `rerotate`. Slots sharing a position keep sharing it.
-inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std::int64_t first = 0) {
+/// With `max_gap` > 0 a gap between two consecutive positions is narrowed to at most `max_gap`
+/// free positions instead of closed (a gap that size or smaller stays as it is), so kept runs far
+/// apart in the stream stay apart.
+inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std::int64_t first = 0,
+                                                   std::int64_t max_gap = 0) {
+  INFKV_REQUIRE(max_gap >= 0, "compact_positions: max_gap", max_gap, "must be >= 0");
   std::vector<std::int64_t> delta(tokens.size(), 0);
   const auto order = time_order(tokens);
   std::int64_t next = first - 1, last_old = -1;
   for (std::size_t i = 0; i < order.size(); ++i) {
     token& t = tokens[std::size_t(order[i])];
-    if (i == 0 || t.pos != last_old) ++next;
+    if (i == 0)
+      next = first;
+    else if (t.pos != last_old)
+      next += std::min(t.pos - last_old, max_gap + 1);
     last_old = t.pos;
     delta[std::size_t(order[i])] = next - t.pos;
     t.pos = next;

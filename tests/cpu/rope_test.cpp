@@ -244,3 +244,29 @@ TEST_CASE("compact_positions gives consecutive positions in time order and keeps
   const auto zero = cpu::compact_positions(again, 100);
   CHECK(std::all_of(zero.begin(), zero.end(), [](std::int64_t x) { return x == 0; }));
 }
+
+TEST_CASE("compact_positions with max_gap narrows each gap to at most max_gap free positions") {
+  // slot order is not time order; origins 0 1 2 | gap 7 | 10 11 | gap 1 | 13 | gap 2 | 16 16 (shared)
+  std::vector<token> t{{13, 0, modality::text}, {0, 0, modality::text}, {16, 1, modality::image},
+                       {10, 0, modality::text}, {1, 0, modality::text}, {16, 1, modality::image},
+                       {2, 0, modality::text},  {11, 0, modality::text}};
+  auto gapped = t;
+  const auto delta = cpu::compact_positions(gapped, 0, 3);
+  // by hand: 0 1 2, then 10 -> 2 + min(8, 4) = 6, 11 -> 7, 13 -> 7 + min(2, 4) = 9, 16 -> 9 + min(3, 4) = 12
+  const std::vector<std::int64_t> want_pos{9, 0, 12, 6, 1, 12, 2, 7};
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    CHECK(gapped[i].pos == want_pos[i]);
+    CHECK(delta[i] == want_pos[i] - t[i].pos);
+  }
+  auto again = gapped;  // every gap now at most 3: nothing moves
+  const auto zero = cpu::compact_positions(again, 0, 3);
+  CHECK(std::all_of(zero.begin(), zero.end(), [](std::int64_t x) { return x == 0; }));
+  auto closed = t;  // max_gap 0 closes every gap, as without it
+  cpu::compact_positions(closed, 0, 0);
+  auto plain = t;
+  cpu::compact_positions(plain, 0);
+  for (std::size_t i = 0; i < t.size(); ++i) CHECK(closed[i].pos == plain[i].pos);
+  auto bad = t;
+  CHECK_THROWS_WITH_AS(cpu::compact_positions(bad, 0, -1), doctest::Contains("max_gap"), infkv::error);
+  CHECK(bad[0].pos == 13);  // refused before anything moved
+}

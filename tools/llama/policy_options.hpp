@@ -76,6 +76,11 @@ inline void add_policy_options(CLI::App& app, settings& s) {
   app.add_flag("--compact-positions", s.compact_positions,
                "with --archive: compact positions all the same (recalled rows are turned to where they land; for "
                "streams longer than the model's context)");
+  app.add_option("--position-gap", s.position_gap,
+                 "compacting positions, narrow the gap between two kept runs to at most this many positions instead "
+                 "of closing it (0: close; runs far apart in the stream stay apart)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

@@ -291,6 +291,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"reduce", infkv::to_string(o.s.reduce)},
             {"threads", o.s.threads},
             {"keep_positions", o.s.keep_positions},
+            {"position_gap", o.s.position_gap},
             {"archive_bits", o.s.archive_bits},
             {"archive_mib", o.s.archive_mib},
             {"archive_page", o.s.archive_page},
@@ -569,6 +570,12 @@ int main(int argc, char** argv) {
                 ": the archive reads and restores f16 caches only; not with --archive");
   if (o.s.archive_bits > 0 && !o.s.compact_positions)
     o.s.keep_positions = true;  // recalled rows go back at their own positions
+  if (o.s.position_gap > 0 && o.s.keep_positions)
+    usage_error("--position-gap " + std::to_string(o.s.position_gap) + ": narrows the gaps of compacted positions; " +
+                (o.s.archive_bits > 0 ? "with --archive it needs --compact-positions" : "not with --keep-positions"));
+  if (o.s.position_gap > 0 && o.s.recall_tokens + o.s.prefetch_tokens > 0 && o.s.recall_distance < 0)
+    usage_error("--position-gap " + std::to_string(o.s.position_gap) +
+                ": recall and prefetch need --recall-distance with it (the landing rule closes gaps)");
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;

@@ -101,7 +101,12 @@ struct session_options {
   /// layers' cache's rows matched against the key copies). No effect on other models.
   bool score_global_layers = false;
   position_mode positions = position_mode::compact;  ///< falls back to keep when the memory cannot shift
-  std::optional<h2o> track_h2o{};                    ///< accumulate H2O scores at every decode
+  /// Compact mode: the gap between two kept runs is narrowed to at most this many positions
+  /// instead of closed (0: positions 0..n-1), so runs far apart in the stream stay apart; the
+  /// positions then span at most (kept slots) x (1 + position_gap). Recall needs
+  /// recall_options::distance with it (the recaller's landing rule closes gaps).
+  std::int64_t position_gap = 0;
+  std::optional<h2o> track_h2o{};  ///< accumulate H2O scores at every decode
   /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
   /// session keeps for its whole life.
   cpu::executor executor{};

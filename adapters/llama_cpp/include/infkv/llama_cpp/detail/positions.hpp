@@ -25,6 +25,9 @@ namespace infkv::llama_cpp::detail {
 /// (equal to its position in keep mode).
 class position_book {
  public:
+  /// `max_gap`: compaction narrows the gaps between kept runs to at most this many positions
+  /// (0: closes them; infkv::compact_positions).
+  explicit position_book(std::int64_t max_gap = 0) : max_gap_(max_gap) {}
   std::span<const token> tokens() const { return tokens_; }
   /// Each cached slot's origin (the stream's position of its token).
   std::span<const std::int64_t> origins() const { return origins_; }
@@ -93,12 +96,13 @@ class position_book {
     return std::ranges::adjacent_find(pos) != pos.end();
   }
   /// Gives the cached tokens positions 0..n-1 in the order of their origins (slots sharing one
-  /// share a position) and returns each slot's delta (new - old); when anything moved, the stream
-  /// goes on after the newest.
+  /// share a position; with a max_gap, gaps between origins narrowed to at most that many free
+  /// positions) and returns each slot's delta (new - old); when anything moved, the stream goes
+  /// on after the newest.
   std::vector<std::int64_t> compact() {
     std::vector<token> by_origin = tokens_;
     for (std::size_t s = 0; s < by_origin.size(); ++s) by_origin[s].pos = origins_[s];
-    infkv::compact_positions(by_origin, 0);
+    infkv::compact_positions(by_origin, 0, max_gap_);
     std::vector<std::int64_t> delta(tokens_.size());
     for (std::size_t s = 0; s < tokens_.size(); ++s)
       delta[s] = by_origin[s].pos - tokens_[s].pos, tokens_[s].pos = by_origin[s].pos;
@@ -131,6 +135,7 @@ class position_book {
   std::int64_t origin_next_ = 0;       // the stream's next origin
   std::int64_t stream_next_ = 0;
   std::int64_t reserved_ = 0;
+  std::int64_t max_gap_ = 0;
 };
 
 }  // namespace infkv::llama_cpp::detail
