@@ -77,6 +77,43 @@ TEST_CASE("llama session: keep mode leaves holes and continues after the newest 
   check_room(s);  // the engine holds exactly the session's cells
 }
 
+TEST_CASE("llama session: position_gap narrows the gaps between kept runs to at most that many positions") {
+  auto model = tiny_model(2);
+  lc::session s(model.get(), {.position_gap = 2});
+  auto ctx = bound_context(model.get(), s);
+  REQUIRE(s.mode() == lc::position_mode::compact);
+  // the positions the rule gives the cached slots' origins: in time order, each step from the
+  // previous origin at most 3 (2 free positions between two runs)
+  const auto want = [&] {
+    std::vector<std::int64_t> o(s.origins().begin(), s.origins().end());
+    std::ranges::sort(o);
+    std::set<std::int64_t> p;
+    std::int64_t at = 0;
+    for (std::size_t i = 0; i < o.size(); ++i)
+      p.insert(at = i == 0 ? 0 : at + std::min<std::int64_t>(o[i] - o[i - 1], 3));
+    return p;
+  };
+  REQUIRE(s.decode(random_tokens(50, 3)) == 0);
+  bool closed_differs = false;
+  for (int round = 0; round < 3; ++round) {
+    const auto r = s.evict(infkv::keydiff{}, {.capacity = 20, .sinks = 3, .recent = 5});
+    CHECK(r.shifted);
+    CHECK(s.size() == 20);
+    CHECK(positions(s) == want());
+    closed_differs |= positions(s) != range_set(20);
+    CHECK(s.next_pos() == *positions(s).rbegin() + 1);
+    check_memory_matches(s);
+    REQUIRE(s.decode(random_tokens(12, 10 + round)) == 0);
+    check_memory_matches(s);
+  }
+  CHECK(closed_differs);                        // some gap was narrowed, not closed
+  CHECK(*positions(s).rbegin() < 20 * 3 + 12);  // the span stays bounded by kept x (1 + gap)
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.position_gap = -1}),
+                       doctest::Contains("session_options.position_gap"), infkv::error);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.positions = lc::position_mode::keep, .position_gap = 4}),
+                       doctest::Contains("session_options.position_gap"), infkv::error);
+}
+
 TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory unchanged") {
   auto model = tiny_model(2);
   lc::session s(model.get());
