@@ -109,6 +109,10 @@ def cases(a, tmp):
     ints(a.stream, st, "--reduce", ["sum", "abc"])
     ints(a.stream, st, "--cache-type", ["q5_1", "f32", "abc"])
     out.append((a.stream, st + ["--cache-type", "q4_0", "--archive", "4"], "--cache-type", None))
+    ints(a.stream, st, "--position-gap", ["-1", "abc"])
+    out.append((a.stream, st + ["--position-gap", "4", "--keep-positions"], "--position-gap", None))
+    out.append((a.stream, st + ["--position-gap", "4", "--archive", "4", "--compact-positions", "--recall", "8"],
+                "--position-gap", None))
     out.append((a.stream, with_opt(st, "--policy", "recent_keydiff") + ["--recent-share", "1"], "--budget", None))
     ints(a.stream, st, "--passkey", ["-1", HUGE, "abc"])  # --tokens belongs to the text stream
     pk = [a.stream, "--model", a.model, "--passkey", "300", "--trials", "1", "--budget", "256", "--block", "64",

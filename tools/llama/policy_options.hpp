@@ -79,7 +79,7 @@ inline void add_policy_options(CLI::App& app, settings& s) {
   app.add_option("--position-gap", s.position_gap,
                  "compacting positions, narrow the gap between two kept runs to at most this many positions instead "
                  "of closing it (0: close; runs far apart in the stream stay apart)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(nonneg)
       ->capture_default_str();
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "

@@ -278,7 +278,8 @@ elseif(MODE STREQUAL "bad_flag")
                "--compact-positions" "--compact-positions;--archive;4;--keep-positions"
                "--question-known" "--question-known;--passkey;100" "--proxy;later"
                "--whole-segments;--policy;saddle_union;--passkey;100" "--cache-type;q5_1"
-               "--cache-type;q4_0;--archive;4")
+               "--cache-type;q4_0;--archive;4" "--position-gap;-1" "--position-gap;4;--keep-positions"
+               "--position-gap;4;--archive;4;--recall;8" "--position-gap;4;--archive;4;--compact-positions;--recall;8")
     execute_process(COMMAND ${EXE} --model ${CMAKE_CURRENT_LIST_FILE} --text ${CMAKE_CURRENT_LIST_FILE} ${args}
                             --policy streaming_llm,snapkv
                     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
