@@ -81,6 +81,11 @@ inline void add_policy_options(CLI::App& app, settings& s) {
                  "of closing it (0: close; runs far apart in the stream stay apart)")
       ->check(nonneg)
       ->capture_default_str();
+  app.add_option("--position-span", s.position_span,
+                 "compacting positions, narrow the gaps between kept runs as little as keeps every position below "
+                 "this (e.g. the model's context less a block and a question; 0: unset)")
+      ->check(nonneg)
+      ->capture_default_str();
   app.add_flag("--keep-positions", s.keep_positions,
                "evicting policies leave holes at the original positions "
                "instead of compacting them (positions then grow with the stream)");

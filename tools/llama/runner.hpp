@@ -39,6 +39,7 @@ struct settings : infkv_tools::policy_knobs {
   bool keep_positions = false;     ///< leave holes at the original positions instead of compacting
   bool compact_positions = false;  ///< with an archive: compact all the same (an archive implies keep otherwise)
   std::int64_t position_gap = 0;   ///< compacting: narrow gaps to at most this many positions (0: close them)
+  std::int64_t position_span = 0;  ///< compacting: narrow gaps as little as keeps positions below this (0: unset)
   std::int64_t ask_room = 0;       ///< cells beyond the cache for a question and its answer (runner::ask); 0: none
   infkv::reduction reduce = infkv::reduction::mean;  ///< heads and layers -> one score per token
   std::optional<infkv::dtype> key_type{};            ///< the session's key copies (unset: the cache's own)
@@ -212,6 +213,7 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
       .reduce = s.reduce,
       .positions = s.keep_positions ? infkv::llama_cpp::position_mode::keep : infkv::llama_cpp::position_mode::compact,
       .position_gap = s.position_gap,
+      .position_span = s.position_span,
       .executor = {s.threads}};
   auto o = infkv_tools::with_policy(
       k, s, [&](const auto& p) { return infkv::llama_cpp::session_options::for_policy(p, base); });

@@ -292,6 +292,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"threads", o.s.threads},
             {"keep_positions", o.s.keep_positions},
             {"position_gap", o.s.position_gap},
+            {"position_span", o.s.position_span},
             {"archive_bits", o.s.archive_bits},
             {"archive_mib", o.s.archive_mib},
             {"archive_page", o.s.archive_page},
@@ -570,12 +571,16 @@ int main(int argc, char** argv) {
                 ": the archive reads and restores f16 caches only; not with --archive");
   if (o.s.archive_bits > 0 && !o.s.compact_positions)
     o.s.keep_positions = true;  // recalled rows go back at their own positions
-  if (o.s.position_gap > 0 && o.s.keep_positions)
-    usage_error("--position-gap " + std::to_string(o.s.position_gap) + ": narrows the gaps of compacted positions; " +
-                (o.s.archive_bits > 0 ? "with --archive it needs --compact-positions" : "not with --keep-positions"));
-  if (o.s.position_gap > 0 && o.s.recall_tokens + o.s.prefetch_tokens > 0 && o.s.recall_distance < 0)
-    usage_error("--position-gap " + std::to_string(o.s.position_gap) +
-                ": recall and prefetch need --recall-distance with it (the landing rule closes gaps)");
+  for (const auto& [flag, value] :
+       {std::pair{"--position-gap", o.s.position_gap}, {"--position-span", o.s.position_span}}) {
+    const std::string named = std::string(flag) + " " + std::to_string(value);
+    if (value > 0 && o.s.keep_positions)
+      usage_error(named + ": narrows the gaps of compacted positions; " +
+                  (o.s.archive_bits > 0 ? "with --archive it needs --compact-positions" : "not with --keep-positions"));
+    if (value > 0 && o.s.recall_tokens + o.s.prefetch_tokens > 0 && o.s.recall_distance < 0)
+      usage_error(named + ": recall and prefetch need --recall-distance with it (the landing rule closes gaps)");
+  }
+  if (o.s.position_gap > 0 && o.s.position_span > 0) usage_error("--position-span and --position-gap: choose one");
   if (o.list) {
     for (const auto& p : infkv_tools::policy_catalog) fmt::print("{:<19} {}\n", p.name, p.about);
     return 0;

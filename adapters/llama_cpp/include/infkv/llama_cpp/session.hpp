@@ -61,7 +61,12 @@ class session {
     INFKV_REQUIRE(opt_.position_gap >= 0, "session_options.position_gap", opt_.position_gap, "must be >= 0");
     INFKV_REQUIRE(opt_.position_gap == 0 || opt_.positions == position_mode::compact, "session_options.position_gap",
                   opt_.position_gap, "narrows gaps in position_mode::compact; with keep the gaps stay whole");
-    book_ = detail::position_book(opt_.position_gap);
+    INFKV_REQUIRE(opt_.position_span >= 0, "session_options.position_span", opt_.position_span, "must be >= 0");
+    INFKV_REQUIRE(opt_.position_span == 0 || opt_.positions == position_mode::compact, "session_options.position_span",
+                  opt_.position_span, "bounds compacted positions; with position_mode::keep the gaps stay whole");
+    INFKV_REQUIRE(opt_.position_span == 0 || opt_.position_gap == 0, "session_options.position_span",
+                  opt_.position_span, "and position_gap = ", opt_.position_gap, ": choose one");
+    book_ = detail::position_book(opt_.position_gap, opt_.position_span);
     if (opt_.track_h2o) opt_.track_h2o->validate();
     INFKV_REQUIRE(opt_.capture || (!opt_.values && !opt_.track_h2o), "session_options.capture", "false",
                   opt_.values ? "values = true" : "track_h2o", " needs the graph observed: set capture = true");
@@ -775,8 +780,9 @@ class session {
                             std::span<const const_tensor_view> queries, const std::vector<std::int64_t>& qpos) {
     p.validate();
     require_captures(p.spec());
-    INFKV_REQUIRE(!shift_ || opt_.position_gap == 0 || o.distance, "recall_options.distance", "unset",
-                  "session_options.position_gap = ", opt_.position_gap,
+    INFKV_REQUIRE(!shift_ || (opt_.position_gap == 0 && opt_.position_span == 0) || o.distance,
+                  "recall_options.distance", "unset",
+                  opt_.position_gap > 0 ? "session_options.position_gap" : "session_options.position_span",
                   " needs it: the recaller places candidates as if gaps were closed, so rank them at one distance");
     archive_stream();  // what the stream wrote since the last eviction, first; every layer's inputs
     const cpu::backend be{opt_.executor};

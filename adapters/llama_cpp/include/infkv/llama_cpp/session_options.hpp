@@ -106,6 +106,11 @@ struct session_options {
   /// positions then span at most (kept slots) x (1 + position_gap). Recall needs
   /// recall_options::distance with it (the recaller's landing rule closes gaps).
   std::int64_t position_gap = 0;
+  /// Compact mode, instead of a fixed gap: at each compaction the gaps are narrowed to the largest
+  /// gap that keeps the cached positions within [0, position_span) (0: unset), so runs keep as
+  /// much of their spacing in the stream as fits, e.g. a model's trained context less a block
+  /// and a question. Recall needs recall_options::distance with it, as with position_gap.
+  std::int64_t position_span = 0;
   std::optional<h2o> track_h2o{};  ///< accumulate H2O scores at every decode
   /// Threads for scoring and re-rotation: a lent pool, or (threads > 1 without one) a pool the
   /// session keeps for its whole life.

@@ -26,8 +26,11 @@ namespace infkv::llama_cpp::detail {
 class position_book {
  public:
   /// `max_gap`: compaction narrows the gaps between kept runs to at most this many positions
-  /// (0: closes them; infkv::compact_positions).
-  explicit position_book(std::int64_t max_gap = 0) : max_gap_(max_gap) {}
+  /// (0: closes them; infkv::compact_positions). `max_span` (> 0): instead, each compaction
+  /// narrows them to the largest gap that keeps the positions within [0, max_span) (closing them
+  /// all when even that exceeds it).
+  explicit position_book(std::int64_t max_gap = 0, std::int64_t max_span = 0)
+      : max_gap_(max_gap), max_span_(max_span) {}
   std::span<const token> tokens() const { return tokens_; }
   /// Each cached slot's origin (the stream's position of its token).
   std::span<const std::int64_t> origins() const { return origins_; }
@@ -102,7 +105,7 @@ class position_book {
   std::vector<std::int64_t> compact() {
     std::vector<token> by_origin = tokens_;
     for (std::size_t s = 0; s < by_origin.size(); ++s) by_origin[s].pos = origins_[s];
-    infkv::compact_positions(by_origin, 0, max_gap_);
+    infkv::compact_positions(by_origin, 0, max_span_ > 0 ? gap_within(max_span_) : max_gap_);
     std::vector<std::int64_t> delta(tokens_.size());
     for (std::size_t s = 0; s < tokens_.size(); ++s)
       delta[s] = by_origin[s].pos - tokens_[s].pos, tokens_[s].pos = by_origin[s].pos;
@@ -128,6 +131,30 @@ class position_book {
   }
 
  private:
+  /// The largest gap g such that narrowing every gap between the cached origins to at most g free
+  /// positions keeps them within `span` positions (0 when none does).
+  std::int64_t gap_within(std::int64_t span) const {
+    std::vector<std::int64_t> o = origins_;
+    std::ranges::sort(o);
+    o.erase(std::unique(o.begin(), o.end()), o.end());
+    std::vector<std::int64_t> holes;
+    for (std::size_t i = 1; i < o.size(); ++i) holes.push_back(o[i] - o[i - 1] - 1);
+    const auto span_at = [&](std::int64_t g) {
+      std::int64_t s = std::int64_t(o.size());
+      for (const std::int64_t h : holes) s += std::min(h, g);
+      return s;
+    };
+    std::int64_t lo = 0, hi = holes.empty() ? 0 : std::ranges::max(holes);
+    while (lo < hi) {  // span_at grows with g: the largest g within the span
+      const std::int64_t mid = lo + (hi - lo + 1) / 2;
+      if (span_at(mid) <= span)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  }
+
   std::vector<token> tokens_;
   std::vector<std::int64_t> origins_;  // each slot's origin
   std::vector<llama_token> ids_;       // each slot's token id (-1: unknown)
@@ -136,6 +163,7 @@ class position_book {
   std::int64_t stream_next_ = 0;
   std::int64_t reserved_ = 0;
   std::int64_t max_gap_ = 0;
+  std::int64_t max_span_ = 0;
 };
 
 }  // namespace infkv::llama_cpp::detail
