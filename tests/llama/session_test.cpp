@@ -114,6 +114,48 @@ TEST_CASE("llama session: position_gap narrows the gaps between kept runs to at 
                        doctest::Contains("session_options.position_gap"), infkv::error);
 }
 
+TEST_CASE("llama session: position_span narrows the gaps as little as keeps the positions within the span") {
+  auto model = tiny_model(2);
+  const std::int64_t span = 40;
+  lc::session s(model.get(), {.position_span = span});
+  auto ctx = bound_context(model.get(), s);
+  // by brute force: the largest gap g whose rule (each step from one origin to the next at most
+  // g + 1) ends below the span, and the positions it gives
+  const auto want = [&] {
+    std::vector<std::int64_t> o(s.origins().begin(), s.origins().end());
+    std::ranges::sort(o);
+    const auto place = [&](std::int64_t g) {
+      std::vector<std::int64_t> p;
+      for (std::size_t i = 0; i < o.size(); ++i) p.push_back(i == 0 ? 0 : p.back() + std::min(o[i] - o[i - 1], g + 1));
+      return p;
+    };
+    std::int64_t best = 0;
+    for (std::int64_t g = 0; g <= o.back() - o.front(); ++g)
+      if (place(g).back() < span) best = g;
+    const auto p = place(best);
+    return std::set<std::int64_t>(p.begin(), p.end());
+  };
+  REQUIRE(s.decode(random_tokens(30, 5)) == 0);
+  auto r = s.evict(infkv::keydiff{}, {.capacity = 20, .sinks = 3, .recent = 5});
+  CHECK_FALSE(r.shifted);  // 30 origins fit in 40 positions: every gap stays whole, as in keep mode
+  CHECK(positions(s) == std::set<std::int64_t>(s.origins().begin(), s.origins().end()));
+  check_memory_matches(s);
+  for (int round = 0; round < 4; ++round) {
+    REQUIRE(s.decode(random_tokens(12, 20 + round)) == 0);
+    r = s.evict(infkv::keydiff{}, {.capacity = 20, .sinks = 3, .recent = 5});
+    CHECK(positions(s) == want());
+    CHECK(*positions(s).rbegin() < span);
+    check_memory_matches(s);
+  }
+  CHECK(*positions(s).rbegin() > 19);                       // not closed: the span is used
+  const auto [lo, hi] = std::ranges::minmax(s.origins());
+  CHECK(hi - lo >= span);  // and the cached origins spread wider than it
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.position_gap = 2, .position_span = 10}),
+                       doctest::Contains("choose one"), infkv::error);
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), {.position_span = -1}),
+                       doctest::Contains("session_options.position_span"), infkv::error);
+}
+
 TEST_CASE("llama session: a failing decode leaves the bookkeeping and the memory unchanged") {
   auto model = tiny_model(2);
   lc::session s(model.get());
