@@ -27,9 +27,14 @@ void bind_cache(nb::module_& m) {
       "Moves the kept slots of every head to slots [0, kept) in place (tokens alike, truncated); returns kept. "
       "Every unit must keep the same count (one unit, or one per KV head).");
   m.def(
-      "compact_positions", [](tokens& t, std::int64_t first) { return to_numpy(infkv::compact_positions(t.t, first)); },
-      "tokens"_a, "first"_a = 0,
-      "Gives the slots positions first, first + 1, ... in time order; returns each slot's delta for rerotate.");
+      "compact_positions",
+      [](tokens& t, std::int64_t first, std::int64_t max_gap) {
+        return to_numpy(infkv::compact_positions(t.t, first, max_gap));
+      },
+      "tokens"_a, "first"_a = 0, nb::kw_only(), "max_gap"_a = 0,
+      "Gives the slots positions first, first + 1, ... in time order (with max_gap > 0, each gap between "
+      "two positions narrowed to at most max_gap free positions instead of closed); returns each slot's delta "
+      "for rerotate.");
   m.def(
       "rerotate",
       [](rw_array keys, positions_array delta, const infkv::rope& r, const std::string& lay, int threads) {

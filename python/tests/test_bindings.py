@@ -119,6 +119,20 @@ def test_compact_and_rerotate_in_place():
     np.testing.assert_allclose(keys[:m, :, 1::2], x0 * s + x1 * c, atol=2e-5)
 
 
+def test_compact_positions_max_gap():
+    # kept: positions 10-13 and 30-41 (a gap of 16 free positions between them)
+    keys = np.zeros((32, 1, 8), np.float32)
+    toks = infkv.text_tokens(32, first=10)
+    ks = infkv.select(infkv.streaming_llm(), infkv.budget(capacity=16, sinks=4), infkv.Layer(toks, keys=keys))
+    infkv.compact(keys, None, toks, ks)
+    np.testing.assert_array_equal(toks.positions, np.r_[10:14, 30:42])
+    delta = infkv.compact_positions(toks, max_gap=3)  # the gap narrowed to 3 free positions
+    np.testing.assert_array_equal(toks.positions, np.r_[0:4, 7:19])
+    np.testing.assert_array_equal(delta, np.r_[[-10] * 4, [-23] * 12])
+    with pytest.raises(ValueError, match="max_gap = -1"):
+        infkv.compact_positions(toks, max_gap=-1)
+
+
 def test_capture_needs_and_protection():
     needs = infkv.capture_needs_of(infkv.snapkv(window=16))
     assert needs.keys and not needs.values and needs.queries == 16 and needs.observes()
