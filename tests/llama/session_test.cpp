@@ -147,7 +147,7 @@ TEST_CASE("llama session: position_span narrows the gaps as little as keeps the 
     CHECK(*positions(s).rbegin() < span);
     check_memory_matches(s);
   }
-  CHECK(*positions(s).rbegin() > 19);                       // not closed: the span is used
+  CHECK(*positions(s).rbegin() > 19);  // not closed: the span is used
   const auto [lo, hi] = std::ranges::minmax(s.origins());
   CHECK(hi - lo >= span);  // and the cached origins spread wider than it
   CHECK_THROWS_WITH_AS(lc::session(model.get(), {.position_gap = 2, .position_span = 10}),
