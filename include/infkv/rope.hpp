@@ -71,7 +71,7 @@ inline std::vector<std::int64_t> compact_positions(std::span<token> tokens, std:
     if (i == 0)
       next = first;
     else if (t.pos != last_old)
-      next += std::min(t.pos - last_old, max_gap + 1);
+      next += std::min(t.pos - last_old - 1, max_gap) + 1;  // no overflow for any max_gap
     last_old = t.pos;
     delta[std::size_t(order[i])] = next - t.pos;
     t.pos = next;
