@@ -161,8 +161,10 @@ def cases(a, tmp):
            "--threads", "1"]
     pre = [a.bench, "prefill", "--model", a.model, "--text", a.text, "--tokens", "300", "--budget", "128",
            "--block", "64", "--threads", "1"]
-    bases += [dec, pre]
-    for base in (dec, pre):
+    pla = [a.bench, "placement", "--model", a.model, "--text", a.text, "--budget", "64", "--block", "16",
+           "--rounds", "1", "--flash-attn", "on", "--threads", "1"]
+    bases += [dec, pre, pla]
+    for base in (dec, pre, pla):
         files(a.bench, base, "--model", [missing, empty, binary, truncated])
         files(a.bench, base, "--text", [missing, empty, binary, latin1, nul])
         ints(a.bench, base, "--budget", ["-1", "0", HUGE, "99999999999", "abc"])
@@ -181,6 +183,10 @@ def cases(a, tmp):
     out.append((a.bench, pre + ["--mode", "plain", "--tokens", "99999999999"], "--tokens", None))
     ints(a.bench, pre, "--mode", ["fast", ""])
     ints(a.bench, pre, "--policy", ["no_such_policy", "context_shift", "full"])
+    ints(a.bench, pla, "--budget", ["19"])  # below the sinks and a block
+    ints(a.bench, pla, "--rounds", ["-1", "0", "99999999999", "abc"])  # 99999999999: beyond the text
+    ints(a.bench, pla, "--flash-attn", ["auto", ""])
+    ints(a.bench, pla, "--seed", ["-1", "abc"])
     if not a.video:
         return bases, out
 

@@ -13,6 +13,9 @@
 #   apart_{1,2,3}_POLICY.json  the same loop, one process per policy and run
 #   interleave_{1,2,3}.json  the price of observing with the policies taking turns block by block
 #                      (infkv-stream --interleave): streaming_llm, inf_mllm_bias, keydiff
+#   placement_{1,2}.json  a block's llama_decode into freed cells lying together (StreamingLLM's ring)
+#                      against scattered ones (a scoring policy's), no session, flash attention on
+#                      and off, contexts taking turns block by block; two seeds
 #   memory_2k.json     the session's bytes against the KV at 2K tokens, every window policy (at 30K:
 #                      observe_*.json; at 64K: prefill_budgeted_65536.json)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
@@ -24,7 +27,8 @@
 # command). About 70 minutes on an idle 2-core machine (PARALLEL=1: the stream run beside the others,
 # one core each, about 40). Steps whose JSON exists are kept (delete the file to rerun one).
 #   scripts/perf.sh [OUT_DIR] [THREADS] [TOKENS] [HISTORY]
-#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, interleave, keys, loop, apart, memory, stream, engine, kernels)
+#   ONLY="observe memory" scripts/perf.sh   only those steps (observe, interleave, keys, loop, apart, placement, memory,
+#                                           stream, engine, kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/perf}
@@ -87,6 +91,12 @@ apart() {  # the decode loop again, one process per policy and run (the order tu
     done
   done
 }
+placement() {  # where the freed cells lie, the same decode otherwise (alone on the machine)
+  for i in 1 2; do
+    step "placement_$i" "$bin/infkv-engine-bench" placement --model "$model" --text "$text" --budget 1024 --block 128 \
+      --rounds 40 --seed $i --threads "$threads" --json "$out/placement_$i.json.tmp"
+  done
+}
 memory() {  # bytes only (timings beside other work are not read)
   step memory_2k "$bin/infkv-stream" --model "$model" --text "$text" --tokens 2048 --budget 1024 --block 128 \
     --policy inf_mllm_bias,snapkv,keydiff,tova,expected_attention --threads "$threads" --json "$out/memory_2k.json.tmp"
@@ -130,6 +140,7 @@ observe
 keys
 loop
 apart
+placement
 if [[ "${PARALLEL:-0}" == 1 ]]; then
   stream & pid=$!
   memory & pid2=$!

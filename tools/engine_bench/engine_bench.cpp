@@ -6,11 +6,18 @@
 //   prefill: peak memory (KV bytes, process RSS) and time of one prefill of N tokens, plain
 //            (a context of N cells) or budgeted block-wise (llama_cpp::prefill, budget + block
 //            cells). Run each in its own process: the RSS peak is the process's.
+//   placement: what llama.cpp's decode of a block costs when the cells an eviction freed (and
+//            the block then fills) lie together, as StreamingLLM's ring leaves them, against
+//            scattered, as a scoring policy's leaves them; no infkv session, the same tokens and
+//            positions, contexts taking turns block by block.
 // Writes a JSON record (--json) that scripts/perf_report.py turns into docs/performance.md.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <iostream>
+#include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -44,6 +51,10 @@ struct options {
   // prefill
   std::int64_t tokens = 4096;
   std::string mode = "budgeted", policy = "snapkv";
+  // placement
+  std::int64_t rounds = 30, sinks = 4;
+  std::vector<std::string> flash_attn{"on", "off"};
+  std::uint32_t seed = 1;
 };
 
 /// Fails naming --budget when it cannot hold what policy `k` protects.
@@ -281,6 +292,126 @@ int run_prefill(const options& o, const llama_model* m) {
   return 0;
 }
 
+/// Number of runs of consecutive cells in `cells` (1: the block went into one contiguous range).
+std::int64_t cell_runs(std::vector<std::int64_t> cells) {
+  std::sort(cells.begin(), cells.end());
+  std::int64_t runs = cells.empty() ? 0 : 1;
+  for (std::size_t i = 1; i < cells.size(); ++i) runs += cells[i] != cells[i - 1] + 1;
+  return runs;
+}
+
+/// One context of the placement run: a cache of budget + block cells, evicting `block` tokens
+/// before each block, the oldest after the sinks (contiguous) or drawn uniformly from those
+/// between the sinks and the newest block (scattered). Positions are kept (no shift), so the
+/// contexts differ only in where the freed cells lie.
+struct placement_arm {
+  bool scattered, flash;
+  std::mt19937 rng;
+  infkv::llama_cpp::graph_observer cells;  // asks for no node: records the cells the K rows go to
+  stream::context_ptr ctx;
+  std::vector<llama_pos> live;  // the cached positions, ascending
+  std::vector<double> seconds;
+  std::vector<std::int64_t> runs;
+  placement_arm(const llama_model* m, const options& o, bool scattered_, bool flash_, std::uint32_t seed)
+      : scattered(scattered_), flash(flash_), rng(seed), cells(llama_model_n_layer(m)) {
+    auto p = stream::context_params(std::uint32_t(o.s.budget + o.s.block), std::uint32_t(o.s.block), o.s.threads);
+    p.flash_attn_type = flash ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cells.install(p);
+    ctx.reset(llama_init_from_model(const_cast<llama_model*>(m), p));
+    if (!ctx)
+      infkv_tools::engine_fail("infkv-engine-bench: cannot create a context of {} cells", o.s.budget + o.s.block);
+  }
+  /// Decodes `toks` at the positions after the newest; returns llama_decode's seconds.
+  double feed(std::span<const llama_token> toks) {
+    const llama_pos at = live.empty() ? 0 : live.back() + 1;
+    cells.begin({.queries = false, .keys = false, .values = false, .cells = true});
+    const auto t0 = clock_type::now();
+    decode_plain(ctx.get(), toks, at, std::int64_t(toks.size()));
+    const double s = since(t0);
+    cells.end();
+    if (!cells.error().empty()) infkv_tools::engine_fail("infkv-engine-bench: {}", cells.error());
+    for (std::size_t i = 0; i < toks.size(); ++i) live.push_back(at + llama_pos(i));
+    return s;
+  }
+  void evict(std::int64_t n, std::int64_t sinks) {
+    std::vector<std::size_t> pick(static_cast<std::size_t>(n));
+    if (!scattered) {
+      std::iota(pick.begin(), pick.end(), std::size_t(sinks));
+    } else {  // n of the slots [sinks, size - n), uniformly
+      std::vector<std::size_t> from(live.size() - std::size_t(n) - std::size_t(sinks));
+      std::iota(from.begin(), from.end(), std::size_t(sinks));
+      std::sample(from.begin(), from.end(), pick.begin(), n, rng);
+    }
+    llama_memory_t mem = llama_get_memory(ctx.get());
+    for (const std::size_t i : pick)
+      if (!llama_memory_seq_rm(mem, 0, live[i], live[i] + 1))
+        infkv_tools::engine_fail("infkv-engine-bench: llama_memory_seq_rm of position {} failed", live[i]);
+    std::vector<bool> gone(live.size());
+    for (const std::size_t i : pick) gone[i] = true;
+    std::size_t w = 0;
+    for (std::size_t i = 0; i < live.size(); ++i)
+      if (!gone[i]) live[w++] = live[i];
+    live.resize(w);
+  }
+};
+
+int run_placement(const options& o, const llama_model* m) {
+  if (o.s.budget < o.sinks + o.s.block)
+    infkv_tools::fail(
+        "--budget = {}: the scattered eviction draws --block = {} tokens from those between the {} "
+        "sinks and the newest block, so it needs at least {}",
+        o.s.budget, o.s.block, o.sinks, o.sinks + o.s.block);
+  stream::check_cells(m, "--budget", o.s.budget, "a bounded cache",
+                      double(o.s.budget + o.s.block) * 2.0 * double(o.flash_attn.size()));
+  const std::int64_t fill = o.s.budget + o.s.block, need = fill + o.rounds * o.s.block;
+  const auto toks = stream::tokenize_file(m, o.text, need);
+  if (std::int64_t(toks.size()) < need)
+    infkv_tools::fail("--rounds = {}: --text = {} has {} tokens, fewer than the {} a context decodes", o.rounds, o.text,
+                      toks.size(), need);
+  std::vector<std::unique_ptr<placement_arm>> arms;
+  for (const auto& fa : o.flash_attn)
+    for (const bool scattered : {false, true})
+      arms.push_back(std::make_unique<placement_arm>(m, o, scattered, fa == "on", o.seed));
+  for (auto& a : arms)  // the cache filled: budget + block cells, in blocks
+    for (std::int64_t at = 0; at < fill; at += o.s.block)
+      a->feed(std::span(toks).subspan(std::size_t(at), std::size_t(std::min(o.s.block, fill - at))));
+  for (std::int64_t r = 0; r < o.rounds; ++r)
+    for (std::size_t i = 0; i < arms.size(); ++i) {  // the order turned every round
+      auto& a = *arms[(i + std::size_t(r)) % arms.size()];
+      a.evict(o.s.block, o.sinks);
+      a.seconds.push_back(a.feed(std::span(toks).subspan(std::size_t(fill + r * o.s.block), std::size_t(o.s.block))));
+      a.runs.push_back(cell_runs(a.cells.layers().front().cells));
+    }
+  auto j = head(o, m, "placement");
+  j["rounds"] = o.rounds, j["sinks"] = o.sinks, j["seed"] = o.seed;
+  nlohmann::json out = nlohmann::json::array();
+  fmt::print("{:<12} {:<11} {:>12} {:>14} {:>22}\n", "flash attn", "freed cells", "median s", "cell runs",
+             "scattered / contiguous");
+  for (std::size_t i = 0; i < arms.size(); i += 2) {
+    std::vector<double> ratio;
+    for (std::int64_t r = 0; r < o.rounds; ++r)
+      ratio.push_back(arms[i + 1]->seconds[std::size_t(r)] / arms[i]->seconds[std::size_t(r)]);
+    for (std::size_t k = i; k < i + 2; ++k) {
+      const auto& a = *arms[k];
+      std::vector<double> s = a.seconds;
+      std::sort(s.begin(), s.end());
+      const auto [lo, hi] = std::minmax_element(a.runs.begin(), a.runs.end());
+      std::vector<double> q = ratio;
+      std::sort(q.begin(), q.end());
+      fmt::print("{:<12} {:<11} {:12.4f} {:>14} {:>22}\n", a.flash ? "on" : "off",
+                 a.scattered ? "scattered" : "contiguous", s[s.size() / 2], fmt::format("{}-{}", *lo, *hi),
+                 a.scattered ? fmt::format("{:.4f} (median)", q[q.size() / 2]) : "");
+      out.push_back({{"flash_attn", a.flash},
+                     {"freed", a.scattered ? "scattered" : "contiguous"},
+                     {"seconds", a.seconds},
+                     {"cell_runs", a.runs}});
+    }
+  }
+  j["arms"] = out;
+  write_json(o, j);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -319,9 +450,18 @@ int main(int argc, char** argv) {
   pre->add_option("--mode", o.mode, "plain (a context of --tokens cells) or budgeted (llama_cpp::prefill)")
       ->check(CLI::IsMember({"plain", "budgeted"}));
   pre->add_option("--policy", o.policy, "the budgeted prefill's policy");
+  auto* pla = app.add_subcommand(
+      "placement", "a block's decode into freed cells lying together against scattered ones (no infkv session)");
+  common(pla);
+  pla->add_option("--rounds", o.rounds, "blocks each context decodes after filling its cache")->check(at_least(1));
+  pla->add_option("--flash-attn", o.flash_attn, "flash attention settings to run (comma list of on, off)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"on", "off"}));
+  pla->add_option("--seed", o.seed, "seed of the scattered eviction's draws");
   CLI11_PARSE(app, argc, argv);
   try {
     const auto model = stream::load_model(o.model);
+    if (pla->parsed()) return run_placement(o, model.get());
     return dec->parsed() ? run_decode(o, model.get()) : run_prefill(o, model.get());
   } catch (const std::exception& e) {
     std::cerr << "infkv-engine-bench: error: " << e.what() << '\n';
