@@ -69,7 +69,7 @@ def commits(*ds):
 
 
 def own(t):
-    return sum(t[k] for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate"))
+    return sum(t.get(k, 0) for k in ("append", "h2o", "score", "seq_rm", "seq_add", "host_evict", "rerotate", "gather"))
 
 
 def med(xs):
@@ -79,6 +79,54 @@ def med(xs):
 
 def spread(xs, digits=1):
     return f"{fmt(med(xs), digits)} [{fmt(min(xs), digits)}, {fmt(max(xs), digits)}]"
+
+
+def median_interval(xs, level=0.95):
+    """A distribution-free interval for the median of xs: the order statistics (l, u) with
+    P(X_(l) <= median <= X_(u)) >= level under Binomial(n, 1/2) (the sign test's interval)."""
+    xs, n = sorted(xs), len(xs)
+    cdf, k = 0.0, 0
+    while k < n:  # the largest k with P(B <= k - 1) <= (1 - level) / 2
+        p = math.comb(n, k) / 2 ** n
+        if cdf + p > (1 - level) / 2:
+            break
+        cdf += p
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k > 0 else (xs[0], xs[-1])
+
+
+def placement_table(files, md):
+    """llama_decode of a block into freed cells lying together against scattered ones
+    (infkv-engine-bench placement): per-round ratios of the two contexts taking turns."""
+    rows, pooled = [], {}
+    for i, d in enumerate(files, 1):
+        arms = {(a["flash_attn"], a["freed"]): a for a in d["arms"]}
+        for fa in sorted({a["flash_attn"] for a in d["arms"]}, reverse=True):
+            c, s = arms[(fa, "contiguous")], arms[(fa, "scattered")]
+            r = [(y / x - 1) * 100 for x, y in zip(c["seconds"], s["seconds"])]
+            pooled.setdefault(fa, []).extend(r)
+            lo, hi = median_interval(r)
+            rows.append([f"{i} (seed {d['seed']})", "on" if fa else "off", fmt(med(c["seconds"]), 3),
+                         fmt(med(s["seconds"]), 3), f"{min(c['cell_runs'])}-{max(c['cell_runs'])}",
+                         f"{min(s['cell_runs'])}-{max(s['cell_runs'])}", f"{fmt(med(r), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]"])
+    for fa, r in sorted(pooled.items(), reverse=True):
+        lo, hi = median_interval(r)
+        rows.append([f"all {len(files)}", "on" if fa else "off", "", "", "", "",
+                     f"**{fmt(med(r), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]**"])
+    d0 = files[0]
+    md.append(f"\nWhere the freed cells lie, with no session at all (`infkv-engine-bench placement`): two contexts "
+              f"of {d0['budget']} + {d0['block']} cells on the same tokens and positions, each evicting {d0['block']} "
+              f"tokens before every block (positions kept, no shift), the oldest after {d0['sinks']} sinks "
+              f"(`contiguous`, StreamingLLM's ring) or drawn uniformly between the sinks and the newest block "
+              f"(`scattered`); the contexts take turns block by block, {d0['rounds']} blocks each per run, "
+              f"{d0['threads']} thread(s); load average "
+              f"{', '.join(fmt(d['load_average_start'], 2) for d in files)}{commits(*files)}:\n")
+    md.append(table(["run", "flash attention", "contiguous s / block", "scattered s / block",
+                     "cell runs per block, contiguous", "cell runs per block, scattered",
+                     "scattered - contiguous, % [95% interval of the median]"], rows))
+    md.append("\n`s / block`: the median llama_decode of one block; `cell runs`: the runs of consecutive cells the "
+              "block's K rows went to (read from the graph's SET_ROWS indices), over the rounds; the last column "
+              "the median of the per-round differences, with the order-statistic (sign test) 95% interval.\n")
 
 
 def overhead_table(files, how, md):
@@ -121,7 +169,7 @@ def overhead_table(files, how, md):
                      "overhead % [range]", "session / KV"], rows))
 
 
-def observe_section(files, interleaved, memory, keyruns, loops, apart, md):
+def observe_section(files, interleaved, placement, memory, keyruns, loops, apart, md):
     """The price of observing: each policy's overhead against streaming_llm's decode time in the
     same run, over several runs (median and range), and the session's bytes against the KV."""
     overhead_table(files, "the policies one after another, their order turned between runs", md)
@@ -138,6 +186,8 @@ def observe_section(files, interleaved, memory, keyruns, loops, apart, md):
                   "(`infkv-stream --interleave`, each on its own context, the order turned every block), so that "
                   "the machine's drift and the order within the process weigh on every policy alike:\n")
         overhead_table(interleaved, "taking turns block by block", md)
+    if placement:
+        placement_table(placement, md)
     keys = [d for d in keyruns if d]
     if keys:
         rows = []
@@ -660,8 +710,10 @@ def main():
                               parts=ds))
     interleaved = [load(os.path.join(engine, f"interleave_{i}.json")) for i in range(1, 10)
                    if os.path.exists(os.path.join(engine, f"interleave_{i}.json"))]
+    placement = [load(os.path.join(engine, f"placement_{i}.json")) for i in range(1, 10)
+                 if os.path.exists(os.path.join(engine, f"placement_{i}.json"))]
     if observed:
-        section("1. The price of observing", observe_section, observed, interleaved, memory, keyruns, loops, apart, md)
+        section("1. The price of observing", observe_section, observed, interleaved, placement, memory, keyruns, loops, apart, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []

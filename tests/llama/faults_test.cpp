@@ -226,3 +226,68 @@ TEST_CASE("llama faults: a model file llama.cpp cannot load is named, with llama
   std::remove(cut.c_str());
   CHECK(lc::load_model(good) != nullptr);  // the collector is off again: a good file still loads
 }
+
+TEST_CASE("llama faults: gather_cells refused by llama.cpp moves nothing it cannot follow, and the eviction stands") {
+  auto model = tiny_model(1);
+  injected inj;
+  bool refuse_state = false;
+  auto opt = lc::session_options::for_policy(infkv::keydiff{});
+  opt.scratch_seq = 1;
+  auto plain_opt = opt;
+  opt.gather_cells = true;
+  opt.memory = inj.calls();
+  opt.memory.state_set = [&](llama_context* ctx, const std::uint8_t* src, std::size_t n, llama_seq_id seq) {
+    return refuse_state ? std::size_t(0) : llama_state_seq_set_data(ctx, src, n, seq);
+  };
+  lc::session s(model.get(), opt), plain(model.get(), plain_opt);
+  auto ctx = shared_context(model.get(), s, {});
+  auto pctx = shared_context(model.get(), plain, {});
+  const auto both = [&](const std::vector<llama_token>& t) {
+    REQUIRE(s.decode(t) == 0);
+    REQUIRE(plain.decode(t) == 0);
+  };
+  both(random_tokens(60, 41));
+  const auto keep_every = [](std::int64_t n, std::int64_t k) {  // the first 2 slots and every k-th after
+    infkv::keep_set keep(n);
+    std::vector<std::int64_t> slots;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (i < 2 || i % k != 0) slots.push_back(i);
+    keep.add_unit(slots);
+    return keep;
+  };
+  const auto same_logits = [&] {
+    both(random_tokens(3, 44));
+    const auto want = last_logits(pctx.get());
+    float scale = 0.f;
+    for (float v : want) scale = std::max(scale, std::fabs(v));
+    CHECK(max_abs_diff(last_logits(ctx.get()), want) <= 1e-4f * std::max(1.f, scale));
+  };
+
+  SUBCASE("llama_state_seq_set_data refused: no cell moves") {
+    refuse_state = true;
+    CHECK_THROWS_WITH_AS(
+        s.apply(keep_every(60, 4)),
+        doctest::Contains("the copies were removed again and no cell was moved (the eviction is complete)"),
+        infkv::engine_error);
+    CHECK(s.stats().gathered == 0);
+  }
+  SUBCASE("a removal refused mid-move: the cells moved so far are followed") {
+    inj.refuse_at = inj.rm_calls + 14 + 1 + 5;  // the eviction's 14 runs, the scratch emptied, the 5th original
+    CHECK_THROWS_WITH_AS(
+        s.apply(keep_every(60, 4)),
+        doctest::Contains("4 of 11 cells were moved and the session follows them (the eviction is complete)"),
+        infkv::engine_error);
+    CHECK(s.stats().gathered == 0);
+  }
+  plain.apply(keep_every(60, 4));
+  CHECK(positions(s) == positions(plain));  // the eviction stands, compacted as without the fault
+  check_memory_matches(s);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 1) == -1);
+  same_logits();                            // every cell the session names holds the row it names
+  refuse_state = false, inj.refuse_at = 0;  // and the stream goes on, gathering again
+  s.apply(keep_every(s.size(), 3));
+  plain.apply(keep_every(plain.size(), 3));
+  CHECK(s.stats().gathered > 0);
+  check_memory_matches(s);
+  same_logits();
+}

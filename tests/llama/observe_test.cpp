@@ -193,3 +193,107 @@ TEST_CASE("llama session: where llama.cpp's cache cannot be read, the copies ser
     check_memory_matches(s);
   }
 }
+
+namespace {
+
+/// A scattered keep set over `n` slots: the first two, then about two in three, drawn from `seed`.
+infkv::keep_set scattered_keep(std::int64_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::int64_t> slots;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (i < 2 || rng() % 3 != 0) slots.push_back(i);
+  infkv::keep_set keep(n);
+  keep.add_unit(slots);
+  return keep;
+}
+
+/// True when `cells` are consecutive from `first` on.
+bool one_run_from(const std::vector<std::int64_t>& cells, std::int64_t first) {
+  for (std::size_t i = 0; i < cells.size(); ++i)
+    if (cells[i] != first + std::int64_t(i)) return false;
+  return !cells.empty();
+}
+
+}  // namespace
+
+TEST_CASE("llama session: gather_cells puts the next decode into one run of cells and changes no result") {
+  auto model = tiny_model(2);
+  ctx_config cfg{.n_ubatch = 16};
+  lc::position_mode mode = lc::position_mode::compact;
+  SUBCASE("f32 cache, compact positions") {}
+  SUBCASE("f32 cache, positions kept") { mode = lc::position_mode::keep; }
+  SUBCASE("f16 cache, flash attention, compact positions") { cfg.type_k = GGML_TYPE_F16, cfg.flash_attn = true; }
+  // Cells in another order change llama.cpp's sums only by rounding: f32 on the first two; flash
+  // attention over an f16 cache accumulates in f16 (about 1e-3).
+  const float tol = cfg.flash_attn ? 5e-3f : 1e-4f;
+  const infkv::keydiff policy{};
+  auto opt = lc::session_options::for_policy(policy, {.positions = mode});
+  opt.scratch_seq = 1;
+  auto gopt = opt;
+  gopt.gather_cells = true;
+  lc::session plain(model.get(), opt), gathered(model.get(), gopt);
+  auto c1 = shared_context(model.get(), plain, cfg);
+  lc::graph_observer watch(2);  // behind the session's observer: where each decode's K rows go
+  auto p = context_params(cfg);
+  p.n_seq_max = 2, p.kv_unified = true;
+  gathered.attach(p);
+  watch.install(p);
+  context_ptr c2(llama_init_from_model(model.get(), p));
+  REQUIRE(c2 != nullptr);
+  gathered.bind(c2.get());
+
+  const auto decode_both = [&](const std::vector<llama_token>& t) {
+    REQUIRE(plain.decode(t) == 0);
+    watch.begin({.queries = false, .keys = false, .values = false, .cells = true});
+    REQUIRE(gathered.decode(t) == 0);
+    watch.end();
+  };
+  decode_both(random_tokens(16, 1));
+  decode_both(random_tokens(16, 2));
+  decode_both(random_tokens(16, 3));
+  REQUIRE(gathered.keys() == lc::key_source::engine);
+  // Explicit scattered keep sets: the same slots leave both sessions.
+  for (unsigned round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    const auto keep = scattered_keep(plain.size(), 10 + round);
+    plain.apply(keep);
+    gathered.apply(keep);
+    CHECK(slot_positions(gathered) == slot_positions(plain));
+    check_memory_matches(gathered);
+    const std::int64_t n = gathered.size();
+    decode_both(random_tokens(12, 20 + round));
+    CHECK(one_run_from(watch.layers()[0].cells, n));  // right after the cached cells 0..n-1
+    const auto want = last_logits(c1.get()), got = last_logits(c2.get());
+    float scale = 0.f;
+    for (float v : want) scale = std::max(scale, std::fabs(v));
+    REQUIRE(scale > 0.1f);
+    CHECK(max_abs_diff(got, want) <= tol * std::max(1.f, scale));
+  }
+  CHECK(gathered.stats().gathered > 0);
+  CHECK(plain.stats().gathered == 0);
+  CHECK(llama_memory_seq_pos_max(llama_get_memory(c2.get()), 1) == -1);  // the scratch sequence is left empty
+  // The policy scores the moved rows as it scored them where they were.
+  const auto x = infkv::cpu::layer_scores(policy, gathered.inputs(1)),
+             y = infkv::cpu::layer_scores(policy, plain.inputs(1));
+  REQUIRE(x.data.size() == y.data.size());
+  float worst = 0, mag = 0;
+  for (std::size_t i = 0; i < x.data.size(); ++i)
+    worst = std::max(worst, std::fabs(x.data[i] - y.data[i])), mag = std::max(mag, std::fabs(y.data[i]));
+  CHECK(mag > 0);
+  CHECK(worst <= tol * mag);
+}
+
+TEST_CASE("llama session: gather_cells is refused without a scratch sequence and on M-RoPE") {
+  auto model = tiny_model(1);
+  auto opt = lc::session_options::for_policy(infkv::keydiff{});
+  opt.gather_cells = true;
+  CHECK_THROWS_WITH_AS(lc::session(model.get(), opt), doctest::Contains("session_options.scratch_seq = -1"),
+                       infkv::invalid_argument);
+  opt.scratch_seq = 1;
+  lc::session s(model.get(), opt);
+  CHECK_THROWS_WITH_AS(bound_context(model.get(), s), doctest::Contains("must be below the context's n_seq_max = 1"),
+                       infkv::invalid_argument);
+  auto mrope = infkv::llama_cpp::load_model(std::string(INFKV_TEST_MODEL_DIR) + "/tiny-qwen2vl.gguf");
+  CHECK_THROWS_WITH_AS(lc::session(mrope.get(), opt), doctest::Contains("session_options.gather_cells = true"),
+                       infkv::invalid_argument);
+}

@@ -62,6 +62,9 @@ struct settings : infkv_tools::policy_knobs {
   /// Keep whole segments first (session_options::whole_segments), a segment being a sentence or
   /// line of the stream's text (sentence_counter).
   bool whole_segments = false;
+  /// Move the cached cells together after each eviction (session_options::gather_cells), through
+  /// sequence 1.
+  bool gather_cells = false;
   /// Score a sliding-window model's global layers only (session_options::score_global_layers).
   bool score_global_layers = false;
   infkv::llama_cpp::proxy_mode proxy = infkv::llama_cpp::proxy_mode::after_cache;
@@ -82,7 +85,7 @@ inline std::int64_t reconstruct_room(const settings& s) { return s.reconstruct >
 /// question, two sequences when questions are asked.
 inline llama_context_params runner_params(const settings& s, std::int64_t cells, std::int64_t n_batch) {
   auto p = context_params(std::uint32_t(cells + s.ask_room), std::uint32_t(std::max(n_batch, s.ask_room)), s.threads,
-                          s.ask_room > 0 || s.archive_bits > 0 ? 2 : 1);
+                          s.ask_room > 0 || s.archive_bits > 0 || s.gather_cells ? 2 : 1);
   p.type_k = p.type_v = s.cache_type;
   if (s.cache_type != GGML_TYPE_F16) p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
   return p;
@@ -225,7 +228,8 @@ inline infkv::llama_cpp::session_options session_options_for(kind k, const setti
     o.archive = a;
     o.scratch_seq = 1;
   }
-  if (s.question_known || s.reconstruct > 0) o.scratch_seq = 1;
+  if (s.question_known || s.reconstruct > 0 || s.gather_cells) o.scratch_seq = 1;
+  o.gather_cells = s.gather_cells;
   if (s.reconstruct > 0) o.capture = true;  // the passes' queries and keys
   o.whole_segments = s.whole_segments;      // proxy queries decode the question there, as questions are asked
   o.score_global_layers = s.score_global_layers;

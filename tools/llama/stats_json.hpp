@@ -22,6 +22,8 @@ inline nlohmann::json to_json(const infkv::llama_cpp::session_stats& t) {
           {"recall", t.recall},
           {"proxy", t.proxy},
           {"reconstruct", t.reconstruct},
+          {"gather", t.gather},
+          {"gathered", t.gathered},
           {"decodes", t.decodes},
           {"decoded_tokens", t.decoded_tokens},
           {"evictions", t.evictions},

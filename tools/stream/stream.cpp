@@ -106,6 +106,9 @@ void add_options(CLI::App& app, options& o) {
                  "where the policies read the keys: auto (llama.cpp's cache where the session can read it), "
                  "copy (host copies taken at every decode), engine (llama.cpp's cache or an error)")
       ->check(CLI::IsMember({"auto", "copy", "engine"}));
+  app.add_flag("--gather-cells", o.s.gather_cells,
+               "after each eviction move the cached cells together (through sequence 1), so that the next block "
+               "goes into one run of llama.cpp's cells (policies reading llama.cpp's cache)");
   app.add_flag("--list-policies", o.list, "list the policies and exit");
   app.add_option("--passkey", o.passkey,
                  "passkey retrieval instead of perplexity: the question DISTANCE tokens of "
@@ -305,6 +308,7 @@ nlohmann::json head(const options& o, const llama_model* m, double load) {
             {"key_type", o.key_type.empty() ? "cache" : o.key_type},
             {"cache_type", o.cache_type},
             {"keys", o.keys},
+            {"gather_cells", o.s.gather_cells},
             {"interleave", o.interleave},
             {"question_known", o.s.question_known},
             {"whole_segments", o.s.whole_segments},

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -88,6 +90,9 @@ class session {
                     "an archive recalls with a policy that reads queries; H2O's running scores cannot follow it");
       archive_.emplace(model, *opt_.archive);
     }
+    INFKV_REQUIRE(!opt_.gather_cells || (opt_.scratch_seq >= 0 && opt_.scratch_seq != opt_.seq),
+                  "session_options.scratch_seq", opt_.scratch_seq,
+                  "gather_cells moves cells through a second sequence of the context (not seq = ", opt_.seq, ")");
     INFKV_REQUIRE(!opt_.evicts_above || *opt_.evicts_above >= 0, "session_options.evicts_above", *opt_.evicts_above,
                   "must be >= 0");
     INFKV_REQUIRE(opt_.keys != key_source::engine || opt_.capture, "session_options.keys", "engine",
@@ -96,6 +101,9 @@ class session {
                   "needs capture = true (the global layers are found among the key copies)");
     layers_.assign(std::size_t(llama_model_n_layer(model)), layer_cache(opt_.key_type.value_or(dtype::f16)));
     rope_ = model_rope(model);
+    INFKV_REQUIRE(!opt_.gather_cells || rope_.supported, "session_options.gather_cells", "true",
+                  "moves cells one position at a time; this model's RoPE (", rope_.kind,
+                  ") gives tokens shared positions");
     layer_rope_.assign(layers_.size(), rope_);
     n_swa_ = llama_model_n_swa(model);
   }
@@ -130,11 +138,12 @@ class session {
                   "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
     const llama_pos pmax = llama_memory_seq_pos_max(mem_, opt_.seq);
     INFKV_REQUIRE(pmax < 0, "llama_memory_seq_pos_max(seq)", pmax, "the sequence must be empty at bind");
-    if (archive_) {
+    if (archive_ || opt_.gather_cells) {
       INFKV_REQUIRE(opt_.scratch_seq < std::int64_t(llama_n_seq_max(ctx)), "session_options.scratch_seq",
                     opt_.scratch_seq, "must be below the context's n_seq_max = ", llama_n_seq_max(ctx));
       INFKV_REQUIRE(llama_memory_seq_pos_max(mem_, opt_.scratch_seq) < 0, "session_options.scratch_seq",
-                    opt_.scratch_seq, "must be an empty sequence at bind (the archive uses it)");
+                    opt_.scratch_seq, "must be an empty sequence at bind (", archive_ ? "the archive" : "gather_cells",
+                    " uses it)");
     }
     shift_ =
         opt_.positions == position_mode::compact && opt_.memory.can_shift(mem_) && (rope_.supported || !rope_.has_rope);
@@ -915,9 +924,16 @@ class session {
     }
     res.evicted = size() - keep.size(0);
     drop(keep);
+    std::exception_ptr not_gathered;  // the eviction completes first (compaction included), then it is reported
+    if (opt_.gather_cells && engine_ && !shift_pending_) try {
+        gather();
+      } catch (...) {  // the cells stay where the error left them, and the session knows where
+        not_gathered = std::current_exception();
+      }
     if (shift_ && !book_.empty()) res.shifted = compact_positions();
     res.kept = size();
     verify();
+    if (not_gathered) std::rethrow_exception(not_gathered);
     return res;
   }
 
@@ -1066,6 +1082,82 @@ class session {
   /// The archive's way to llama.cpp's rows.
   detail::cache_route route() const { return {ctx_, mem_, &opt_.memory, opt_.seq, opt_.scratch_seq}; }
 
+  /// session_options::gather_cells: the slots whose cells lie at or above size() move into the
+  /// free cells below it, so that the cached cells are 0..size()-1 and llama.cpp's next decode
+  /// writes into the run after them. llama.cpp restores a sequence's state into the free cells it
+  /// meets first from its search head, which the eviction's llama_memory_seq_rm left at or below
+  /// the first freed cell: the copies go to the free cells below size() in order. Each copy's
+  /// layer-0 K row is checked there before the originals leave; anywhere else, the copies are
+  /// dropped again and nothing has moved. No shift may be pending (the state carries none).
+  void gather() {
+    const std::int64_t n = size();
+    std::vector<char> taken(std::size_t(llama_n_ctx(ctx_)), 0);
+    for (const std::int32_t c : cells_) taken[std::size_t(c)] = 1;
+    std::vector<std::int64_t> holes;  // free cells below n, ascending
+    for (std::int64_t c = 0; c < n; ++c)
+      if (!taken[std::size_t(c)]) holes.push_back(c);
+    if (holes.empty()) return;
+    const stopwatch w{stats_.gather};
+    std::vector<std::int64_t> movers;  // the slots in cells >= n, by cell (the state lists cells in order)
+    for (std::int64_t s = 0; s < n; ++s)
+      if (cells_[std::size_t(s)] >= n) movers.push_back(s);
+    std::sort(movers.begin(), movers.end(),
+              [&](std::int64_t a, std::int64_t b) { return cells_[std::size_t(a)] < cells_[std::size_t(b)]; });
+    const auto r = route();
+    const auto cached = tokens();
+    const auto pos = [&](std::int64_t s) { return llama_pos(cached[std::size_t(s)].pos); };
+    for (const std::int64_t s : movers) r.calls->seq_cp(r.mem, r.seq, r.scratch, pos(s), pos(s) + 1);
+    gather_buf_.resize(llama_state_seq_get_size(r.ctx, r.scratch));
+    const std::size_t got = r.calls->state_get(r.ctx, gather_buf_.data(), gather_buf_.size(), r.scratch);
+    r.clear_scratch();
+    if (got != gather_buf_.size())
+      infkv::raise<engine_error>("infkv: gather_cells: llama_state_seq_get_data(seq = ", r.scratch, ") = ", got, " of ",
+                                 gather_buf_.size(), " bytes: no cell was moved (the eviction is complete)");
+    const detail::kv_state st =
+        detail::parse_kv_state(gather_buf_, n_layers(), std::int64_t(layers_[0].n_head_kv()) * layers_[0].head_dim());
+    bool same = st.cells == std::int64_t(movers.size());  // the cells shared, in cell order
+    for (std::size_t c = 0; same && c < movers.size(); ++c)
+      same = st.pos(gather_buf_, std::int64_t(c)) == pos(movers[c]);
+    if (!same)
+      infkv::raise<engine_error>("infkv: gather_cells: llama_state_seq_get_data(seq = ", r.scratch, ") holds ",
+                                 st.cells, " cells, not the ", movers.size(),
+                                 " shared into it at their positions: no cell was moved (the eviction is complete)");
+    const std::size_t put = r.calls->state_set(r.ctx, gather_buf_.data(), gather_buf_.size(), r.scratch);
+    const ggml_tensor* k = caches_[0].k;
+    const std::size_t row = st.layers[0].k_row;
+    bool landed = put == gather_buf_.size();
+    for (std::size_t c = 0; landed && c < movers.size(); ++c)
+      landed = std::memcmp(gather_buf_.data() + st.k_row(0, std::int64_t(c)),
+                           static_cast<const char*>(k->data) + std::size_t(holes[c]) * k->nb[1], row) == 0;
+    if (!landed) {
+      r.clear_scratch();
+      infkv::raise<engine_error>("infkv: gather_cells: llama_state_seq_set_data(seq = ", r.scratch, ") = ", put, " of ",
+                                 gather_buf_.size(), " bytes",
+                                 put == gather_buf_.size()
+                                     ? ", into other cells than the free ones below " + std::to_string(n)
+                                     : std::string(),
+                                 ": the copies were removed again and no cell was moved (the eviction is complete)");
+    }
+    for (std::size_t c = 0; c < movers.size(); ++c) {  // the originals leave; their copies join the sequence
+      const llama_pos p = pos(movers[c]);
+      if (!r.calls->seq_rm(r.mem, r.seq, p, p + 1)) {
+        for (std::size_t d = 0; d < c; ++d) {
+          r.calls->seq_cp(r.mem, r.scratch, r.seq, pos(movers[d]), pos(movers[d]) + 1);
+          cells_[std::size_t(movers[d])] = std::int32_t(holes[d]);
+        }
+        r.clear_scratch();
+        verify();
+        infkv::raise<engine_error>("infkv: gather_cells: llama_memory_seq_rm(seq = ", r.seq, ", p0 = ", p,
+                                   ", p1 = ", p + 1, ") = false: ", c, " of ", movers.size(),
+                                   " cells were moved and the session follows them (the eviction is complete)");
+      }
+    }
+    r.calls->seq_cp(r.mem, r.scratch, r.seq, -1, -1);
+    r.clear_scratch();
+    for (std::size_t c = 0; c < movers.size(); ++c) cells_[std::size_t(movers[c])] = std::int32_t(holes[c]);
+    stats_.gathered += std::int64_t(movers.size());
+  }
+
   void observe_h2o(std::span<const std::int64_t> pos) {
     if (h2o_.empty())
       for (std::int32_t l = 0; l < n_layers(); ++l)
@@ -1168,6 +1260,7 @@ class session {
   bool engine_ = false;                         // the policies read llama.cpp's cache (cells_, caches_)
   bool shift_pending_ = false;                  // positions moved since the last decode: llama.cpp's K not yet turned
   std::vector<std::int32_t> cells_;             // each cached slot's cell (engine_)
+  std::vector<std::uint8_t> gather_buf_;        // gather_cells' state of the cells it moves
   std::vector<cache_tensors> caches_;           // each layer's K and V cache tensors (engine_)
   std::int64_t fresh_ = 0;                      // newest decoded tokens whose queries were observed
   std::int64_t decoded_ = 0;                    // tokens decoded since bind

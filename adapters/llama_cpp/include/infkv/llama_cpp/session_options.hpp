@@ -127,6 +127,15 @@ struct session_options {
   /// through it (llama_state_seq_*), recall and proxy queries decode their question on it; each
   /// leaves it empty after every call.
   llama_seq_id scratch_seq = -1;
+  /// After each eviction, move the cached cells that lie at or above the number of slots kept
+  /// into the free cells below it (through `scratch_seq`: llama_state_seq_*), so that llama.cpp
+  /// writes the next decode's tokens into one run of cells rather than into the cells a scoring
+  /// policy's eviction scattered, which its CPU flash attention decodes measurably slower
+  /// (docs/performance.md, section 1). Acts where the policies read llama.cpp's cache
+  /// (key_source::automatic found it readable, or engine) and no position shift is pending from
+  /// an earlier eviction; the cells are moved before this eviction's compaction shift. Needs
+  /// `scratch_seq`; not on M-RoPE models (their tokens share positions).
+  bool gather_cells = false;
 
   /// `base` (defaults otherwise) set to capture what `policy` reads (capture_needs_of): its
   /// window queries, the values where it weights by them, nothing at all where it reads nothing
@@ -168,11 +177,13 @@ struct session_stats {
   double recall = 0;      ///< recall: ranking, scoring, restoring rows (its archiving and removal included)
   double proxy = 0;  ///< proxy queries: decoding a known question aside and turning its queries (evict with a question)
   double reconstruct = 0;  ///< context reconstruction: the passes decoded aside and their scores (KVzip)
+  double gather = 0;       ///< moving cells together after an eviction (session_options::gather_cells)
   std::int64_t decodes = 0, decoded_tokens = 0, evictions = 0;
+  std::int64_t gathered = 0;  ///< cells moved by gather_cells
   std::int64_t observed = 0;  ///< decodes whose graph was split to copy rows out (the others ran unsplit)
   /// The session's own work outside llama_decode.
   double overhead() const {
-    return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive + proxy + reconstruct;
+    return append + h2o + score + seq_rm + seq_add + host_evict + rerotate + archive + proxy + reconstruct + gather;
   }
 };
 
