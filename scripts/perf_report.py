@@ -160,16 +160,18 @@ def overhead_table(files, how, md):
                      fmt(med([t["h2o"] for t in ts]), 2), fmt(med([t["score"] for t in ts]), 2),
                      fmt(med([t["score"] / max(1, t["evictions"]) * 1000 for t in ts]), 1),
                      fmt(med([t["seq_rm"] + t["seq_add"] for t in ts]), 3),
+                     fmt(med([t.get("gather", 0) / max(1, t["evictions"]) * 1000 for t in ts]), 1),
                      "(reference)" if name == "streaming_llm" else spread([x[2] for x in v]),
                      "-" if name == "streaming_llm" else spread([x[3] for x in v], 2),
                      "(reference)" if name == "streaming_llm" else spread([x[1] for x in v]),
                      fmt(med([x[4] for x in v]), 2)])
     md.append(table(["run", "decode s", "capture s", "observed decodes", "append + host evict + rerotate s", "h2o s",
-                     "score s", "score ms / eviction", "seq_rm+add s", "decode +% [range]", "own % [range]",
+                     "score s", "score ms / eviction", "seq_rm+add s", "gather ms / eviction", "decode +% [range]",
+                     "own % [range]",
                      "overhead % [range]", "session / KV"], rows))
 
 
-def observe_section(files, interleaved, placement, memory, keyruns, loops, apart, md):
+def observe_section(files, interleaved, gathered, placement, memory, keyruns, loops, apart, md):
     """The price of observing: each policy's overhead against streaming_llm's decode time in the
     same run, over several runs (median and range), and the session's bytes against the KV."""
     overhead_table(files, "the policies one after another, their order turned between runs", md)
@@ -188,6 +190,11 @@ def observe_section(files, interleaved, placement, memory, keyruns, loops, apart
         overhead_table(interleaved, "taking turns block by block", md)
     if placement:
         placement_table(placement, md)
+    if gathered:
+        md.append("\nTaking turns block by block again, with the cached cells moved together after each eviction "
+                  "(`infkv-stream --interleave --gather-cells`, `session_options::gather_cells`; streaming_llm's "
+                  "session observes nothing and moves nothing):\n")
+        overhead_table(gathered, "taking turns block by block, `--gather-cells`", md)
     keys = [d for d in keyruns if d]
     if keys:
         rows = []
@@ -710,10 +717,12 @@ def main():
                               parts=ds))
     interleaved = [load(os.path.join(engine, f"interleave_{i}.json")) for i in range(1, 10)
                    if os.path.exists(os.path.join(engine, f"interleave_{i}.json"))]
+    gathered = [load(os.path.join(engine, f"interleave_gather_{i}.json")) for i in range(1, 10)
+                if os.path.exists(os.path.join(engine, f"interleave_gather_{i}.json"))]
     placement = [load(os.path.join(engine, f"placement_{i}.json")) for i in range(1, 10)
                  if os.path.exists(os.path.join(engine, f"placement_{i}.json"))]
     if observed:
-        section("1. The price of observing", observe_section, observed, interleaved, placement, memory, keyruns, loops, apart, md)
+        section("1. The price of observing", observe_section, observed, interleaved, gathered, placement, memory, keyruns, loops, apart, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
