@@ -96,37 +96,58 @@ def median_interval(xs, level=0.95):
 
 
 def placement_table(files, md):
-    """llama_decode of a block into freed cells lying together against scattered ones
-    (infkv-engine-bench placement): per-round ratios of the two contexts taking turns."""
+    """llama_decode of a block into freed cells lying together (after the sinks, or aligned to the
+    block with none) against scattered ones (infkv-engine-bench placement): per-round ratios of
+    the contexts taking turns."""
     rows, pooled = [], {}
+
+    def diff(a, b):  # per-round % of a over b, its median and 95% interval
+        r = [(y / x - 1) * 100 for x, y in zip(b["seconds"], a["seconds"])]
+        lo, hi = median_interval(r)
+        return r, f"{fmt(med(r), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]"
+
+    kinds = ("contiguous", "aligned", "scattered")
     for i, d in enumerate(files, 1):
         arms = {(a["flash_attn"], a["freed"]): a for a in d["arms"]}
         for fa in sorted({a["flash_attn"] for a in d["arms"]}, reverse=True):
-            c, s = arms[(fa, "contiguous")], arms[(fa, "scattered")]
-            r = [(y / x - 1) * 100 for x, y in zip(c["seconds"], s["seconds"])]
-            pooled.setdefault(fa, []).extend(r)
-            lo, hi = median_interval(r)
-            rows.append([f"{i} (seed {d['seed']})", "on" if fa else "off", fmt(med(c["seconds"]), 3),
-                         fmt(med(s["seconds"]), 3), f"{min(c['cell_runs'])}-{max(c['cell_runs'])}",
-                         f"{min(s['cell_runs'])}-{max(s['cell_runs'])}", f"{fmt(med(r), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]"])
-    for fa, r in sorted(pooled.items(), reverse=True):
-        lo, hi = median_interval(r)
-        rows.append([f"all {len(files)}", "on" if fa else "off", "", "", "", "",
-                     f"**{fmt(med(r), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]**"])
+            c = arms[(fa, "contiguous")]
+            row = [f"{i} (seed {d['seed']})", "on" if fa else "off"]
+            row += [fmt(med(arms[(fa, k)]["seconds"]), 3) if (fa, k) in arms else "-" for k in kinds]
+            row.append(", ".join(f"{min(arms[(fa, k)]['cell_runs'])}-{max(arms[(fa, k)]['cell_runs'])}"
+                                 for k in kinds if (fa, k) in arms))
+            for k in ("scattered", "aligned"):
+                if (fa, k) in arms:
+                    r, text = diff(arms[(fa, k)], c)
+                    pooled.setdefault((fa, k), []).extend(r)
+                    row.append(text)
+                else:
+                    row.append("-")
+            rows.append(row)
+    for fa in sorted({k[0] for k in pooled}, reverse=True):
+        row = [f"all {len(files)}", "on" if fa else "off", "", "", "", ""]
+        for k in ("scattered", "aligned"):
+            if (fa, k) in pooled:
+                lo, hi = median_interval(pooled[(fa, k)])
+                row.append(f"**{fmt(med(pooled[(fa, k)]), 2)} [{fmt(lo, 2)}, {fmt(hi, 2)}]**")
+            else:
+                row.append("-")
+        rows.append(row)
     d0 = files[0]
-    md.append(f"\nWhere the freed cells lie, with no session at all (`infkv-engine-bench placement`): two contexts "
+    md.append(f"\nWhere the freed cells lie, with no session at all (`infkv-engine-bench placement`): contexts "
               f"of {d0['budget']} + {d0['block']} cells on the same tokens and positions, each evicting {d0['block']} "
-              f"tokens before every block (positions kept, no shift), the oldest after {d0['sinks']} sinks "
-              f"(`contiguous`, StreamingLLM's ring) or drawn uniformly between the sinks and the newest block "
-              f"(`scattered`); the contexts take turns block by block, {d0['rounds']} blocks each per run, "
-              f"{d0['threads']} thread(s); load average "
+              f"tokens before every block (positions kept, no shift): the oldest after {d0['sinks']} sinks "
+              f"(`contiguous`, StreamingLLM's ring, its runs 4 cells past llama.cpp's 64-cell key tiles), the "
+              f"oldest with no sinks (`aligned`: the runs start on a multiple of the block), or drawn uniformly "
+              f"between the sinks and the newest block (`scattered`); the contexts take turns block by block, "
+              f"{d0['rounds']} blocks each per run, {d0['threads']} thread(s); load average "
               f"{', '.join(fmt(d['load_average_start'], 2) for d in files)}{commits(*files)}:\n")
-    md.append(table(["run", "flash attention", "contiguous s / block", "scattered s / block",
-                     "cell runs per block, contiguous", "cell runs per block, scattered",
-                     "scattered - contiguous, % [95% interval of the median]"], rows))
+    md.append(table(["run", "flash attention", "contiguous s / block", "aligned s / block", "scattered s / block",
+                     "cell runs per block (contiguous, aligned, scattered)",
+                     "scattered - contiguous, % [95% interval]", "aligned - contiguous, % [95% interval]"], rows))
     md.append("\n`s / block`: the median llama_decode of one block; `cell runs`: the runs of consecutive cells the "
-              "block's K rows went to (read from the graph's SET_ROWS indices), over the rounds; the last column "
-              "the median of the per-round differences, with the order-statistic (sign test) 95% interval.\n")
+              "block's K rows went to (read from the graph's SET_ROWS indices), over the rounds; the last columns "
+              "the median of the per-round differences against `contiguous`, with the order-statistic (sign test) "
+              "95% interval of the median.\n")
 
 
 def overhead_table(files, how, md):

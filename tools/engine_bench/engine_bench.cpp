@@ -7,9 +7,10 @@
 //            (a context of N cells) or budgeted block-wise (llama_cpp::prefill, budget + block
 //            cells). Run each in its own process: the RSS peak is the process's.
 //   placement: what llama.cpp's decode of a block costs when the cells an eviction freed (and
-//            the block then fills) lie together, as StreamingLLM's ring leaves them, against
-//            scattered, as a scoring policy's leaves them; no infkv session, the same tokens and
-//            positions, contexts taking turns block by block.
+//            the block then fills) lie together, as StreamingLLM's ring leaves them (after its
+//            sinks, or with none: runs aligned to the block), against scattered, as a scoring
+//            policy's leaves them; no infkv session, the same tokens and positions, contexts
+//            taking turns block by block.
 // Writes a JSON record (--json) that scripts/perf_report.py turns into docs/performance.md.
 #include <algorithm>
 #include <chrono>
@@ -301,19 +302,21 @@ std::int64_t cell_runs(std::vector<std::int64_t> cells) {
 }
 
 /// One context of the placement run: a cache of budget + block cells, evicting `block` tokens
-/// before each block, the oldest after the sinks (contiguous) or drawn uniformly from those
-/// between the sinks and the newest block (scattered). Positions are kept (no shift), so the
-/// contexts differ only in where the freed cells lie.
+/// before each block, the oldest after `sinks` (contiguous; with no sinks the runs are aligned to
+/// the block) or drawn uniformly from those between the sinks and the newest block (scattered).
+/// Positions are kept (no shift), so the contexts differ only in where the freed cells lie.
 struct placement_arm {
   bool scattered, flash;
+  std::int64_t sinks;
   std::mt19937 rng;
   infkv::llama_cpp::graph_observer cells;  // asks for no node: records the cells the K rows go to
   stream::context_ptr ctx;
   std::vector<llama_pos> live;  // the cached positions, ascending
   std::vector<double> seconds;
   std::vector<std::int64_t> runs;
-  placement_arm(const llama_model* m, const options& o, bool scattered_, bool flash_, std::uint32_t seed)
-      : scattered(scattered_), flash(flash_), rng(seed), cells(llama_model_n_layer(m)) {
+  placement_arm(const llama_model* m, const options& o, bool scattered_, bool flash_, std::int64_t sinks_,
+                std::uint32_t seed)
+      : scattered(scattered_), flash(flash_), sinks(sinks_), rng(seed), cells(llama_model_n_layer(m)) {
     auto p = stream::context_params(std::uint32_t(o.s.budget + o.s.block), std::uint32_t(o.s.block), o.s.threads);
     p.flash_attn_type = flash ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cells.install(p);
@@ -333,7 +336,8 @@ struct placement_arm {
     for (std::size_t i = 0; i < toks.size(); ++i) live.push_back(at + llama_pos(i));
     return s;
   }
-  void evict(std::int64_t n, std::int64_t sinks) {
+  const char* freed() const { return scattered ? "scattered" : sinks > 0 ? "contiguous" : "aligned"; }
+  void evict(std::int64_t n) {
     std::vector<std::size_t> pick(static_cast<std::size_t>(n));
     if (!scattered) {
       std::iota(pick.begin(), pick.end(), std::size_t(sinks));
@@ -362,51 +366,49 @@ int run_placement(const options& o, const llama_model* m) {
         "sinks and the newest block, so it needs at least {}",
         o.s.budget, o.s.block, o.sinks, o.sinks + o.s.block);
   stream::check_cells(m, "--budget", o.s.budget, "a bounded cache",
-                      double(o.s.budget + o.s.block) * 2.0 * double(o.flash_attn.size()));
+                      double(o.s.budget + o.s.block) * 3.0 * double(o.flash_attn.size()));
   const std::int64_t fill = o.s.budget + o.s.block, need = fill + o.rounds * o.s.block;
   const auto toks = stream::tokenize_file(m, o.text, need);
   if (std::int64_t(toks.size()) < need)
     infkv_tools::fail("--rounds = {}: --text = {} has {} tokens, fewer than the {} a context decodes", o.rounds, o.text,
                       toks.size(), need);
-  std::vector<std::unique_ptr<placement_arm>> arms;
+  std::vector<std::unique_ptr<placement_arm>> arms;  // per flash attention setting: contiguous, aligned, scattered
   for (const auto& fa : o.flash_attn)
-    for (const bool scattered : {false, true})
-      arms.push_back(std::make_unique<placement_arm>(m, o, scattered, fa == "on", o.seed));
+    for (const auto& [scattered, sinks] : {std::pair{false, o.sinks}, {false, std::int64_t(0)}, {true, o.sinks}})
+      arms.push_back(std::make_unique<placement_arm>(m, o, scattered, fa == "on", sinks, o.seed));
   for (auto& a : arms)  // the cache filled: budget + block cells, in blocks
     for (std::int64_t at = 0; at < fill; at += o.s.block)
       a->feed(std::span(toks).subspan(std::size_t(at), std::size_t(std::min(o.s.block, fill - at))));
   for (std::int64_t r = 0; r < o.rounds; ++r)
     for (std::size_t i = 0; i < arms.size(); ++i) {  // the order turned every round
       auto& a = *arms[(i + std::size_t(r)) % arms.size()];
-      a.evict(o.s.block, o.sinks);
+      a.evict(o.s.block);
       a.seconds.push_back(a.feed(std::span(toks).subspan(std::size_t(fill + r * o.s.block), std::size_t(o.s.block))));
       a.runs.push_back(cell_runs(a.cells.layers().front().cells));
     }
   auto j = head(o, m, "placement");
   j["rounds"] = o.rounds, j["sinks"] = o.sinks, j["seed"] = o.seed;
   nlohmann::json out = nlohmann::json::array();
-  fmt::print("{:<12} {:<11} {:>12} {:>14} {:>22}\n", "flash attn", "freed cells", "median s", "cell runs",
-             "scattered / contiguous");
-  for (std::size_t i = 0; i < arms.size(); i += 2) {
-    std::vector<double> ratio;
-    for (std::int64_t r = 0; r < o.rounds; ++r)
-      ratio.push_back(arms[i + 1]->seconds[std::size_t(r)] / arms[i]->seconds[std::size_t(r)]);
-    for (std::size_t k = i; k < i + 2; ++k) {
+  fmt::print("{:<12} {:<11} {:>12} {:>14} {:>24}\n", "flash attn", "freed cells", "median s", "cell runs",
+             "against contiguous");
+  for (std::size_t i = 0; i < arms.size(); i += 3)
+    for (std::size_t k = i; k < i + 3; ++k) {
       const auto& a = *arms[k];
-      std::vector<double> s = a.seconds;
+      std::vector<double> s = a.seconds, ratio;
+      for (std::int64_t r = 0; r < o.rounds; ++r)
+        ratio.push_back(a.seconds[std::size_t(r)] / arms[i]->seconds[std::size_t(r)]);
       std::sort(s.begin(), s.end());
+      std::sort(ratio.begin(), ratio.end());
       const auto [lo, hi] = std::minmax_element(a.runs.begin(), a.runs.end());
-      std::vector<double> q = ratio;
-      std::sort(q.begin(), q.end());
-      fmt::print("{:<12} {:<11} {:12.4f} {:>14} {:>22}\n", a.flash ? "on" : "off",
-                 a.scattered ? "scattered" : "contiguous", s[s.size() / 2], fmt::format("{}-{}", *lo, *hi),
-                 a.scattered ? fmt::format("{:.4f} (median)", q[q.size() / 2]) : "");
+      fmt::print("{:<12} {:<11} {:12.4f} {:>14} {:>24}\n", a.flash ? "on" : "off", a.freed(), s[s.size() / 2],
+                 fmt::format("{}-{}", *lo, *hi),
+                 k == i ? "" : fmt::format("{:.4f} (median ratio)", ratio[ratio.size() / 2]));
       out.push_back({{"flash_attn", a.flash},
-                     {"freed", a.scattered ? "scattered" : "contiguous"},
+                     {"freed", a.freed()},
+                     {"sinks", a.sinks},
                      {"seconds", a.seconds},
                      {"cell_runs", a.runs}});
     }
-  }
   j["arms"] = out;
   write_json(o, j);
   return 0;
