@@ -13,7 +13,8 @@
 #   apart_{1,2,3}_POLICY.json  the same loop, one process per policy and run
 #   interleave_{1,2,3}.json  the price of observing with the policies taking turns block by block
 #                      (infkv-stream --interleave): streaming_llm, inf_mllm_bias, keydiff
-#   interleave_gather_{1,2,3}.json  the same with --gather-cells (the cells moved together after each eviction)
+#   interleave_gather_{1,2,3}.json  the same with --gather-cells (the cells moved together after each eviction);
+#                      interleave_plain_1.json the same without, on the same machine
 #   placement_{1,2}.json  a block's llama_decode into freed cells lying together (StreamingLLM's ring)
 #                      against scattered ones (a scoring policy's), no session, flash attention on
 #                      and off, contexts taking turns block by block; two seeds
@@ -83,6 +84,9 @@ interleave() {  # the price of observing again, the policies taking turns block 
   done
 }
 interleave_gather() {  # the same with the cells moved together after each eviction (--gather-cells; alone on the machine)
+  step interleave_plain_1 "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 1024 \
+    --block 128 --policy streaming_llm,inf_mllm_bias,keydiff --interleave --threads "$threads" --progress 50 \
+    --json "$out/interleave_plain_1.json.tmp"  # the baseline on the gathered runs' machine
   for i in 1 2 3; do
     step "interleave_gather_$i" "$bin/infkv-stream" --model "$model" --text "$text" --tokens "$tokens" --budget 1024 \
       --block 128 --policy streaming_llm,inf_mllm_bias,keydiff --interleave --gather-cells --threads "$threads" \
