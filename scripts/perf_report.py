@@ -192,7 +192,7 @@ def overhead_table(files, how, md):
                      "overhead % [range]", "session / KV"], rows))
 
 
-def observe_section(files, interleaved, gathered, placement, memory, keyruns, loops, apart, md):
+def observe_section(files, interleaved, plain, gathered, placement, memory, keyruns, loops, apart, md):
     """The price of observing: each policy's overhead against streaming_llm's decode time in the
     same run, over several runs (median and range), and the session's bytes against the KV."""
     overhead_table(files, "the policies one after another, their order turned between runs", md)
@@ -211,6 +211,10 @@ def observe_section(files, interleaved, gathered, placement, memory, keyruns, lo
         overhead_table(interleaved, "taking turns block by block", md)
     if placement:
         placement_table(placement, md)
+    if plain:
+        md.append("\nTaking turns block by block on the machine of the `--gather-cells` runs below, without it "
+                  "(one run, the baseline of that machine):\n")
+        overhead_table(plain, "taking turns block by block", md)
     if gathered:
         md.append("\nTaking turns block by block again, with the cached cells moved together after each eviction "
                   "(`infkv-stream --interleave --gather-cells`, `session_options::gather_cells`; streaming_llm's "
@@ -738,12 +742,14 @@ def main():
                               parts=ds))
     interleaved = [load(os.path.join(engine, f"interleave_{i}.json")) for i in range(1, 10)
                    if os.path.exists(os.path.join(engine, f"interleave_{i}.json"))]
+    plain = [load(os.path.join(engine, f"interleave_plain_{i}.json")) for i in range(1, 10)
+             if os.path.exists(os.path.join(engine, f"interleave_plain_{i}.json"))]
     gathered = [load(os.path.join(engine, f"interleave_gather_{i}.json")) for i in range(1, 10)
                 if os.path.exists(os.path.join(engine, f"interleave_gather_{i}.json"))]
     placement = [load(os.path.join(engine, f"placement_{i}.json")) for i in range(1, 10)
                  if os.path.exists(os.path.join(engine, f"placement_{i}.json"))]
     if observed:
-        section("1. The price of observing", observe_section, observed, interleaved, gathered, placement, memory, keyruns, loops, apart, md)
+        section("1. The price of observing", observe_section, observed, interleaved, plain, gathered, placement, memory, keyruns, loops, apart, md)
     if os.path.exists(os.path.join(engine, "stream.json")):
         stream = load(os.path.join(engine, "stream.json"))
         extra = [load(os.path.join(engine, "stream_768.json"))] if os.path.exists(os.path.join(engine, "stream_768.json")) else []
