@@ -18,6 +18,7 @@
 #   placement_{1,2}.json  a block's llama_decode into freed cells lying together (StreamingLLM's ring)
 #                      against scattered ones (a scoring policy's), no session, flash attention on
 #                      and off, contexts taking turns block by block; two seeds
+#   memory_gather_4k.json  the session's bytes with --gather-cells (its move buffer counted), 4000 tokens
 #   memory_2k.json     the session's bytes against the KV at 2K tokens, every window policy (at 30K:
 #                      observe_*.json; at 64K: prefill_budgeted_65536.json)
 #   decode.json        single-token decode speed, full cache after 2K..HISTORY (default 16384)
@@ -112,6 +113,8 @@ placement() {  # where the freed cells lie, the same decode otherwise (alone on 
 memory() {  # bytes only (timings beside other work are not read)
   step memory_2k "$bin/infkv-stream" --model "$model" --text "$text" --tokens 2048 --budget 1024 --block 128 \
     --policy inf_mllm_bias,snapkv,keydiff,tova,expected_attention --threads "$threads" --json "$out/memory_2k.json.tmp"
+  step memory_gather_4k "$bin/infkv-stream" --model "$model" --text "$text" --tokens 4000 --budget 1024 --block 128 \
+    --policy inf_mllm_bias,keydiff --gather-cells --threads "$threads" --json "$out/memory_gather_4k.json.tmp"
 }
 engine() {
   local hist=2048 list=

@@ -271,6 +271,8 @@ TEST_CASE("llama session: gather_cells puts the next decode into one run of cell
   }
   CHECK(gathered.stats().gathered > 0);
   CHECK(plain.stats().gathered == 0);
+  CHECK(gathered.memory().gather > 0);  // the moved cells' state, counted
+  CHECK(plain.memory().gather == 0);
   CHECK(llama_memory_seq_pos_max(llama_get_memory(c2.get()), 1) == -1);  // the scratch sequence is left empty
   // The policy scores the moved rows as it scored them where they were.
   const auto x = infkv::cpu::layer_scores(policy, gathered.inputs(1)),

@@ -203,6 +203,7 @@ class session {
     m.tokens = book_.bytes() + std::int64_t(cells_.capacity() * sizeof(std::int32_t));
     m.archive = archive_ ? archive_->bytes() : 0;
     for (const auto& r : recon_) m.scores += std::int64_t(r.data.capacity() * sizeof(float));
+    m.gather = std::int64_t(gather_buf_.capacity());
     return m;
   }
   /// Where the time went since bind (or the last reset_stats()).

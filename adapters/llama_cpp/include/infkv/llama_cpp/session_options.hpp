@@ -212,10 +212,11 @@ struct session_memory {
   std::int64_t tokens = 0;     ///< the position bookkeeping (and each cached token's cell, key_source::engine)
   std::int64_t archive = 0;    ///< the archive (session_options::archive), allocated at bind
   std::int64_t scores = 0;     ///< the last reconstruct()'s scores (a float per layer, KV head and slot)
+  std::int64_t gather = 0;     ///< gather_cells' buffer: the state of the most cells one eviction moved
   /// llama.cpp's K and V of the context's cells: n_ctx x layers x KV heads x head_dim in its K and V
   /// types (computed; 0 before the first decode shows the heads).
   std::int64_t kv = 0;
-  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens + archive + scores; }
+  std::int64_t total() const { return keys + values + queries + h2o + workspace + tokens + archive + scores + gather; }
 };
 
 /// What one recall did.
