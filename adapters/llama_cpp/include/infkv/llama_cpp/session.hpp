@@ -1107,10 +1107,9 @@ class session {
     const auto r = route();
     const auto cached = tokens();
     const auto pos = [&](std::int64_t s) { return llama_pos(cached[std::size_t(s)].pos); };
-    for (const std::int64_t s : movers) r.calls->seq_cp(r.mem, r.seq, r.scratch, pos(s), pos(s) + 1);
-    gather_buf_.resize(llama_state_seq_get_size(r.ctx, r.scratch));
-    const std::size_t got = r.calls->state_get(r.ctx, gather_buf_.data(), gather_buf_.size(), r.scratch);
-    r.clear_scratch();
+    std::vector<position_run> one;  // each mover's own position
+    for (const std::int64_t s : movers) one.push_back({pos(s), pos(s) + 1});
+    const std::size_t got = r.read_state(one, gather_buf_);
     if (got != gather_buf_.size())
       infkv::raise<engine_error>("infkv: gather_cells: llama_state_seq_get_data(seq = ", r.scratch, ") = ", got, " of ",
                                  gather_buf_.size(), " bytes: no cell was moved (the eviction is complete)");

@@ -45,6 +45,16 @@ struct cache_route {
   const memory_calls* calls = nullptr;
   llama_seq_id seq = 0, scratch = -1;
 
+  /// Shares `seq`'s cells in `runs` into the scratch sequence, reads their state into `buf` and
+  /// empties the scratch sequence again; the bytes llama.cpp wrote (buf.size() when all).
+  std::size_t read_state(std::span<const position_run> runs, std::vector<std::uint8_t>& buf) const {
+    for (const auto& run : runs) calls->seq_cp(mem, seq, scratch, llama_pos(run.begin), llama_pos(run.end));
+    buf.resize(llama_state_seq_get_size(ctx, scratch));
+    const std::size_t got = calls->state_get(ctx, buf.data(), buf.size(), scratch);
+    clear_scratch();
+    return got;
+  }
+
   /// Empties the scratch sequence; throws when the memory refuses.
   void clear_scratch() const {
     if (!calls->seq_rm(mem, scratch, -1, -1))
@@ -328,11 +338,7 @@ class archive_link {
 
   /// Reads llama.cpp's rows of the session's cells in `runs` into `buf` and parses them.
   kv_state read_cells(const cache_route& r, std::span<const position_run> runs, std::vector<std::uint8_t>& buf) {
-    for (const auto& run : runs) r.calls->seq_cp(r.mem, r.seq, r.scratch, llama_pos(run.begin), llama_pos(run.end));
-    const std::size_t n = llama_state_seq_get_size(r.ctx, r.scratch);
-    buf.resize(n);
-    const std::size_t got = r.calls->state_get(r.ctx, buf.data(), n, r.scratch);
-    r.clear_scratch();
+    const std::size_t got = r.read_state(runs, buf), n = buf.size();
     if (got != n)
       infkv::raise<engine_error>("infkv: llama_state_seq_get_data(seq = ", r.scratch, ") = ", got, " of ", n,
                                  " bytes: the cache's rows could not be read for the archive");
